@@ -1,0 +1,7 @@
+"""Allow `python -m varbench`."""
+
+import sys
+
+from varbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""varbench.estimators."""
