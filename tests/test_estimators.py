@@ -1,0 +1,183 @@
+"""Vectorised schemes vs the loop references; registry behaviour and boundary errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fixtures_estimators import random_case
+from reference_estimators import passk_bruteforce, ref_advantages
+
+import varbench.estimators as E
+
+OUTCOME = ["raw", "centered", "normalized", "rloo", "topk", "opo", "reinforce_pp_baseline"]
+
+
+def _opts_for(scheme, opts, variant):
+    if scheme not in ("otb", "otb_loo"):
+        return {}
+    if variant == "weights":
+        return {"token_weights": opts["token_weights"]}
+    if variant == "proxy_rho":
+        return {k: opts[k] for k in ("logprobs", "sum_pi_sq", "importance_weights")}
+    return {"token_weights": opts["token_weights"], "handle_zero_tail": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("scheme", OUTCOME + ["otb", "otb_loo"])
+@pytest.mark.parametrize("token_rewards", [False, True])
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_matches_loop_reference_float64(scheme, seed, token_rewards, multi_turn):
+    # Shapes vary with the seed; tolerance 1e-9 absolute on float64 (sums of <= 10 terms).
+    P, G, T = 2 + seed % 2, 1 + (seed * 3) % 5, 3 + seed
+    rewards, mask, opts = random_case(
+        P, G, T, seed, token_rewards=token_rewards, multi_turn=multi_turn, allow_empty=True
+    )
+    variant = ["weights", "proxy_rho", "no_tail"][seed % 3]
+    kw = _opts_for(scheme, opts, variant)
+    if scheme == "topk":
+        kw = {"k": 1 + seed % 3}
+    if scheme == "normalized" and seed % 2:
+        kw = {"unbiased_std": False, "eps": 1e-3}
+    got = E.advantages(scheme, rewards, mask, **kw)
+    want = ref_advantages(scheme, rewards, mask, **kw)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_passk_matches_loop_and_bruteforce(seed):
+    G = 2 + seed
+    rewards, mask, _ = random_case(5, G, 3, seed, binary=True)
+    for k in range(1, G + 1):
+        got = E.advantages("passk", rewards, mask, k=k)
+        torch.testing.assert_close(got, ref_advantages("passk", rewards, mask, k=k))
+        for p in range(5):
+            brute = passk_bruteforce(rewards[p].tolist(), k)
+            row = [got[p, i][mask[p, i]][0].item() for i in range(G)]
+            assert row == pytest.approx(brute, abs=1e-12)
+
+
+def test_otb_baseline_accessor_matches_advantages():
+    rewards, mask, opts = random_case(3, 4, 6, 0, multi_turn=True)
+    kw = {"token_weights": opts["token_weights"]}
+    B = E.otb_baseline(rewards, mask, **kw)
+    A = E.advantages("otb", rewards, mask, **kw)
+    torch.testing.assert_close(A, torch.where(mask, rewards.unsqueeze(-1) - B, 0))
+    Bl = E.otb_baseline(rewards, mask, leave_one_out=True, **kw)
+    Al = E.advantages("otb_loo", rewards, mask, **kw)
+    torch.testing.assert_close(Al, torch.where(mask, rewards.unsqueeze(-1) - Bl, 0))
+
+
+def test_compact_false_aligns_raw_positions():
+    rewards, mask, opts = random_case(2, 3, 6, 1, multi_turn=True)
+    kw = {"token_weights": opts["token_weights"], "compact": False}
+    torch.testing.assert_close(
+        E.advantages("otb", rewards, mask, **kw), ref_advantages("otb", rewards, mask, **kw)
+    )
+
+
+def test_float32_in_float32_out_and_int_rewards():
+    rewards, mask, _ = random_case(2, 3, 4, 0, dtype=torch.float32)
+    assert E.advantages("centered", rewards, mask).dtype == torch.float32
+    out = E.advantages("centered", torch.tensor([[1, 0, 0]]), torch.ones(1, 3, 2))
+    assert out.dtype == torch.float32
+    assert out[0, :, 0].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+
+
+# ---- registry ------------------------------------------------------------------------------
+
+
+def test_schemes_lists_builtins_in_order():
+    assert E.schemes()[:10] == OUTCOME + ["passk", "otb", "otb_loo"]
+
+
+def test_register_custom_scheme_and_duplicates():
+    def halved(rewards, mask, opts):
+        return E.outcome_rewards(rewards, mask).unsqueeze(-1).expand(mask.shape) * opts.extra[
+            "scale"
+        ]
+
+    E.register_scheme("test_scaled", extra_options=("scale",))(halved)
+    try:
+        assert "test_scaled" in E.schemes()
+        E.register_scheme("test_scaled", extra_options=("scale",))(halved)  # same fn: fine
+        out = E.advantages("test_scaled", torch.tensor([[2.0]]), torch.ones(1, 1, 2), scale=0.5)
+        assert out.tolist() == [[[1.0, 1.0]]]
+        with pytest.raises(ValueError, match="already registered"):
+            E.register_scheme("test_scaled")(lambda r, m, o: r)
+        with pytest.raises(TypeError, match="unknown option 'scal'.*'scale'"):
+            E.advantages("test_scaled", torch.tensor([[2.0]]), torch.ones(1, 1, 2), scal=1)
+    finally:
+        E.unregister_scheme("test_scaled")
+    assert "test_scaled" not in E.schemes()
+
+
+def test_unknown_scheme_lists_known():
+    with pytest.raises(ValueError, match=r"scheme='nope'.*'centered'"):
+        E.advantages("nope", torch.zeros(1, 2), torch.ones(1, 2, 3))
+
+
+def test_scheme_returning_wrong_shape_is_named():
+    E.register_scheme("test_bad_shape")(lambda r, m, o: r)
+    try:
+        with pytest.raises(ValueError, match="test_bad_shape"):
+            E.advantages("test_bad_shape", torch.zeros(1, 2), torch.ones(1, 2, 3))
+    finally:
+        E.unregister_scheme("test_bad_shape")
+
+
+# ---- boundary errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_rewards_name_the_group(bad):
+    rewards = torch.zeros(4, 3)
+    rewards[2, 1] = bad
+    with pytest.raises(ValueError, match=r"group\(s\) p=\[2\]"):
+        E.advantages("centered", rewards, torch.ones(4, 3, 5))
+
+
+def test_nonfinite_token_reward_under_mask_is_ignored_but_valid_one_is_not():
+    rewards = torch.zeros(2, 2, 3)
+    mask = torch.ones(2, 2, 3)
+    mask[1, 0, 2] = 0
+    rewards[1, 0, 2] = float("nan")
+    assert torch.isfinite(E.advantages("otb", rewards, mask, token_weights=mask)).all()
+    rewards[1, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"p=\[1\]"):
+        E.advantages("otb", rewards, mask, token_weights=mask)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "mask", "match"),
+    [
+        (torch.zeros(2, 3), torch.ones(2, 4, 5), r"rewards has shape \[2, 3\], expected \[2, 4\]"),
+        (torch.zeros(2, 4, 6), torch.ones(2, 4, 5), r"expected \[2, 4, 5\]"),
+        (torch.zeros(2, 4), torch.ones(2, 4), r"mask has shape \[2, 4\]"),
+        (torch.zeros(2, 4), torch.zeros(2, 4, 5), "no valid token"),
+        (torch.zeros(2, 4), torch.full((2, 4, 5), 0.5), "only 0 and 1"),
+    ],
+)
+def test_shape_and_mask_errors(rewards, mask, match):
+    with pytest.raises(ValueError, match=match):
+        E.advantages("centered", rewards, mask)
+
+
+def test_option_errors():
+    R, m = torch.zeros(2, 4), torch.ones(2, 4, 5)
+    with pytest.raises(ValueError, match="token_weights has shape"):
+        E.advantages("otb", R, m, token_weights=torch.ones(2, 4, 4))
+    with pytest.raises(ValueError, match="otb needs token_weights"):
+        E.advantages("otb", R, m)
+    with pytest.raises(ValueError, match="k=0"):
+        E.advantages("topk", R, m, k=0)
+    with pytest.raises(ValueError, match="k=5 is not valid for passk"):
+        E.advantages("passk", R, m, k=5)
+    with pytest.raises(ValueError, match="binary"):
+        E.advantages("passk", R + 0.5, m)
+    with pytest.raises(ValueError, match="eps=-1"):
+        E.advantages("normalized", R, m, eps=-1)
+    with pytest.raises(ValueError, match="importance_weights"):
+        E.advantages("otb", R, m, cumulative_weights=m, importance_weights=m)
+    with pytest.raises(TypeError, match="rewards must be a torch.Tensor"):
+        E.advantages("centered", [[0.0]], m)

@@ -1,0 +1,119 @@
+"""The clipped policy-gradient loss (SCIENCE.md 7) with token or GSPO sequence ratios.
+
+    r_{i,t} = exp(logp_{i,t} - logp_old_{i,t})                          ratio="token"  (PPO)
+    r_{i,t} = s_i = exp(sum_t m (logp - logp_old) / |o_i|)              ratio="sequence" (GSPO)
+    loss    = sum_{i,t} omega_{i,t} max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+
+The sequence ratio keeps its gradient through every token of response i (no stop-gradient), so
+the gradient of token t' of i involves all tokens of i: GSPO's sequence-level coupling.
+``token_coefficients`` in ``coefficients.py`` gives the exact per-token gradient weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from varbench._checks import check_choice
+from varbench.estimators.aggregation import aggregation_weights
+from varbench.estimators.kl import kl_penalty
+
+__all__ = ["RATIO_KINDS", "policy_loss"]
+
+RATIO_KINDS: tuple[str, ...] = ("token", "sequence")
+
+
+@dataclass
+class _Terms:
+    m: torch.Tensor  # bool [..., T]
+    omega: torch.Tensor  # [..., T]
+    log_ratio: torch.Tensor  # [..., T] token or broadcast sequence log-ratio, 0 under mask
+    ratio: torch.Tensor  # exp(log_ratio)
+    clipped: torch.Tensor  # clip(ratio, 1 - eps_low, 1 + eps_high)
+    adv: torch.Tensor  # detached advantages, 0 under mask
+    lo: float
+    hi: float
+
+
+def _check_clip(clip: tuple[float, float]) -> tuple[float, float]:
+    try:
+        lo, hi = (float(c) for c in clip)
+    except (TypeError, ValueError):
+        raise ValueError(f"clip={clip!r} is not valid; expected (eps_low, eps_high)") from None
+    if not (0 <= lo < 1 and hi >= 0):
+        raise ValueError(f"clip={clip!r} is not valid; expected 0 <= eps_low < 1, eps_high >= 0")
+    return lo, hi
+
+
+def _terms(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip: tuple[float, float],
+    ratio: str,
+    max_len: int | None,
+) -> _Terms:
+    """Shared by the loss and the coefficients so both read one formula."""
+    check_choice("ratio", ratio, RATIO_KINDS)
+    for name, x in (("logp_old", logp_old), ("adv", adv), ("mask", mask)):
+        if not isinstance(x, torch.Tensor) or x.shape != logp.shape:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} has shape {shape}, expected logp's {list(logp.shape)}")
+    lo, hi = _check_clip(clip)
+    m = mask != 0
+    omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype)
+    diff = torch.where(m, logp - logp_old.detach(), 0)
+    if ratio == "sequence":
+        length = m.sum(-1, keepdim=True).clamp(min=1).to(logp.dtype)
+        log_ratio = torch.where(m, (diff.sum(-1, keepdim=True) / length).expand_as(diff), 0)
+    else:
+        log_ratio = diff
+    r = torch.exp(log_ratio)
+    a = torch.where(m, adv.detach(), 0)
+    return _Terms(m, omega, log_ratio, r, r.clamp(1 - lo, 1 + hi), a, lo, hi)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    clip: tuple[float, float] = (0.2, 0.2),
+    ratio: str = "token",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss (scalar, to minimise) and detached metrics.
+
+    Shapes: ``logp`` (differentiable), ``logp_old``, ``adv``, ``mask`` all ``[P, G, T]`` (any
+    ``[..., T]`` works; sequences are the leading dims). ``mode``: an ``AGGREGATION_MODES``
+    entry; ``clip=(eps_low, eps_high)``; ``ratio``: ``"token"`` (PPO) or ``"sequence"`` (GSPO,
+    length-normalised sequence ratio). ``logp_old`` and ``adv`` are detached here.
+
+    Metrics (0-dim tensors, over valid tokens): ``clip_frac`` (fraction whose gradient the clip
+    removes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``approx_kl`` (k3 estimate of
+    KL(pi_old || pi) from the tokens sampled by pi_old).
+    Caveat: asymmetric clipping and ``ratio="sequence"`` make the per-token coefficient differ
+    between responses sharing a step (SCIENCE.md 4).
+    """
+    t = _terms(logp, logp_old, adv, mask, mode, clip, ratio, max_len)
+    unclipped = -t.adv * t.ratio
+    clipped = -t.adv * t.clipped
+    per_token = torch.maximum(unclipped, clipped)
+    loss = (t.omega * per_token).sum()
+    with torch.no_grad():
+        n = t.m.sum().clamp(min=1)
+        r = t.ratio.detach()
+        big = torch.finfo(r.dtype).max
+        metrics = {
+            "clip_frac": ((clipped > unclipped) & t.m).sum().to(r.dtype) / n,
+            "ratio_mean": torch.where(t.m, r, 0).sum() / n,
+            "ratio_min": torch.where(t.m, r, big).min(),
+            "ratio_max": torch.where(t.m, r, -big).max(),
+            "approx_kl": kl_penalty(logp_old.detach(), logp.detach(), "k3", mask=mask).sum() / n,
+        }
+    return loss, metrics

@@ -1,0 +1,213 @@
+"""Optimal Token Baseline (SCIENCE.md 2.2): ``otb``, ``otb_loo`` and the baseline accessor.
+
+    W_t^i = sum_{j<=t} w_j^i m_j^i          G_t^i = sum_{k>=t} r_k^i m_k^i
+    B_t   = sum_i G_t^i W_t^i m_t^i / (sum_i W_t^i m_t^i + baseline_eps)
+    A_t^i = (G_t^i - B_t) m_t^i
+
+Positions t are aligned across a group by *generated-token count* (``compact=True``): each
+response is conceptually compacted to its mask = 1 tokens, B is computed per compacted position,
+then read back at the original positions. Vectorised as a ``scatter_add`` of the per-token terms
+into ``[P, T + 1]`` buckets indexed by ``cumsum(mask) - 1`` (masked tokens go to a dump bucket T);
+when every mask is a prefix (single turn) the buckets are the positions themselves and a plain
+sum over the group is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from varbench.estimators.registry import (
+    SchemeOptions,
+    _build_options,
+    _check_rewards_mask,
+    _lookup,
+    register_scheme,
+    reward_to_go,
+)
+
+__all__ = ["otb_baseline", "proxy_from_logprobs", "cumulative_weights"]
+
+
+def proxy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
+    """Logit-Gradient Proxy from forward statistics: ``w = 1 - 2 exp(logprobs) + sum_pi_sq``.
+
+    Shapes: any, equal. Range [0, 2). Same quantity as ``varbench.grads.logit_proxy`` (which
+    starts from logits); this form needs only the stored log-prob and sum_pi_sq.
+    """
+    w = torch.exp(logprobs)
+    return torch.add(sum_pi_sq, w, alpha=-2, out=w).add_(1)  # in place: one allocation
+
+
+def cumulative_weights(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """``[P, G, T]`` W_t from the options: ``cumulative_weights`` as given, else the cumsum of
+    ``w * rho^2`` over valid tokens (w = ``token_weights`` or the proxy). 0 where mask is False.
+
+    ``mask``: bool ``[P, G, T]``; ``opts``: a :class:`SchemeOptions`.
+    """
+    return _cumulative(mask, mask.to(_weight_dtype(opts)), opts)
+
+
+def _weight_dtype(opts: SchemeOptions) -> torch.dtype:
+    for x in (opts.cumulative_weights, opts.token_weights, opts.logprobs):
+        if x is not None:
+            return x.dtype
+    return torch.get_default_dtype()
+
+
+def _masked_w(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Per-token ``w * rho^2`` with exact zeros where mask is False (w = weights or proxy)."""
+    if opts.token_weights is not None:
+        w = opts.token_weights
+    elif opts.logprobs is not None and opts.sum_pi_sq is not None:
+        w = proxy_from_logprobs(opts.logprobs, opts.sum_pi_sq)
+    else:
+        raise ValueError(
+            "otb needs token_weights=[P,G,T], or logprobs= and sum_pi_sq= (the proxy), "
+            "or cumulative_weights=[P,G,T]"
+        )
+    if opts.importance_weights is not None:
+        w = w * opts.importance_weights**2
+    # where (not a product) so that inf/NaN under mask 0 cannot leak into later sums.
+    return torch.where(mask, w, 0)
+
+
+def _cumulative(mask: torch.Tensor, mf: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    if opts.cumulative_weights is not None:
+        if opts.importance_weights is not None:
+            raise ValueError(
+                "importance_weights scale per-token w; pass token_weights (or logprobs and "
+                "sum_pi_sq) instead of cumulative_weights when using them"
+            )
+        return torch.where(mask, opts.cumulative_weights, 0)
+    # every value is finite after _masked_w, so a product with the 0/1 mask zeroes the sums
+    # carried past a response's end (or through its env tokens).
+    return _masked_w(mask, opts).cumsum_(-1).mul_(mf)
+
+
+def _is_prefix(mask: torch.Tensor) -> bool:
+    """True when every response's mask is a prefix (no 0 -> 1 step: no env-token holes)."""
+    if mask.shape[-1] < 2:
+        return True
+    u = mask.view(torch.uint8)  # uint8 compares/reductions are faster than bool ones on CPU
+    return not bool(torch.gt(u[..., 1:], u[..., :-1]).max())
+
+
+def _buckets(mask: torch.Tensor) -> torch.Tensor:
+    """``[P, G*T]`` compacted position of each token (the dump bucket T for masked ones)."""
+    P, G, T = mask.shape
+    pos = mask.cumsum(-1) - 1
+    return torch.where(mask, pos, T).reshape(P, G * T)
+
+
+def _group_sum(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """Sum ``[P, G, T]`` over the group per (compacted) position and read back: ``[P, G|1, T]``."""
+    P, G, T = x.shape
+    if idx is None:
+        # A batched matvec with ones reads x once, contiguously (faster than x.sum(1)).
+        return torch.bmm(x.new_ones(P, 1, G), x)
+    acc = x.new_zeros(P, T + 1).scatter_add_(1, idx, x.reshape(P, G * T))
+    return acc.gather(1, idx).reshape(P, G, T)
+
+
+def _aligned_outcome_baseline(
+    R: torch.Tensor, mask: torch.Tensor, mf: torch.Tensor, opts: SchemeOptions
+) -> torch.Tensor:
+    """B ``[P, 1, T]`` for outcome rewards and prefix masks, without a ``[P, G, T]`` cumsum.
+
+    ``sum_{i running at t} R_i W_t^i = cumsum_t(sum_i R_i w_t^i) - sum_{i: L_i <= t} R_i W^i_tot``
+    (responses that ended keep contributing their total to the un-masked cumsum), and likewise
+    for ``sum_i W_t^i`` and the running count; the corrections are scattered at each length L_i.
+    """
+    P, G, T = mask.shape
+    wm = _masked_w(mask, opts)  # [P, G, T]
+    ones = R.new_ones(P, G)
+    sums = torch.bmm(torch.stack([R, ones], dim=1), wm).cumsum_(-1)  # [P, 2, T]
+    lengths = mf.sum(-1)  # [P, G]
+    total = wm.sum(-1)  # [P, G]: W of each response at its last token
+    ended = torch.stack([R * total, total, ones], dim=1)  # [P, 3, G]
+    at = lengths.long().unsqueeze(1).expand(P, 3, G)
+    ended = R.new_zeros(P, 3, T + 1).scatter_add_(2, at, ended).cumsum_(-1)[..., :T]
+    num = sums[:, 0] - ended[:, 0]
+    den = sums[:, 1] - ended[:, 1]
+    B = num / (den + opts.baseline_eps)
+    if opts.handle_zero_tail:
+        B = torch.where(G - ended[:, 2] == 1, 0, B)  # G - (number ended) = number running
+    return B.unsqueeze(1)
+
+
+def _otb_parts(
+    rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions, leave_one_out: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G_t, B_t)``, each broadcastable to ``[P, G, T]``; values under mask False are junk."""
+    mf = mask.to(rewards.dtype)  # option tensors were cast to the rewards' dtype at the boundary
+    prefix = _is_prefix(mask)
+    idx = None if prefix or not opts.compact else _buckets(mask)  # None: positions aligned
+    direct = opts.cumulative_weights is not None
+    if rewards.dim() == 2 and prefix and not leave_one_out and not direct:
+        return rewards.unsqueeze(-1), _aligned_outcome_baseline(rewards, mask, mf, opts)
+    W = _cumulative(mask, mf, opts)
+    need_count = leave_one_out or opts.handle_zero_tail
+    cnt = _group_sum(mf, idx) if need_count else None
+    if rewards.dim() == 3:
+        Gt = reward_to_go(rewards, mask)
+    else:
+        Gt = torch.where(mask, rewards.unsqueeze(-1), 0)
+    GW = Gt * W
+    num, den = _group_sum(GW, idx), _group_sum(W, idx)
+    if leave_one_out:
+        num, den, cnt = num - GW, den - W, cnt - mf
+    if leave_one_out:
+        B = torch.where(cnt > 0, num / (den + opts.baseline_eps), 0)
+    else:
+        B = num / (den + opts.baseline_eps)
+        if opts.handle_zero_tail:
+            B = torch.where(cnt == 1, 0, B)
+    return Gt, B
+
+
+@register_scheme("otb", output_masked=True)
+def otb(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Optimal Token Baseline: ``A_t^i = (G_t^i - B_t) m_t^i`` (formula in the module docstring).
+
+    Options: ``token_weights`` (w_t), else ``logprobs`` + ``sum_pi_sq`` (proxy), or
+    ``cumulative_weights`` (W_t directly); ``importance_weights`` (w scaled by rho^2);
+    ``handle_zero_tail`` (True: B_t = 0 where a single response is still running);
+    ``compact`` (True: multi-turn alignment); ``baseline_eps`` (1e-8).
+    Caveat: the sample is inside its own baseline, an O(1/G) bias (use ``otb_loo``); W ignores
+    cross terms between tokens.
+    """
+    Gt, B = _otb_parts(rewards, mask, opts, leave_one_out=False)
+    return torch.where(mask, Gt - B, 0)
+
+
+@register_scheme("otb_loo", output_masked=True)
+def otb_loo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Leave-one-out OTB: B_t^{(-i)} from the other responses running at t; unbiased.
+
+    Same options as ``otb``. Where no other response is running B = 0 (A = G_t): this is the
+    tail handling by construction, so ``handle_zero_tail`` has no effect. G = 1 gives A = R.
+    Caveat: the leave-one-out sums are ``total - own term``; in float32, when one response's
+    W exceeds the others' by ~1e6 or more the remainder loses precision (use float64).
+    """
+    Gt, B = _otb_parts(rewards, mask, opts, leave_one_out=True)
+    return torch.where(mask, Gt - B, 0)
+
+
+def otb_baseline(
+    rewards: torch.Tensor, mask: torch.Tensor, *, leave_one_out: bool = False, **options: Any
+) -> torch.Tensor:
+    """The OTB baseline ``B[P, G, T]`` that ``otb`` (or ``otb_loo``) subtracts; 0 where mask is 0.
+
+    Takes the same options as ``advantages("otb", ...)``. Use it to compare baselines directly
+    (e.g. mean |B_proxy - B_exact| over valid tokens). For ``[P, G]`` rewards,
+    ``advantages("otb", ...) == where(mask, R - B, 0)``.
+    """
+    name = "otb_loo" if leave_one_out else "otb"
+    rewards, m = _check_rewards_mask(rewards, mask)
+    opts = _build_options(name, _lookup(name), options, rewards.dtype, m.shape)
+    _, B = _otb_parts(rewards, m, opts, leave_one_out=leave_one_out)
+    return torch.where(m, B.expand(m.shape), 0)
+
+

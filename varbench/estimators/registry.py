@@ -1,0 +1,256 @@
+"""The advantage-scheme registry and the one entry point ``advantages(scheme, rewards, mask)``.
+
+Every scheme has the same signature ``fn(rewards, mask, opts) -> Tensor[P, G, T]``:
+
+- ``rewards``: float ``[P, G]`` outcome rewards or ``[P, G, T]`` token rewards (as given);
+  use :func:`outcome_rewards` / :func:`reward_to_go` to read them in either shape;
+- ``mask``: bool ``[P, G, T]``, True where the token counts;
+- ``opts``: a :class:`SchemeOptions`, the keyword options of :func:`advantages`.
+
+Options policy: every scheme receives the full ``SchemeOptions`` and ignores fields it does not
+use (so a caller never branches on the scheme name); an option name that is neither a
+``SchemeOptions`` field nor declared by the scheme at registration (``extra_options``) raises
+TypeError listing the valid names. Boundary checks (shapes, NaN/inf rewards, empty masks)
+happen here once, so schemes are pure formulas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from varbench._checks import check_shape
+
+__all__ = [
+    "SchemeOptions",
+    "SchemeFn",
+    "advantages",
+    "register_scheme",
+    "unregister_scheme",
+    "schemes",
+    "scheme_info",
+    "outcome_rewards",
+    "reward_to_go",
+]
+
+
+@dataclass(frozen=True)
+class SchemeOptions:
+    """Keyword options shared by all schemes (each scheme reads only the fields it uses).
+
+    Tensor options are ``[P, G, T]`` and only read where ``mask`` is True.
+    """
+
+    eps: float = 1e-6
+    """normalized: added to the group std (A = (R - mu) / (sigma + eps))."""
+    unbiased_std: bool = True
+    """normalized: Bessel-corrected group std (False: the biased, divide-by-G std)."""
+    k: int = 1
+    """topk: keep the top k rewards (ties at the k-th kept); passk: the k of pass@k."""
+    token_weights: torch.Tensor | None = None
+    """otb/otb_loo: per-token weight w_t (exact ||g_t||^2 or the proxy)."""
+    logprobs: torch.Tensor | None = None
+    """otb/otb_loo: log pi_old(y_t); with ``sum_pi_sq`` gives the proxy when no token_weights."""
+    sum_pi_sq: torch.Tensor | None = None
+    """otb/otb_loo: sum_v pi_old(v)^2 at each position (for the proxy)."""
+    cumulative_weights: torch.Tensor | None = None
+    """otb/otb_loo: W_t passed directly (overrides token_weights; e.g. |o_i| gives OPO)."""
+    importance_weights: torch.Tensor | None = None
+    """otb/otb_loo: rollout importance ratio rho_t; w_t is scaled by rho_t^2."""
+    handle_zero_tail: bool = True
+    """otb: where one response alone is still running, use B_t = 0 (A = G_t) instead of 0."""
+    compact: bool = True
+    """otb/otb_loo: align responses by generated-token count (multi-turn), then scatter back."""
+    baseline_eps: float = 1e-8
+    """otb/otb_loo: added to sum_i W_t^i in the baseline's denominator."""
+    whiten_eps: float = 1e-8
+    """reinforce_pp_baseline: added to the batch variance before the square root."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Options a user scheme declared with ``register_scheme(name, extra_options=...)``."""
+
+
+SchemeFn = Callable[[torch.Tensor, torch.Tensor, SchemeOptions], torch.Tensor]
+_TENSOR_OPTIONS = (
+    "token_weights", "logprobs", "sum_pi_sq", "cumulative_weights", "importance_weights"
+)
+_OPTION_NAMES = tuple(f.name for f in fields(SchemeOptions) if f.name != "extra")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    fn: SchemeFn
+    extra_options: tuple[str, ...]
+    batch_coupled: bool  # True: the result of a group depends on other groups of the batch
+    output_masked: bool  # True: the scheme already returns exact zeros under mask 0
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_scheme(
+    name: str,
+    *,
+    extra_options: Iterable[str] = (),
+    batch_coupled: bool = False,
+    output_masked: bool = False,
+) -> Callable[[SchemeFn], SchemeFn]:
+    """Decorator registering ``fn(rewards, mask, opts) -> Tensor[P, G, T]`` under ``name``.
+
+    ``extra_options`` names keyword options beyond :class:`SchemeOptions` that the scheme reads
+    from ``opts.extra``. ``batch_coupled=True`` marks schemes whose groups interact (e.g. batch
+    whitening); adapters then refuse to split a batch by group size. ``output_masked=True``
+    promises finite values and exact zeros where mask is False, so :func:`advantages` skips its
+    final masking pass (a speed option; the default masks every output). Re-registering the same
+    function (same module and qualified name) replaces it; a different function raises.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"scheme name must be a non-empty string, got {name!r}")
+    extra = tuple(extra_options)
+    clash = [o for o in extra if o in _OPTION_NAMES]
+    if clash:
+        raise ValueError(f"extra_options {clash} clash with built-in options {list(_OPTION_NAMES)}")
+
+    def deco(fn: SchemeFn) -> SchemeFn:
+        old = _REGISTRY.get(name)
+        if old is not None and not _same_function(old.fn, fn):
+            raise ValueError(
+                f"scheme {name!r} is already registered to {old.fn.__module__}."
+                f"{old.fn.__qualname__}; unregister_scheme({name!r}) first or pick another name"
+            )
+        _REGISTRY[name] = _Entry(fn, extra, batch_coupled, output_masked)
+        return fn
+
+    return deco
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    if a is b:
+        return True
+    key = (getattr(a, "__module__", None), getattr(a, "__qualname__", None))
+    return key[1] is not None and "<locals>" not in key[1] and key == (
+        getattr(b, "__module__", None), getattr(b, "__qualname__", None)
+    )
+
+
+def unregister_scheme(name: str) -> None:
+    """Remove a registered scheme (KeyError-free: ValueError listing the known names)."""
+    _lookup(name)
+    del _REGISTRY[name]
+
+
+def schemes() -> list[str]:
+    """Names of the registered schemes, in registration order (built-ins first)."""
+    return list(_REGISTRY)
+
+
+def scheme_info(name: str) -> tuple[SchemeFn, tuple[str, ...], bool]:
+    """``(fn, extra_options, batch_coupled)`` of a registered scheme."""
+    e = _lookup(name)
+    return e.fn, e.extra_options, e.batch_coupled
+
+
+def _lookup(name: str) -> _Entry:
+    if name not in _REGISTRY:
+        raise ValueError(f"scheme={name!r} is not registered; choose one of {schemes()}")
+    return _REGISTRY[name]
+
+
+def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[P, G]`` return R_i: the outcome reward itself, or ``sum_t r_t m_t`` for token rewards."""
+    if rewards.dim() == 2:
+        return rewards
+    return torch.where(mask, rewards, 0).sum(-1)
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[P, G, T]`` G_t = sum_{k >= t} r_k m_k, 0 where mask is False (= R_i for outcomes)."""
+    if rewards.dim() == 2:
+        return torch.where(mask, rewards.unsqueeze(-1), 0)
+    r = torch.where(mask, rewards, 0)
+    togo = r.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(mask, togo, 0)
+
+
+def advantages(
+    scheme: str, rewards: torch.Tensor, mask: torch.Tensor, **options: Any
+) -> torch.Tensor:
+    """Per-token advantages ``A[P, G, T]`` of a registered scheme; exactly 0 where mask is 0.
+
+    ``rewards``: ``[P, G]`` outcome rewards or ``[P, G, T]`` token rewards (values under mask 0
+    are ignored); ``mask``: ``[P, G, T]`` of 0/1 (bool, int or float). Options: the fields of
+    :class:`SchemeOptions` (documented there) plus any the scheme declared. Output dtype is the
+    rewards' floating dtype (float32 for integer rewards); float64 in, float64 out.
+
+    Raises ValueError naming the argument for: unknown scheme/option, shape mismatches,
+    non-binary or all-zero masks, and NaN/inf rewards (naming the first bad group p).
+    """
+    entry = _lookup(scheme)
+    rewards, m = _check_rewards_mask(rewards, mask)
+    opts = _build_options(scheme, entry, options, rewards.dtype, m.shape)
+    out = entry.fn(rewards, m, opts)
+    check_shape(f"advantages returned by scheme {scheme!r}", out, list(m.shape))
+    return out if entry.output_masked else torch.where(m, out, 0)
+
+
+def _check_rewards_mask(rewards: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    check_shape("mask", mask, [None, None, None])
+    P, G, T = mask.shape
+    if rewards.dim() == 2:
+        check_shape("rewards", rewards, [P, G])
+    else:
+        check_shape("rewards", rewards, [P, G, T])
+    if mask.dtype == torch.bool:
+        m = mask
+        empty = not bool(m.view(torch.uint8).max())
+    else:
+        m = mask != 0
+        mf = m.to(mask.dtype)
+        # mask == (mask != 0) elementwise holds iff every value is 0 or 1 (NaN fails it too).
+        if not torch.equal(mask, mf):
+            raise ValueError("mask must contain only 0 and 1 (or be bool); got other values")
+        empty = not bool(mf.amax())
+    if empty:
+        raise ValueError(f"mask of shape {[P, G, T]} has no valid token (all zeros)")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    r = rewards if rewards.dim() == 2 else torch.where(m, rewards, 0)
+    finite = torch.isfinite(r)
+    if not bool(finite.all()):
+        bad = (~finite).reshape(P, -1).any(-1).nonzero()[:, 0].tolist()
+        raise ValueError(
+            f"rewards contain NaN or inf in group(s) p={bad[:10]} (first group {bad[0]}); "
+            "score every response with a finite reward"
+        )
+    return rewards, m
+
+
+def _build_options(
+    scheme: str, entry: _Entry, options: dict[str, Any], dtype: torch.dtype, shape: torch.Size
+) -> SchemeOptions:
+    known, extra = {}, {}
+    for key, value in options.items():
+        if key in _OPTION_NAMES:
+            known[key] = value
+        elif key in entry.extra_options:
+            extra[key] = value
+        else:
+            valid = sorted(_OPTION_NAMES + entry.extra_options)
+            raise TypeError(f"advantages({scheme!r}) got unknown option {key!r}; valid: {valid}")
+    for key in _TENSOR_OPTIONS:
+        if known.get(key) is not None:
+            check_shape(key, known[key], list(shape))
+            known[key] = known[key].to(dtype)
+    for key in ("eps", "baseline_eps", "whiten_eps"):
+        if key in known and not (isinstance(known[key], (int, float)) and known[key] >= 0):
+            raise ValueError(f"{key}={known[key]!r} is not valid; expected a float >= 0")
+    if "k" in known and (isinstance(known["k"], bool) or not isinstance(known["k"], int)
+                         or known["k"] < 1):
+        raise ValueError(f"k={known['k']!r} is not valid; expected an integer >= 1")
+    return SchemeOptions(**known, extra=extra)

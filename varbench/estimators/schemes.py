@@ -1,0 +1,159 @@
+"""Group-baseline advantage schemes (SCIENCE.md 2.1): raw, centered, normalized, rloo, topk,
+opo, reinforce_pp_baseline, passk. OTB lives in ``otb.py``.
+
+All of these read the return ``R_i`` (:func:`outcome_rewards`: the outcome reward, or the sum of
+token rewards) and broadcast a per-response advantage over the response's valid tokens.
+
+Precision: group means are taken of ``R - min_j R_j`` rather than ``R``. For the nearby rewards
+of a near-constant group the subtraction is exact (Sterbenz), so float32 keeps the full relative
+precision of the reward *differences* and an all-equal group gives exactly 0.
+
+Groups of size G = 1 (the verl convention where a formula is undefined): normalized and rloo
+have no baseline and return A = R; centered, topk and opo follow their formula and return 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from varbench.estimators.registry import SchemeOptions, outcome_rewards, register_scheme
+
+__all__ = ["group_centered"]
+
+
+def _broadcast(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # The registry's final torch.where zeroes masked positions; an expanded view avoids a copy.
+    return adv.unsqueeze(-1).expand(mask.shape)
+
+
+def group_centered(R: torch.Tensor) -> torch.Tensor:
+    """``[P, G] -> [P, G]`` ``R_i - mean_j R_j``, computed from ``R - min_j R_j`` (exact shift)."""
+    d = R - R.amin(dim=1, keepdim=True)
+    return d - d.mean(dim=1, keepdim=True)
+
+
+@register_scheme("raw")
+def raw(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """REINFORCE without baseline: ``A_{i,t} = R_i``. Unbiased; every all-agree group keeps R."""
+    return _broadcast(outcome_rewards(rewards, mask), mask)
+
+
+@register_scheme("centered")
+def centered(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Dr. GRPO: ``A_{i,t} = R_i - mean_j R_j``.
+
+    Caveat: the mean contains sample i, so ``E[g_hat] = (G-1)/G g*`` (a positive rescaling).
+    """
+    return _broadcast(group_centered(outcome_rewards(rewards, mask)), mask)
+
+
+@register_scheme("normalized")
+def normalized(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """GRPO: ``A_{i,t} = (R_i - mu) / (sigma + eps)``; sigma unbiased unless ``unbiased_std=False``.
+
+    Options: ``eps`` (1e-6), ``unbiased_std`` (True). G = 1 returns A = R (no std exists).
+    Bound (any reward scale, exact arithmetic): ``|A_i| <= (G-1)/sqrt(G)`` with the unbiased std,
+    ``|A_i| <= sqrt(G-1)`` with the biased one; a near-constant group (1.0 vs 1.00001) therefore
+    gets O(1) advantages, not ~0: normalisation amplifies tiny reward differences to full size.
+    Biased estimator of the policy gradient (1/sigma depends on the sample).
+    """
+    R = outcome_rewards(rewards, mask)
+    if R.shape[1] == 1:
+        return _broadcast(R, mask)
+    c = group_centered(R)
+    sigma = c.std(dim=1, keepdim=True, correction=1 if opts.unbiased_std else 0)
+    return _broadcast(c / (sigma + opts.eps), mask)
+
+
+@register_scheme("rloo")
+def rloo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Leave-one-out: ``A_i = R_i - mean_{j != i} R_j = G/(G-1) (R_i - mu)``. Unbiased.
+
+    G = 1 returns A = R (an empty leave-one-out mean: no baseline).
+    """
+    R = outcome_rewards(rewards, mask)
+    G = R.shape[1]
+    if G == 1:
+        return _broadcast(R, mask)
+    return _broadcast(group_centered(R) * (G / (G - 1)), mask)
+
+
+@register_scheme("topk")
+def topk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Centered advantage kept only where ``R_i >= `` the group's k-th largest reward, else 0.
+
+    Option ``k`` (1; k > G keeps everyone). Ties at the k-th reward are all kept, so the result
+    is permutation-equivariant. Caveat: this changes the objective (it is not an unbiased
+    gradient of expected reward); measure its bias.
+    """
+    R = outcome_rewards(rewards, mask)
+    k = min(opts.k, R.shape[1])
+    kth = R.topk(k, dim=1).values[:, k - 1 : k]
+    return _broadcast(torch.where(R >= kth, group_centered(R), 0), mask)
+
+
+@register_scheme("opo")
+def opo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Length-weighted optimal baseline: ``A_i = R_i - sum_j |o_j| R_j / sum_j |o_j|``.
+
+    ``|o_j|`` is the number of valid tokens of response j. Caveat: the baseline contains the
+    sample (O(1/G) bias, as for centered).
+    """
+    R = outcome_rewards(rewards, mask)
+    L = mask.sum(-1).to(R.dtype)  # [P, G]
+    d = R - R.amin(dim=1, keepdim=True)
+    b = (L * d).sum(1, keepdim=True) / L.sum(1, keepdim=True).clamp(min=1)
+    return _broadcast(d - b, mask)
+
+
+@register_scheme("reinforce_pp_baseline", batch_coupled=True)
+def reinforce_pp_baseline(
+    rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions
+) -> torch.Tensor:
+    """REINFORCE++-baseline: centered per group, then whitened over the batch's valid tokens.
+
+    ``c_{i,t} = R_i - mu_group``; ``A = (c - mean(c)) / sqrt(var(c) + whiten_eps)`` with the
+    token-weighted batch mean and Bessel-corrected variance (as verl's ``masked_whiten``).
+    Caveat: batch-coupled (a group's advantages depend on the other groups), and the batch
+    re-centring gives an all-agree group ``-mean(c)/std`` rather than 0 (0 when all responses
+    have equal length, since then mean(c) = 0).
+    """
+    c = group_centered(outcome_rewards(rewards, mask))  # [P, G]
+    L = mask.sum(-1).to(c.dtype)
+    n = L.sum()
+    mu = (c * L).sum() / n
+    var = (L * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
+    return _broadcast((c - mu) * torch.rsqrt(var + opts.whiten_eps), mask)
+
+
+def _binom_ratio(a: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """``C(a, k) / C(b, k)`` for integer tensors a <= b (0 when a < k), as a product of k terms."""
+    out = torch.ones_like(a, dtype=torch.float64)
+    for j in range(k):  # k terms, not a loop over groups or tokens
+        out = out * (a - j).clamp(min=0).double() / (b - j)
+    return out
+
+
+@register_scheme("passk")
+def passk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
+    """Analytic pass@k advantage for binary rewards (N = G samples, N- of them failed).
+
+    ``Rbar = 1 - C(N-, k)/C(N, k)``, ``sigma = sqrt(Rbar (1 - Rbar))``; correct responses get
+    ``(1 - Rbar)/sigma``, failed ones ``(1 - Rbar - C(N- - 1, k-1)/C(N-1, k-1))/sigma``: the mean
+    over the k-subsets containing the response of (subset max - Rbar)/sigma. All-agree groups
+    (sigma = 0) get 0. Option ``k`` (1; k = 1 equals normalized with the biased std, eps 0).
+    Raises ValueError for rewards outside {0, 1} or k > G.
+    """
+    R = outcome_rewards(rewards, mask)
+    N = R.shape[1]
+    if opts.k > N:
+        raise ValueError(f"k={opts.k} is not valid for passk with G={N}; expected 1 <= k <= G")
+    if not bool(((R == 0) | (R == 1)).all()):
+        raise ValueError("passk needs binary rewards in {0, 1}; got other values")
+    n_fail = (R == 0).sum(1, keepdim=True)  # [P, 1]
+    rbar = 1 - _binom_ratio(n_fail, N, opts.k)
+    sigma = torch.sqrt(rbar * (1 - rbar))
+    fail_hit = _binom_ratio(n_fail - 1, N - 1, opts.k - 1)
+    num = torch.where(R == 1, 1 - rbar, 1 - rbar - fail_hit)
+    adv = torch.where(sigma > 0, num / torch.where(sigma > 0, sigma, 1), 0)
+    return _broadcast(adv.to(R.dtype), mask)

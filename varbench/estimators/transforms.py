@@ -1,0 +1,61 @@
+"""Exchangeability-restoring transforms on per-sample weights within a group (SCIENCE.md 4).
+
+A weight ``v_i`` (e.g. a response's aggregation weight times its ratio) that differs between
+responses sharing a step keeps that step from cancelling. Both transforms return new weights,
+detached from the graph, computed over the group axis (dim 1) at each trailing index:
+
+- Min-Replace:    ``v~_i = min_j v_j`` (a group-constant weight; cancels when sum_i A_i = 0);
+- Adv-Orthogonal: ``v~ = v - (A.v / A.A) A`` (then ``sum_i A_i v~_i = 0`` for any A).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["min_replace", "adv_orthogonal"]
+
+
+def _valid(weights: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(weights, torch.Tensor) or weights.dim() < 2:
+        raise ValueError("weights must be a tensor [P, G, ...] (group axis 1)")
+    if mask is None:
+        return torch.ones_like(weights, dtype=torch.bool)
+    if mask.shape != weights.shape:
+        raise ValueError(f"mask has shape {list(mask.shape)}, expected {list(weights.shape)}")
+    return mask != 0
+
+
+@torch.no_grad()
+def min_replace(weights: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Min-Replace: every member gets the group's minimum weight (over members where mask is 1).
+
+    Shapes: ``weights [P, G]`` (per response) or ``[P, G, T]`` (per position, the min taken over
+    the responses valid at that position); ``mask`` optional, same shape. Returns the same shape,
+    detached, 0 where mask is 0 (and at positions with no valid member).
+    """
+    m = _valid(weights, mask)
+    big = torch.finfo(weights.dtype).max
+    vmin = torch.where(m, weights.detach(), big).amin(dim=1, keepdim=True)
+    return torch.where(m, vmin.expand_as(weights), 0)
+
+
+@torch.no_grad()
+def adv_orthogonal(
+    weights: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Adv-Orthogonal: ``v~ = v - (A.v / A.A) A`` per group, so ``sum_i A_i v~_i = 0``.
+
+    Shapes: ``weights`` and ``adv`` ``[P, G]`` or ``[P, G, T]`` (dot products over the group
+    axis at each trailing index); ``mask`` optional. Where ``A.A = 0`` the weights are returned
+    unchanged (nothing to remove). Caveat: v~ can be negative or zero; it is a diagnostic /
+    restoring weight, not a probability ratio. Detached; 0 where mask is 0.
+    """
+    m = _valid(weights, mask)
+    if adv.shape != weights.shape:
+        raise ValueError(f"adv has shape {list(adv.shape)}, expected {list(weights.shape)}")
+    v = torch.where(m, weights.detach(), 0)
+    a = torch.where(m, adv.detach(), 0)
+    aa = (a * a).sum(1, keepdim=True)
+    av = (a * v).sum(1, keepdim=True)
+    coef = torch.where(aa > 0, av / torch.where(aa > 0, aa, 1), 0)
+    return torch.where(m, v - coef * a, 0)
