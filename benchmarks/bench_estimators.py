@@ -7,8 +7,9 @@ Prints per scheme: vectorised time (best of --repeats: the machine is shared, th
 least disturbed measurement), loop-reference time, speed-up
 (target >= 50x) and time relative to ``centered`` (target: otb <= 3x). The loop reference is
 timed on ``--loop-groups`` groups and scaled linearly to all P groups (it is per-group work;
-the printout says so). Inputs: random prefix masks (lengths uniform in [1, T]), Gaussian outcome
-rewards, float32. ``otb``/``otb_loo`` get ``token_weights`` (w_t precomputed, as
+the printout says so). ``--threads`` sets torch's intra-op threads (the header prints the
+count and the load average). Inputs: random prefix masks (lengths uniform in [1, T]),
+Gaussian outcome rewards, float32. ``otb``/``otb_loo`` get ``token_weights`` (w_t precomputed, as
 ``varbench.grads.forward_stats(...).proxy`` provides it); the ``otb[proxy]`` row instead passes
 ``logprobs`` and ``sum_pi_sq`` so the proxy w = 1 - 2 exp(logprobs) + sum_pi_sq is computed inside.
 """
@@ -16,6 +17,7 @@ rewards, float32. ``otb``/``otb_loo`` get ``token_weights`` (w_t precomputed, as
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,13 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop-groups", type=int, default=8, help="groups timed in the loop ref")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--schemes", nargs="*", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for the vectorised side (default: torch's "
+                         "default). On an oversubscribed machine every multi-threaded op waits "
+                         "for a descheduled worker, so --threads 1 compares single core to "
+                         "single core (the loop reference is single-threaded Python)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     P, G, T = args.groups, args.G, args.T
     rewards, mask, otb_opts = make_inputs(P, G, T, seed=0)
     binary = (rewards > 0).float()
     rows_wanted = [(lab, sch) for lab, sch in variants() if not args.schemes or lab in args.schemes]
     print(f"P x G = {P} x {G} = {P * G} responses, T = {T}, float32, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     scale = P / args.loop_groups
     print(f"loop reference timed on {args.loop_groups} of {P} groups, scaled x{scale:g} "
           "(per-group work)")

@@ -181,3 +181,102 @@ def test_option_errors():
         E.advantages("otb", R, m, cumulative_weights=m, importance_weights=m)
     with pytest.raises(TypeError, match="rewards must be a torch.Tensor"):
         E.advantages("centered", [[0.0]], m)
+
+
+# ---- fast boundary checks (registry._binary_mask) and prefix detection -----------------------
+
+
+_BAD_MASK_VALUES = [0.5, 2.0, -1.0, 257.0, -255.0, 1e-30, 1.0 + 2**-23, 1.0 - 2**-24,
+                    float("nan"), float("inf"), -float("inf")]
+# (dtype, value) pairs where the value stays non-binary after rounding to the dtype
+_BAD_MASKS = [
+    (dt, v)
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    for v in _BAD_MASK_VALUES
+    if torch.tensor(v, dtype=dt).item() not in (0.0, 1.0)
+]
+
+
+@pytest.mark.parametrize(("dtype", "bad"), _BAD_MASKS)
+def test_float_mask_with_any_non_binary_value_is_rejected(dtype, bad):
+    mask = torch.ones(3, 4, 5, dtype=dtype)
+    mask[1, :, 3:] = 0
+    mask[2, 3, 4] = bad
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        E.advantages("centered", torch.zeros(3, 4), mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_integer_masks_accepted_and_non_binary_rejected(dtype):
+    rewards = torch.randn(2, 3, dtype=torch.float64)
+    mask = (torch.arange(4).expand(2, 3, 4) < torch.tensor([[1, 2, 4], [4, 3, 2]]).unsqueeze(-1))
+    want = E.advantages("centered", rewards, mask)
+    assert torch.equal(E.advantages("centered", rewards, mask.to(dtype)), want)
+    assert torch.equal(E.advantages("centered", rewards, mask.double()), want)
+    bad = mask.to(dtype).clone()
+    bad[1, 1, 0] = 2
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        E.advantages("centered", rewards, bad)
+    if dtype != torch.uint8:
+        bad[1, 1, 0] = -1
+        with pytest.raises(ValueError, match="only 0 and 1"):
+            E.advantages("centered", rewards, bad)
+
+
+def test_negative_zero_counts_as_zero_and_empty_masks_are_named():
+    rewards = torch.tensor([[1.0, 3.0]])
+    mask = torch.tensor([[[1.0, -0.0], [1.0, 1.0]]])
+    torch.testing.assert_close(E.advantages("centered", rewards, mask),
+                               torch.tensor([[[-1.0, 0.0], [1.0, 1.0]]]), rtol=0, atol=0)
+    for m in (torch.zeros(1, 2, 2), -torch.zeros(1, 2, 2), torch.zeros(1, 2, 2, dtype=torch.int64),
+              torch.zeros(1, 2, 2, dtype=torch.bool), torch.zeros(0, 2, 2)):
+        with pytest.raises(ValueError, match="no valid token"):
+            E.advantages("centered", torch.zeros(m.shape[0], 2), m)
+
+
+def test_nonfinite_masked_token_rewards_take_the_exact_path():
+    # The fast finiteness check (a finite total) fails here; the exact, mask-aware one passes.
+    rewards = torch.zeros(2, 2, 3)
+    mask = torch.ones(2, 2, 3)
+    mask[0, 1, 2] = 0
+    rewards[0, 1, 2] = float("inf")
+    assert torch.isfinite(E.advantages("centered", rewards, mask)).all()
+    huge = torch.full((2, 2), 3e38)  # finite values whose float32 total overflows to inf
+    assert torch.isfinite(E.advantages("centered", huge, torch.ones(2, 2, 3))).all()
+
+
+@pytest.mark.parametrize(
+    ("rows", "want"),
+    [
+        ([[1, 1, 1], [1, 0, 0], [0, 0, 0]], [3, 1, 0]),
+        ([[1, 0, 1], [1, 1, 0], [1, 1, 1]], None),  # a hole after the first 0
+        ([[0, 1, 1], [1, 1, 1], [1, 1, 1]], None),  # starts with 0 then valid tokens
+        ([[1, 1, 0], [0, 0, 0], [1, 1, 1]], [2, 0, 3]),
+    ],
+)
+def test_prefix_lengths_detects_holes(rows, want):
+    from varbench.estimators.otb import _prefix_lengths
+
+    mask = torch.tensor(rows, dtype=torch.bool).unsqueeze(0)
+    got = _prefix_lengths(mask)
+    if want is None:
+        assert got is None
+    else:
+        assert got.tolist() == [want]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_otb_aligned_fast_path_matches_generic_path(seed):
+    # Prefix masks + outcome rewards take the aligned paths; the same rewards given as token
+    # rewards on the last valid token take the generic [P, G, T] path. Lengths include 0 and T.
+    rewards, mask, opts = random_case(6, 5, 7, seed, allow_empty=True)
+    mask[1, 2] = True
+    tok = E.outcome_to_token_rewards(rewards, mask)
+    for scheme in ("otb", "otb_loo"):
+        for tail in (True, False):
+            kw = {"token_weights": opts["token_weights"], "handle_zero_tail": tail}
+            fast = E.advantages(scheme, rewards, mask, **kw)
+            slow = E.advantages(scheme, tok, mask, **kw)
+            torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+            ref = ref_advantages(scheme, rewards, mask, **kw)
+            torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-9)

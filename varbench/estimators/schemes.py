@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from varbench.estimators.registry import SchemeOptions, outcome_rewards, register_scheme
+from varbench.estimators.registry import (
+    SchemeOptions,
+    outcome_rewards,
+    register_scheme,
+    valid_lengths,
+)
 
 __all__ = ["group_centered"]
 
@@ -100,7 +105,7 @@ def opo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch
     sample (O(1/G) bias, as for centered).
     """
     R = outcome_rewards(rewards, mask)
-    L = mask.sum(-1).to(R.dtype)  # [P, G]
+    L = valid_lengths(mask).to(R.dtype)  # [P, G]
     d = R - R.amin(dim=1, keepdim=True)
     b = (L * d).sum(1, keepdim=True) / L.sum(1, keepdim=True).clamp(min=1)
     return _broadcast(d - b, mask)
@@ -119,7 +124,7 @@ def reinforce_pp_baseline(
     have equal length, since then mean(c) = 0).
     """
     c = group_centered(outcome_rewards(rewards, mask))  # [P, G]
-    L = mask.sum(-1).to(c.dtype)
+    L = valid_lengths(mask).to(c.dtype)
     n = L.sum()
     mu = (c * L).sum() / n
     var = (L * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
