@@ -1,0 +1,8 @@
+"""Slow references for every fast path (Python loops, one autograd call per token).
+
+The references live beside the tests of their area; this module is the one place to import
+them from.
+"""
+
+from reference_estimators import *  # noqa: F401,F403
+from reference_grads import *  # noqa: F401,F403
