@@ -1,0 +1,189 @@
+"""The training loop end to end on the tiny preset: learning, a flipped-sign control, determinism,
+resume equivalence, dynamic filtering, KL, transforms and the multi-turn task."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from varbench.estimators import advantages, register_scheme, unregister_scheme
+from varbench.train import loop as loop_mod
+from varbench.train.config import TrainConfig
+from varbench.train.loop import minibatch_loss, train
+from varbench.train.records import TIMING_FIELDS, read_records
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    """A private warm-start cache: the tiny sort warm start is built once per module (~5 s)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VARBENCH_CACHE", str(tmp_path_factory.mktemp("vbcache")))
+    # One thread: these models are tiny, and on a loaded 2-core machine two spinning OpenMP
+    # threads made a 6 s run take minutes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+LEARN = dict(steps=30, eval_every=30, lr=1e-3, G=8, prompts_per_step=8, eval_prompts=64,
+             eval_samples=4, seed=0)
+MARGIN = 0.15  # held-out sampled accuracy gain required; its SE is about 0.03 (256 samples)
+
+
+def _gain(df: pd.DataFrame) -> float:
+    ev = df.dropna(subset=["eval/acc_sampled"])
+    return float(ev["eval/acc_sampled"].iloc[-1] - ev["eval/acc_sampled"].iloc[0])
+
+
+def test_short_run_learns_and_a_flipped_sign_does_not():
+    res = train(TrainConfig(scheme="centered", **LEARN), progress=False)
+    gain = _gain(res.records)
+    assert gain >= MARGIN, f"held-out accuracy gain {gain:.3f} < {MARGIN}"
+
+    @register_scheme("test_flipped_centered")
+    def flipped(rewards, mask, opts):  # the same advantages with the wrong sign
+        return -advantages("centered", rewards, mask)
+
+    try:
+        bad = train(TrainConfig(scheme="test_flipped_centered", **LEARN), progress=False)
+    finally:
+        unregister_scheme("test_flipped_centered")
+    bad_gain = _gain(bad.records)
+    assert bad_gain < MARGIN, f"flipped sign still gained {bad_gain:.3f}: the margin is too weak"
+    assert bad_gain < 0  # it unlearns
+    assert res.records["eval/acc_sampled"].iloc[0] == bad.records["eval/acc_sampled"].iloc[0]
+
+
+SHORT = dict(policy="tiny", warm_start=False, reward="positional", steps=6, eval_every=3,
+             eval_prompts=8, eval_samples=2, G=4, prompts_per_step=4, lr=3e-3, epochs=2,
+             minibatches=2, seed=3)
+
+
+def _no_time(df: pd.DataFrame) -> pd.DataFrame:
+    return df.drop(columns=list(TIMING_FIELDS)).reset_index(drop=True)
+
+
+def test_same_seed_same_records_and_other_seed_differs(tmp_path):
+    a = train(TrainConfig(**SHORT), tmp_path / "a", progress=False).records
+    b = train(TrainConfig(**SHORT), tmp_path / "b", progress=False).records
+    pd.testing.assert_frame_equal(_no_time(a), _no_time(b))
+    pd.testing.assert_frame_equal(_no_time(read_records(tmp_path / "a" / "records.csv")),
+                                  _no_time(a), check_dtype=False)
+    assert (a["grad/norm"].iloc[1:] > 0).sum() >= 4  # updates happened (some steps all agree)
+    c = train(TrainConfig(**{**SHORT, "seed": 4}), progress=False).records
+    assert not _no_time(a).equals(_no_time(c))
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
+    cfg = TrainConfig(**{**SHORT, "checkpoint_every": 2})
+    full = train(cfg, tmp_path / "full", progress=False).records
+
+    real_sample = loop_mod.sample
+    calls = {"n": 0}
+
+    def dying_sample(*args, **kwargs):  # a kill during step 5 (checkpoint exists at step 4)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(loop_mod, "sample", dying_sample)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "cut", progress=False)
+    monkeypatch.setattr(loop_mod, "sample", real_sample)
+    kept = read_records(tmp_path / "cut" / "records.csv")
+    assert list(kept["step"]) == [0, 1, 2, 3, 4]  # every finished step survived the kill
+    resumed = train(cfg, tmp_path / "cut", resume=True, progress=False).records
+    pd.testing.assert_frame_equal(_no_time(full), _no_time(resumed), check_dtype=False)
+    on_disk = read_records(tmp_path / "cut" / "records.csv")
+    pd.testing.assert_frame_equal(_no_time(full), _no_time(on_disk), check_dtype=False)
+    with pytest.raises(ValueError, match=r"different config for \['lr'\]"):
+        train(cfg.replace(lr=1e-2), tmp_path / "cut", resume=True, progress=False)
+    # More steps is allowed (constant schedule): it continues where the run stopped.
+    longer = train(cfg.replace(steps=7), tmp_path / "cut", resume=True, progress=False).records
+    assert list(longer["step"]) == list(range(8))
+
+
+def test_dynamic_filter_kl_and_sequence_ratio():
+    cfg = TrainConfig(**{**SHORT, "reward": None, "dynamic_filter": True, "steps": 3,
+                         "kl_coef": 0.1, "kl_kind": "k2", "ratio": "sequence"})
+    df = train(cfg, progress=False).records.iloc[1:]
+    # random init never sorts: every exact-reward group agrees, so no group is used
+    assert (df["train/all_agree_frac"] == 1).all() and (df["train/groups_used"] == 0).all()
+    assert df["grad/norm"].isna().all()
+    cfg = cfg.replace(reward="positional", steps=4)
+    df = train(cfg, progress=False).records.iloc[1:]
+    used = df["train/groups_used"]
+    assert (used == (1 - df["train/all_agree_frac"]) * 4).all() and used.sum() > 0
+    assert df.loc[used == 0, "grad/norm"].isna().all()
+    df = train(cfg.replace(dynamic_filter=False), progress=False).records.iloc[1:]
+    assert (df["train/groups_used"] == 4).all()
+    assert df["policy/kl_ref"].iloc[0] == 0.0  # pi_old == ref before the first update
+    assert df["policy/kl_ref"].iloc[-1] > 0
+    assert df["loss/kl"].iloc[-1] > 0
+
+
+def test_transforms_restore_cancellation_in_the_gradient():
+    """Group of 3 responses of unequal length under seq-mean-token-mean (not exchangeable):
+    after adv_orthogonal, at every position shared by the whole group the coefficients sum to
+    0 (d loss / d logp summed over the group); min_replace gives one weight per position."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]], dtype=torch.bool)
+    rewards = torch.tensor([[1.0, 0.0, 0.0]])
+    adv = advantages("centered", rewards, mask).double()
+    logp_old = (-torch.rand(1, 3, 4, dtype=torch.float64)) * mask
+    for transform in ("none", "adv_orthogonal", "min_replace"):
+        cfg = TrainConfig(agg="seq-mean-token-mean", transform=transform)
+        logp = logp_old.clone().requires_grad_(True)
+        loss, _ = minibatch_loss(cfg, logp, logp_old, adv, mask, None)
+        (grad,) = torch.autograd.grad(loss, logp)
+        shared = grad[0, :, :2].sum(0)  # positions 0-1: all three responses valid
+        if transform == "adv_orthogonal":
+            assert torch.allclose(shared, torch.zeros(2, dtype=torch.float64), atol=1e-15)
+        elif transform == "min_replace":
+            # omega_i = 1/(B|o_i|) -> min over the group = 1/(3*4); grad = -A * 1/12
+            want = -adv[0] / 12 * mask[0]
+            assert torch.allclose(grad[0], want, atol=1e-15)
+        else:
+            assert shared.abs().max() > 1e-3  # unequal 1/|o_i| weights: no cancellation
+        # The value is the untransformed loss: at r = 1 it is -(1/B) sum_i A_i = 0 (centered A,
+        # computed in float32, hence the tolerance).
+        assert float(loss.detach()) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_multi_turn_counts_env_tokens_separately():
+    cfg = TrainConfig(task="toolsum", task_options={"k": 2}, policy="micro", warm_start=False,
+                      steps=2, eval_every=2, eval_prompts=4, eval_samples=1, G=2,
+                      prompts_per_step=2)
+    df = train(cfg, progress=False).records
+    last = df.iloc[-1]
+    assert last["tokens/sampled"] > 0
+    assert last["tokens/sampled"] == df["tokens/step_sampled"].iloc[1:].sum()
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="scheme='nope'.*centered"):
+        train(TrainConfig(scheme="nope"), progress=False)
+    with pytest.raises(ValueError, match="agg='mean'.*token-mean"):
+        train(TrainConfig(agg="mean"), progress=False)
+    with pytest.raises(ValueError, match="policy='/no/such'"):
+        train(TrainConfig(policy="/no/such"), progress=False)
+    with pytest.raises(ValueError, match="reward='bogus'"):
+        train(TrainConfig(reward="bogus"), progress=False)
+    with pytest.raises(ValueError, match="resume=True needs run_dir"):
+        train(TrainConfig(), resume=True, progress=False)
+
+
+def test_local_checkpoint_policy_and_toml_config(tmp_path):
+    from varbench.models import build_policy, save_policy
+
+    path = save_policy(build_policy("micro", seed=1), tmp_path / "ckpt")
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'policy = "{path}"\nreward = "positional"\nsteps = 2\neval_every = 2\n'
+                    "eval_prompts = 4\nG = 2\nprompts_per_step = 2\n")
+    res = train(TrainConfig.from_toml(toml), tmp_path / "run", progress=False)
+    assert res.policy.name == str(path) and len(res.records) == 3
+    assert res.records["tokens/sampled"].iloc[-1] == 2 * 2 * 2 * 3  # steps x P x G x n

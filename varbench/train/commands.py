@@ -1,0 +1,151 @@
+"""CLI subcommands ``varbench train`` and ``varbench validate`` (thin: parse, call, print).
+
+``varbench train`` takes every TrainConfig field as a flag (``--scheme otb -G 4``), optionally on
+top of a TOML file (``--config run.toml``; flags win), writes ``OUT/records.csv`` and
+checkpoints, and ``--resume`` continues an interrupted run in the same ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from varbench.train.config import TrainConfig, field_docs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_SHORT = {"G": "-G"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_kv(text: str, what: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE a TOML literal (``n=4``, ``eps=1e-4``, ``name="x"``)."""
+    if "=" not in text:
+        raise ValueError(f"{what} {text!r} is not valid; expected KEY=VALUE, e.g. n=4")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    return key.strip(), value
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (defaults None: only given flags override)."""
+    g = parser.add_argument_group("training settings (TrainConfig fields; see --config)")
+    docs = field_docs()
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name in ("task_options", "scheme_options"):
+            continue
+        names = [_flag(f.name)] + ([_SHORT[f.name]] if f.name in _SHORT else [])
+        kind = f.type
+        if kind == "bool":
+            g.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"{docs.get(f.name, '')} (default: "
+                           f"{getattr(defaults, f.name)})".replace("%", "%%"))
+        else:
+            conv = {"int": int, "float": float}.get(kind, str)
+            g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
+                           help=f"{docs.get(f.name, '')} (default: "
+                           f"{getattr(defaults, f.name)})".replace("%", "%%"))
+    g.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="task knob, e.g. --task-option n=4 (repeatable)")
+    g.add_argument("--scheme-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="scheme option, e.g. --scheme-option k=2 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from ``--config`` (or, on ``--resume``, the run's own config.json) overridden
+    by the flags given."""
+    saved = Path(args.out) / "config.json" if getattr(args, "out", None) else None
+    if getattr(args, "config", None):
+        base = TrainConfig.from_toml(args.config)
+    elif getattr(args, "resume", False) and saved is not None and saved.is_file():
+        # --resume without --config continues the run with the settings it was started with
+        base = TrainConfig.from_dict(json.loads(saved.read_text()), source=str(saved))
+    else:
+        base = TrainConfig()
+    data = base.to_dict()
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and f.name not in ("task_options", "scheme_options"):
+            data[f.name] = value
+    for item in args.task_option:
+        k, v = _parse_kv(item, "--task-option")
+        data["task_options"][k] = v
+    for item in args.scheme_option:
+        k, v = _parse_kv(item, "--scheme-option")
+        data["scheme_options"][k] = v
+    return TrainConfig.from_dict(data, source="command line")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from varbench.train.loop import train
+
+    config = config_from_args(args)
+    out = Path(args.out)
+    result = train(config, out, resume=args.resume)
+    df = result.records
+    ev = df.dropna(subset=["eval/acc_sampled"])
+    first, last = ev.iloc[0], ev.iloc[-1]
+    print(f"run: {out}  ({len(df) - 1} steps, stopped by {result.stopped})")
+    print(f"records: {out / 'records.csv'}")
+    print(f"sampled tokens: {int(df['tokens/sampled'].iloc[-1])}  "
+          f"env tokens: {int(df['tokens/env'].iloc[-1])}")
+    print(f"held-out accuracy (sampled): {first['eval/acc_sampled']:.3f} at step "
+          f"{int(first['step'])} -> {last['eval/acc_sampled']:.3f} at step {int(last['step'])}")
+    print(f"held-out accuracy (greedy):  {first['eval/acc_greedy']:.3f} -> "
+          f"{last['eval/acc_greedy']:.3f}")
+    surge = int(df["collapse/grad_surge"].fillna(0).sum())
+    entropy = int(df["collapse/entropy"].fillna(0).sum())
+    print(f"collapse flags: grad-norm surge at {surge} step(s), entropy collapse at {entropy}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    import torch
+
+    from varbench.train.validate import ValidateConfig, run_validation
+
+    if args.threads < 1:
+        raise ValueError(f"--threads={args.threads} is not valid; expected an integer >= 1")
+    torch.set_num_threads(args.threads)
+    cfg = ValidateConfig.from_args(args)
+    summary = run_validation(cfg, Path(args.out), progress=None)
+    print(summary)
+    print(f"report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``train`` and ``validate`` to the ``varbench`` CLI."""
+    p = subparsers.add_parser(
+        "train", help="train a policy with a GRPO/PPO loop and record every step",
+        description="Train a policy (SCIENCE.md section 7). Flags override --config.",
+    )
+    p.add_argument("--config", metavar="TOML", help="TrainConfig as TOML (field = value)")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory (records, ckpts)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out")
+    add_config_flags(p)
+    p.set_defaults(func=_cmd_train)
+
+    v = subparsers.add_parser(
+        "validate", help="train schemes x G x seeds and test the OTB claims on held-out accuracy",
+        description="The validation experiment (issue 6): schemes x G x seeds to a fixed "
+        "sampled-token budget from one warm start; tables + summary in --out.",
+    )
+    from varbench.train.validate import add_validate_flags
+
+    add_validate_flags(v)
+    v.set_defaults(func=_cmd_validate)

@@ -1,0 +1,285 @@
+"""TrainConfig: every knob of the GRPO/PPO loop (SCIENCE.md section 7), frozen, loadable from TOML.
+
+A config is data: ``TrainConfig.from_toml(path)`` reads a flat table whose keys are the field
+names below (``task_options`` and ``scheme_options`` are sub-tables); unknown keys, wrong types
+and invalid choices raise ValueError/TypeError naming the file, the key and the valid choices.
+Scheme and aggregation-mode names are validated against the estimator registry when a run
+starts (``varbench.train.loop.train``), so user-registered schemes are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+RATIO_KINDS = ("token", "sequence")
+KL_KINDS = ("k1", "k2", "k3")
+TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Defaults train the ``tiny`` preset on ``sort`` with 3 numbers."""
+
+    # --- what is trained on what ---
+    task: str = "sort"
+    """Registered task name (``varbench tasks`` lists them)."""
+    task_options: Mapping[str, Any] = field(default_factory=dict)
+    """Task knobs (e.g. ``n`` for sort); empty: the task's defaults (sort: n = 3)."""
+    reward: str | None = None
+    """Reward the policy is trained on (None: the task's exact-match reward). Held-out accuracy
+    is always the exact-match reward, so a proxy reward can be checked against it."""
+    policy: str = "tiny"
+    """Model preset name ('tiny', 'small') or a local checkpoint directory."""
+    warm_start: bool = True
+    """For a preset: start from the cached supervised warm start on this task (else random init).
+    Ignored for a checkpoint directory, which is used as is."""
+    warm_start_seed: int = 0
+    """Seed of the warm start (shared by every run that should start from the same policy)."""
+
+    # --- estimator ---
+    scheme: str = "centered"
+    """Registered advantage scheme (``varbench.schemes()``)."""
+    scheme_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword options of the scheme (e.g. ``k`` for topk, ``eps`` for normalized)."""
+    agg: str = "token-mean"
+    """Loss aggregation mode (SCIENCE.md section 3)."""
+    transform: str = "none"
+    """Exchangeability transform of the per-sample weights: none, min_replace, adv_orthogonal."""
+    dynamic_filter: bool = False
+    """Drop groups whose rewards all agree before the update (DAPO's dynamic sampling, without
+    resampling: the step trains on the remaining groups; a step with none left is skipped)."""
+
+    # --- sampling ---
+    G: int = 8
+    """Group size: responses sampled per prompt."""
+    prompts_per_step: int = 8
+    """Training prompts per step (P); a step samples P * G responses."""
+    temperature: float = 1.0
+    """Sampling temperature (1: the policy gradient's on-policy assumption)."""
+
+    # --- optimisation ---
+    steps: int = 100
+    """Maximum number of training steps."""
+    token_budget: int = 0
+    """Stop once cumulative sampled (policy-generated) tokens reach this (0: no budget)."""
+    epochs: int = 1
+    """Inner epochs over the same sampled responses (PPO); logp_old is fixed per step."""
+    minibatches: int = 1
+    """Minibatches per epoch; the unit is a whole group, so it must be <= prompts_per_step."""
+    clip_low: float = 0.2
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped."""
+    clip_high: float = 0.2
+    """Upper clip epsilon: ratios above 1 + clip_high are clipped (DAPO: clip_high > clip_low)."""
+    ratio: str = "token"
+    """Importance ratio: 'token' (PPO) or 'sequence' (GSPO, length-normalised)."""
+    kl_coef: float = 0.0
+    """beta of the KL penalty to the frozen initial policy (0: no reference model)."""
+    kl_kind: str = "k3"
+    """KL estimator: k1 (log r), k2 (0.5 log^2 r) or k3 (exp(-x) + x - 1)."""
+    lr: float = 3e-4
+    """Adam learning rate (peak of the schedule)."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after warmup: constant, linear (to 0) or cosine (to 0)."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to ``lr``."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping; the norm is still recorded)."""
+
+    # --- evaluation, records, checkpoints ---
+    eval_every: int = 10
+    """Held-out evaluation every n steps (and at step 0, the starting policy)."""
+    eval_prompts: int = 64
+    """Number of fixed held-out prompts."""
+    eval_samples: int = 4
+    """Sampled responses per held-out prompt for the sampled accuracy (greedy uses one)."""
+    eval_seed: int = 0
+    """Seed of the held-out prompt set and of evaluation sampling. Independent of ``seed`` so
+    that runs with different training seeds are judged on the same prompts and random stream."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every n steps (0: never)."""
+    keep_checkpoints: int = 2
+    """How many most recent checkpoints to keep."""
+
+    # --- collapse detection ---
+    surge_factor: float = 5.0
+    """Flag a gradient-norm surge when the norm exceeds this multiple of the running median."""
+    surge_window: int = 20
+    """Number of previous steps in the running median of the gradient norm."""
+    entropy_floor: float = 0.1
+    """Flag entropy collapse when the mean token entropy falls below this fraction of its
+    value at the first step."""
+
+    seed: int = 0
+    """One seed for everything (prompt order, sampling, minibatch order, evaluation)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 (default) or float64."""
+    device: str = "cpu"
+    """torch device string."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field."""
+        out = dataclasses.asdict(self)
+        out["task_options"] = dict(self.task_options)
+        out["scheme_options"] = dict(self.scheme_options)
+        return out
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): the identity of a run's configuration."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
+        """Build from a mapping of field names; ``source`` names the origin in error messages."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{source}: expected a table of settings, got {type(data).__name__}")
+        names = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in names:
+                raise ValueError(
+                    f"{source}: unknown key {key!r}; valid keys are {sorted(names)}"
+                )
+            kwargs[key] = _coerce(source, key, value, names[key])
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{source}: {err}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path, *, section: str | None = None) -> TrainConfig:
+        """Load from a TOML file (optionally from one ``[section]`` of it)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
+        if section is not None:
+            if section not in data:
+                raise ValueError(
+                    f"{path}: no section [{section}]; sections present: {sorted(data)}"
+                )
+            data = data[section]
+            source = f"{path} [{section}]"
+        else:
+            source = str(path)
+        return cls.from_dict(data, source=source)
+
+
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field's docstring (the CLI's help text), read from this module's source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    docs = {}
+    for node, nxt in zip(cls.body, cls.body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
+    """Check a TOML value against the field's declared type (ints accepted for floats)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    where = f"{source}: key {key!r}"
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} must be true or false, got {value!r}")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} must be an integer, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} must be a number, got {value!r}")
+        value = float(value)
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a string, got {value!r}")
+    elif kind == "str | None":
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{where} must be a string, got {value!r}")
+    elif kind.startswith("Mapping"):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where} must be a table, e.g. [{key}], got {value!r}")
+        value = dict(value)
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _validate(c: TrainConfig) -> None:
+    for name in ("G", "prompts_per_step", "steps", "epochs", "minibatches", "eval_every",
+                 "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} is not valid; expected an integer >= 1")
+    for name in ("token_budget", "checkpoint_every", "warmup_steps", "seed", "warm_start_seed",
+                 "eval_seed"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}={v!r} is not valid; expected an integer >= 0")
+    if c.minibatches > c.prompts_per_step:
+        raise ValueError(
+            f"minibatches={c.minibatches} is not valid; a minibatch holds whole groups, so it "
+            f"must be <= prompts_per_step={c.prompts_per_step}"
+        )
+    for name in ("clip_low", "clip_high", "kl_coef", "weight_decay", "grad_clip"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
+            raise ValueError(f"{name}={v!r} is not valid; expected a number >= 0")
+    if c.clip_low >= 1:
+        raise ValueError(f"clip_low={c.clip_low!r} is not valid; expected 0 <= clip_low < 1")
+    for name in ("lr", "temperature", "adam_eps", "surge_factor"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ValueError(f"{name}={v!r} is not valid; expected a number > 0")
+    for name in ("adam_beta1", "adam_beta2", "entropy_floor"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"{name}={v!r} is not valid; expected 0 <= {name} < 1")
+    _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
+    _choice("ratio", c.ratio, RATIO_KINDS)
+    _choice("kl_kind", c.kl_kind, KL_KINDS)
+    _choice("transform", c.transform, TRANSFORMS)
+    _choice("dtype", c.dtype, DTYPES)
+    for name in ("task", "policy", "scheme", "agg", "device"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            raise TypeError(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
+    for name in ("task_options", "scheme_options"):
+        if not isinstance(getattr(c, name), Mapping):
+            raise TypeError(f"{name} must be a mapping, got {getattr(c, name)!r}")

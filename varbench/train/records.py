@@ -1,0 +1,131 @@
+"""Per-step training records, appended to a CSV as each step finishes.
+
+Each row is flushed and fsynced when written, so an interrupted run keeps every finished step.
+A resumed run first truncates the file to the checkpoint's step (rows written after the last
+checkpoint are recomputed, identically, by the resumed run). Keys are namespaced like cleanrl's
+(``train/...``, ``eval/...``); a value that was not measured at a step is empty (NaN).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import pandas as pd
+
+# The fixed column set, in file order. Row 0 is the starting policy (evaluation only).
+FIELDS: tuple[str, ...] = (
+    "step",
+    "tokens/sampled",  # cumulative policy-generated tokens (mask == 1) over training samples
+    "tokens/env",  # cumulative environment (tool output) tokens: context, never loss
+    "tokens/step_sampled",
+    "train/reward_mean",  # the training reward on this step's samples
+    "train/reward_std",
+    "train/exact_mean",  # exact-match accuracy of this step's samples (== reward for exact)
+    "train/all_agree_frac",  # fraction of groups whose rewards are all equal
+    "train/groups_used",  # groups that reached the update (after dynamic filtering)
+    "train/response_len",  # mean policy tokens per response
+    "eval/acc_sampled",  # held-out exact-match accuracy, temperature-1 samples
+    "eval/acc_greedy",  # held-out exact-match accuracy, greedy decoding
+    "eval/reward_sampled",  # held-out mean of the training reward (reward-hacking probe)
+    "loss/policy",
+    "loss/kl",
+    "loss/total",
+    "grad/norm",  # global gradient norm before clipping, mean over the step's updates
+    "grad/norm_max",
+    "policy/entropy",  # mean per-token entropy of the sampling policy on this step's samples
+    "policy/kl_ref",  # mean k3 KL(pi_old || ref) per token on this step's samples
+    "ppo/clip_frac",
+    "ppo/approx_kl",
+    "adv/mean",  # over valid tokens
+    "adv/std",
+    "adv/abs_mean",
+    "adv/nonzero_frac",  # fraction of responses with a non-zero Delta somewhere
+    "lr",
+    "collapse/grad_surge",  # 1 when grad/norm > surge_factor x running median
+    "collapse/entropy",  # 1 when entropy < entropy_floor x its first-step value
+    "time/sample_s",
+    "time/score_s",
+    "time/adv_s",
+    "time/update_s",
+    "time/eval_s",
+    "time/step_s",
+    "time/wall_s",  # cumulative wall time of the run (resumed runs continue the count)
+)
+
+# Columns that depend on the machine's clock, excluded when comparing two runs' records.
+TIMING_FIELDS: tuple[str, ...] = tuple(f for f in FIELDS if f.startswith("time/"))
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return repr(value)  # round-trips exactly
+    return str(value)
+
+
+class RecordWriter:
+    """Append-only CSV writer of per-step records (one row per call to :meth:`write`)."""
+
+    def __init__(self, path: str | Path, *, resume_step: int | None = None) -> None:
+        """Open ``path``; with ``resume_step`` keep only rows with ``step <= resume_step``.
+
+        Without ``resume_step`` an existing file is replaced (a fresh run).
+        """
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in _read_rows(self.path) if int(r["step"]) <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            with open(tmp, "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=FIELDS)
+                w.writeheader()
+                w.writerows(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        else:
+            with open(self.path, "w", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=FIELDS).writeheader()
+
+    def write(self, row: Mapping[str, object]) -> None:
+        """Append one row; unknown keys raise ValueError naming them and the valid keys."""
+        unknown = set(row) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"record keys {sorted(unknown)} are not valid; valid: {list(FIELDS)}")
+        with open(self.path, "a", newline="") as fh:
+            fh.write(",".join(_csv_cell(_fmt(row.get(k))) for k in FIELDS) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _csv_cell(text: str) -> str:
+    return f'"{text}"' if ("," in text or '"' in text) else text
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    text = path.read_text()
+    # A row cut off by a kill mid-write lacks its newline: drop it, keep every finished row.
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    rows = list(csv.DictReader(io.StringIO(text)))
+    return [r for r in rows if r.get(FIELDS[-1]) is not None and r.get("step")]
+
+
+def read_records(path: str | Path) -> pd.DataFrame:
+    """Load a records CSV as a DataFrame (floats; empty cells NaN; ``step`` int)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"records file {str(path)!r} does not exist")
+    rows = _read_rows(path)
+    df = pd.DataFrame(rows, columns=list(FIELDS))
+    df = df.replace("", float("nan")).astype(float)
+    df["step"] = df["step"].astype(int)
+    return df

@@ -1,0 +1,102 @@
+"""What the training loop needs around it: config checks against the registries, the task and
+policy a config names, scoring, held-out evaluation, and the KL term's aggregation.
+
+Kept out of ``loop.py`` so that the loop reads top to bottom as the algorithm.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from varbench._checks import check_choice
+from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
+from varbench.models import Policy, load_policy, presets
+from varbench.models import build_policy as build_preset
+from varbench.rollout import RolloutBatch, sample
+from varbench.tasks import Prompt, Task, get_task
+from varbench.train.config import TrainConfig
+
+EXACT = "exact"  # the exact-match reward every task defines (held-out accuracy)
+
+
+def check_config(config: TrainConfig) -> None:
+    """Validate the names a config takes from registries (scheme, aggregation mode, task)."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    check_choice("scheme", config.scheme, schemes())
+    check_choice("agg", config.agg, AGGREGATION_MODES)
+
+
+def build_task(config: TrainConfig) -> tuple[Task, str]:
+    """The task of ``config`` and its training reward name (validated)."""
+    task = get_task(config.task, **dict(config.task_options))
+    reward = task.check_reward(config.reward)
+    if EXACT not in task.rewards:
+        raise ValueError(
+            f"task {config.task!r} has no {EXACT!r} reward (its rewards: {list(task.rewards)}); "
+            "held-out accuracy needs an exact-match reward"
+        )
+    return task, reward
+
+
+def build_policy(config: TrainConfig, task: Task) -> Policy:
+    """The policy ``config.policy`` names: a preset (warm-started on ``task`` unless
+    ``warm_start`` is false) or a local checkpoint directory."""
+    if config.policy in presets():
+        if config.warm_start:
+            from varbench.train.warmstart import warm_start
+
+            return warm_start(config.policy, task, seed=config.warm_start_seed,
+                              progress=sys.stderr.isatty())
+        return build_preset(config.policy, seed=config.seed)
+    if Path(config.policy).is_dir():
+        return load_policy(config.policy)
+    raise ValueError(
+        f"policy={config.policy!r} is neither a preset {presets()} nor a checkpoint directory"
+    )
+
+
+def score(task: Task, batch: RolloutBatch, prompts: list[Prompt], reward: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([P, G] training reward, [P, G] exact match)`` of the batch's decoded responses, on the
+    batch's device."""
+    P, G = batch.P, batch.G
+    r = torch.zeros(P, G)
+    e = torch.zeros(P, G)
+    for p in range(P):
+        for i in range(G):
+            text = batch.texts[p][i]
+            e[p, i] = task.score(prompts[p], text, EXACT)
+            r[p, i] = e[p, i] if reward == EXACT else task.score(prompts[p], text, reward)
+    dev = batch.mask.device
+    return r.to(dev), e.to(dev)
+
+
+def evaluate(policy: Policy, task: Task, prompts: list[Prompt], reward: str,
+             config: TrainConfig, seed: int) -> dict[str, float]:
+    """Held-out exact-match accuracy (sampled and greedy) and the sampled training reward.
+
+    The sampled accuracy averages ``config.eval_samples`` temperature-1 responses per prompt,
+    drawn with the fixed ``seed`` so that every evaluation of a run (and every run) sees the
+    same random stream: differences between steps and schemes are paired.
+    """
+    was_training = policy.model.training
+    policy.model.eval()
+    with torch.no_grad():
+        sampled = sample(policy, task, prompts, config.eval_samples, seed=seed,
+                         temperature=config.temperature)
+        r, e = score(task, sampled, prompts, reward)
+        greedy = sample(policy, task, prompts, 1, seed=seed, greedy=True)
+        _, g = score(task, greedy, prompts, reward)
+    policy.model.train(was_training)
+    return {"eval/acc_sampled": float(e.mean()), "eval/acc_greedy": float(g.mean()),
+            "eval/reward_sampled": float(r.mean())}
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """``sum omega * per_token`` with the aggregation mode's weights (scalar)."""
+    omega = aggregation_weights(mask, mode, dtype=per_token.dtype)
+    return (omega * per_token).sum()
