@@ -1,1 +1,39 @@
-"""varbench.grads."""
+"""varbench.grads: the gradient harness (SCIENCE.md sections 2.3, 5 and 6).
+
+Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / prefix norms
+(``exact`` with the ghost-norm engine in ``ghost``), per-sequence gradients and the seeded JL
+sketch (``sequence``), tail-exact norms from one backward (``tail``), forward-mode sketched
+norms (``sketch``), group-gradient estimates (``group``), parameter filters and groups
+(``params``), float64-throughout models (``precision``).
+"""
+
+from varbench.grads.exact import TokenGradNorms, token_grad_norms
+from varbench.grads.group import combine, group_gradients, token_sketches
+from varbench.grads.params import default_group, select_params
+from varbench.grads.precision import exact_float64
+from varbench.grads.sequence import Sketch, sequence_grads
+from varbench.grads.sketch import SketchedNorms, sketched_token_norms
+from varbench.grads.stats import ForwardStats, forward_stats, logit_proxy, sum_pi_sq, token_logprobs
+from varbench.grads.tail import default_tail_modules, tail_token_norms
+
+__all__ = [
+    "ForwardStats",
+    "Sketch",
+    "SketchedNorms",
+    "TokenGradNorms",
+    "combine",
+    "default_group",
+    "default_tail_modules",
+    "exact_float64",
+    "forward_stats",
+    "group_gradients",
+    "logit_proxy",
+    "select_params",
+    "sequence_grads",
+    "sketched_token_norms",
+    "sum_pi_sq",
+    "tail_token_norms",
+    "token_grad_norms",
+    "token_logprobs",
+    "token_sketches",
+]

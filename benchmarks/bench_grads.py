@@ -1,0 +1,241 @@
+"""Benchmark of the gradient harness on the `small` preset (issue 4), side by side.
+
+Run: .venv/bin/python benchmarks/bench_grads.py [--T 32 128 512] [--full] [--threads 1]
+
+Contenders, each in its own subprocess (peak memory = the subprocess's peak RSS from
+getrusage, which sees tensor memory; the 'delta' column subtracts the RSS after the model
+and inputs are built):
+  (a) forward            (b) forward + backward      (c) forward_stats (proxy, W, entropy)
+  (d) token_grad_norms   (e) brute-force loop: one autograd.grad per token (retained graph),
+  running prefix vector  (f) torch.func.jacrev of the per-token log-probs, then cumsum.
+Batch: 4 sequences, prompt 8 tokens, response T tokens. Times are wall seconds (and process
+CPU seconds: the machine may be shared). Where a contender would take too long by default it
+runs on a subset and is extrapolated, and the printout says so; --full runs everything whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+B, LP = 4, 8
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from varbench.grads import forward_stats, token_grad_norms, token_logprobs
+    from varbench.models import build_policy
+    from varbench.models.forward import forward_logits
+
+    model = build_policy("small").model
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 30, (B, LP + T), generator=g)
+    rm = torch.zeros(B, LP + T)
+    rm[:, LP:] = 1
+    am = torch.ones_like(ids)
+    plist = [p for p in model.parameters() if p.requires_grad]
+    note = ""
+    scale = 1.0
+    jac_chunk = None
+    jac_rows = T
+    nb = B  # sequences actually run
+
+    def fwd():
+        with torch.no_grad():
+            forward_logits(model, ids, am)
+
+    def fwd_bwd():
+        lp = token_logprobs(forward_logits(model, ids, am).logits, ids)
+        torch.autograd.grad((lp * rm).sum(), plist)
+
+    def stats():
+        forward_stats(model, ids, rm, am)
+
+    def ours():
+        token_grad_norms(model, ids[:nb], rm[:nb], am[:nb], chunk_size=chunk, progress=False)
+
+    def brute(n_tok: int | None):
+        for b in range(nb):
+            lp = token_logprobs(
+                forward_logits(model, ids[b : b + 1], am[b : b + 1]).logits, ids[b : b + 1]
+            )[0]
+            running = torch.zeros(sum(p.numel() for p in plist))
+            cols = list(range(LP, LP + T))
+            if n_tok is not None:
+                cols = cols[:: max(1, T // n_tok)][:n_tok]
+            for t in cols:
+                gr = torch.cat(
+                    [x.reshape(-1) for x in torch.autograd.grad(lp[t], plist, retain_graph=True)]
+                )
+                _ = gr.dot(gr)
+                running += gr
+                _ = running.dot(running)
+
+    def jac():
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+        def f(p):
+            out = torch.func.functional_call(
+                model,
+                p,
+                (),
+                dict(
+                    input_ids=ids[:nb],
+                    attention_mask=am[:nb],
+                    position_ids=(am[:nb].cumsum(-1) - 1).clamp(min=0),
+                    use_cache=False,
+                ),
+            )
+            return token_logprobs(out.logits, ids[:nb])[:, LP + T - jac_rows :]  # [nb, rows]
+
+        J = torch.func.jacrev(f, chunk_size=jac_chunk)(params)
+        flat = torch.cat([J[n].reshape(nb, jac_rows, -1) for n in names], -1)  # [nb, rows, P]
+        flat.pow(2).sum(-1)
+        flat.cumsum(1).pow(2).sum(-1)
+
+    fns = {"a": fwd, "b": fwd_bwd, "c": stats}
+    if name in fns:
+        fns[name]()  # warm-up
+        base = _rss_mb()
+        best = float("inf"), float("inf")
+        for _ in range(10):  # cheap contenders: best of 10 (the machine may be shared)
+            w0, c0 = time.perf_counter(), time.process_time()
+            fns[name]()
+            best = min(best, (time.perf_counter() - w0, time.process_time() - c0))
+        wall, cpu = best
+    else:
+        # small warm-up on a short input so one-time costs are not timed
+        base = _rss_mb()
+        if name == "d":
+            if T >= 512 and not full:
+                nb, scale, note = 1, B, "1 of 4 sequences, x4"
+            fn = ours
+        elif name == "e":
+            n_tok = None if full else min(T, 16 if T <= 32 else 8)
+            if n_tok is not None and n_tok < T:
+                nb, scale = 1, B * T / n_tok
+                note = f"{n_tok} of {T} tokens of 1 sequence, x{B * T // n_tok}"
+            fn = lambda: brute(n_tok)  # noqa: E731
+        else:
+            if T >= 512 and not full:
+                # the whole T x P Jacobian of one sequence peaks near 19 GB here: take the
+                # last 128 tokens' rows only (full-length forward); time x4 x4, memory is a
+                # lower bound for the real anchor
+                nb, scale, jac_chunk, jac_rows = 1, B * T / 128, 32, 128
+                note = "128 of 512 tokens of 1 sequence, x16; chunk_size=32 (memory: lower bound)"
+            elif T >= 128 and not full:
+                # unchunked jacrev over 4 x T rows needs tens of GB here: run 1 sequence with
+                # 32 cotangents per vmap; its T x P output alone is T * P * 4 bytes
+                nb, scale, jac_chunk = 1, B, 32
+                note = "1 of 4 sequences, x4; jacrev chunk_size=32 (memory: of 1 sequence)"
+            fn = jac
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall, cpu = (time.perf_counter() - w0) * scale, (time.process_time() - c0) * scale
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dict(name=name, T=T, wall=wall, cpu=cpu, peak_mb=peak, delta_mb=peak - base, note=note)
+
+
+def _summary(T: int, res: dict) -> None:
+    """Print the issue's target ratios, by wall time and by process CPU time."""
+
+    def ratio(x: str, y: str, key: str, scale: float = 1.0) -> float:
+        return res[x][key] / (scale * res[y][key])
+
+    def both(x: str, y: str, scale: float = 1.0) -> str:
+        return f"wall {ratio(x, y, 'wall', scale):.3f}, cpu {ratio(x, y, 'cpu', scale):.3f}"
+
+    if {"a", "c"} <= res.keys():
+        print(f"T={T:4d} (c)/(a) = {both('c', 'a')}  (target <= 1.05)")
+    others = [k for k in "ef" if k in res]
+    if "d" in res and others:
+        for key in ("wall", "cpu"):
+            best = min(res[k][key] for k in others)
+            print(f"T={T:4d} min((e),(f))/(d) by {key} = {best / res['d'][key]:.2f}x (target >= 2)")
+    if {"d", "f"} <= res.keys():
+        d = res["d"]["delta_mb"] / res["f"]["delta_mb"]
+        pk = res["d"]["peak_mb"] / res["f"]["peak_mb"]
+        print(f"T={T:4d} memory (d)/(f): delta {d:.3f}, peak {pk:.3f}  (target <= 0.25 at T=512)")
+    if {"d", "b"} <= res.keys():
+        print(f"T={T:4d} (d)/(T x (b)) = {both('d', 'b', T)}  (target <= 0.75)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--T", type=int, nargs="+", default=[32, 128, 512])
+    ap.add_argument("--full", action="store_true", help="no subsets or extrapolation (slow)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
+    ap.add_argument("--chunk", type=int, default=16, help="token_grad_norms chunk_size")
+    ap.add_argument("--only", default="abcdef", help="contenders to run, e.g. 'abd'")
+    ap.add_argument("--worker", nargs=2, metavar=("NAME", "T"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(
+            json.dumps(
+                worker(args.worker[0], int(args.worker[1]), args.full, args.threads, args.chunk)
+            )
+        )
+        return 0
+    env = dict(os.environ, TQDM_DISABLE="1")
+    print(
+        f"bench_grads: small preset, B={B}, prompt={LP}, threads={args.threads}, "
+        f"chunk={args.chunk}; peak = subprocess peak RSS (getrusage), "
+        "delta = peak - RSS after setup"
+    )
+    labels = dict(
+        a="(a) forward",
+        b="(b) fwd+bwd",
+        c="(c) forward_stats",
+        d="(d) token_grad_norms",
+        e="(e) brute loop",
+        f="(f) jacrev+cumsum",
+    )
+    for T in args.T:
+        res = {}
+        for name in args.only:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                name,
+                str(T),
+                "--threads",
+                str(args.threads),
+                "--chunk",
+                str(args.chunk),
+            ] + (["--full"] if args.full else [])
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if p.returncode != 0:
+                print(f"T={T} {labels[name]}: FAILED rc={p.returncode}: {p.stderr.strip()[-300:]}")
+                continue
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            res[name] = r
+            print(
+                f"T={T:4d} {labels[name]:22s} wall {r['wall']:9.3f}s  cpu {r['cpu']:9.3f}s  "
+                f"peak {r['peak_mb']:8.0f}MB  delta {r['delta_mb']:8.0f}MB  {r['note']}",
+                flush=True,
+            )
+        _summary(T, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""Exact per-token / prefix norms against the one-backward-per-token brute force (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fixtures_grads import batch, tiny_llama, trained_llama
+from reference_grads import brute_token_grads, norms_from_grads
+
+from varbench.grads.exact import token_grad_norms
+from varbench.grads.params import select_params
+from varbench.grads.precision import exact_float64
+
+RTOL = 1e-8  # float64 throughout (exact_float64): observed agreement ~1e-14
+STOCK_RTOL = 1e-4  # stock float64 vs float64-throughout truth (observed up to 4e-6)
+
+
+def _check(model, padding, groups=False, chunk_size=4):
+    ids, rm, am = batch(padding)
+    got = token_grad_norms(model, ids, rm, am, groups=groups, chunk_size=chunk_size, progress=False)
+    g, names, sizes = brute_token_grads(model, ids, rm, am)
+    tok, pre, diag = norms_from_grads(g, rm)
+    return got, (tok, pre, diag), (g, names, sizes), rm
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_exact_norms_match_brute_force(tied, padding, trained):
+    base = trained_llama(tied=tied) if trained else tiny_llama(tied=tied)
+    model = exact_float64(base)
+    got, (tok, pre, diag), _, rm = _check(model, padding)
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.diag_prefix_sq, diag, rtol=RTOL, atol=0)
+    assert torch.all(got.token_sq[rm == 0] == 0) and torch.all(got.prefix_sq[rm == 0] == 0)
+    assert torch.all(got.token_sq[rm == 1] > 0)
+    # cross terms matter: prefix and diagonal prefix differ somewhere
+    assert not torch.allclose(got.prefix_sq, got.diag_prefix_sq)
+
+
+def test_group_breakdown_matches_brute_force():
+    model = exact_float64(tiny_llama(tied=False))
+    got, (tok, pre, _), (g, names, sizes), rm = _check(model, "left", groups=True)
+    assert got.group_names == [
+        "embed",
+        "block0.attn",
+        "block0.mlp",
+        "block1.attn",
+        "block1.mlp",
+        "norm",
+        "head",
+    ]
+    gt = torch.split(g, sizes, dim=-1)
+    sel = dict(select_params(model))
+    from varbench.grads.params import group_index
+
+    gnames, idx = group_index(model, list(sel), True)
+    for k in range(len(gnames)):
+        part = torch.cat([gt[i] for i in range(len(names)) if idx[i] == k], dim=-1)
+        t, p, d = norms_from_grads(part, rm)
+        torch.testing.assert_close(got.group_token_sq[..., k], t, rtol=RTOL, atol=1e-300)
+        torch.testing.assert_close(got.group_prefix_sq[..., k], p, rtol=RTOL, atol=1e-300)
+        torch.testing.assert_close(got.group_diag_prefix_sq[..., k], d, rtol=RTOL, atol=1e-300)
+    torch.testing.assert_close(got.group_token_sq.sum(-1), tok, rtol=RTOL, atol=0)
+    # sequence norm = last prefix norm; the breakdown of a prefix norm adds up only per group
+    assert got.sequence_sq.shape == (3,)
+
+
+def test_tied_head_groups_as_embedding():
+    model = tiny_llama(tied=True)
+    ids, rm, am = batch()
+    got = token_grad_norms(model, ids, rm, am, groups=True, progress=False)
+    assert "head" not in got.group_names and "embed" in got.group_names
+
+
+def test_stock_modules_float64_tolerance():
+    """Stock modules in float64: the fast path and the brute force apply the same float32 casts
+    (RMSNorm), so they agree to RTOL with each other, but both sit ~1e-7..1e-5 away from the
+    float64-throughout truth; STOCK_RTOL is the tolerance stated for that gap."""
+    base = trained_llama()
+    model = base.to(torch.float64)  # stock modules, float64 parameters
+    got, (tok, pre, _), _, rm = _check(model, "left")
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    ids, rm, am = batch("left")
+    truth = norms_from_grads(brute_token_grads(exact_float64(base), ids, rm, am)[0], rm)
+    torch.testing.assert_close(got.token_sq, truth[0], rtol=STOCK_RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, truth[1], rtol=STOCK_RTOL, atol=0)
+    gap = ((got.token_sq - truth[0]).abs() / truth[0].clamp(min=1e-300))[rm == 1].max()
+    assert gap > 1e-12  # the float32 cast is really there (else this test proves nothing)
+
+
+def test_dtype_option_copies_and_chunk_size_is_irrelevant():
+    model = tiny_llama()
+    ids, rm, am = batch()
+    a = token_grad_norms(model, ids, rm, am, dtype=torch.float64, chunk_size=1, progress=False)
+    b = token_grad_norms(model, ids, rm, am, dtype=torch.float64, chunk_size=64, progress=False)
+    assert next(model.parameters()).dtype == torch.float32  # caller's model untouched
+    assert a.token_sq.dtype == torch.float64
+    torch.testing.assert_close(a.prefix_sq, b.prefix_sq, rtol=1e-10, atol=0)
+    c = token_grad_norms(model, ids, rm, am, progress=False)  # float32 default
+    torch.testing.assert_close(c.prefix_sq.double(), a.prefix_sq, rtol=1e-3, atol=1e-6)
+
+
+def test_param_filters():
+    model = exact_float64(tiny_llama())
+    ids, rm, am = batch()
+    g, names, sizes = brute_token_grads(model, ids, rm, am)
+    parts = dict(zip(names, torch.split(g, sizes, dim=-1), strict=True))
+    want = [n for n in names if "mlp" in n]
+    ref = norms_from_grads(torch.cat([parts[n] for n in want], -1), rm)
+    by_regex = token_grad_norms(model, ids, rm, am, params=r"\.mlp\.", progress=False)
+    mods = [layer.mlp for layer in model.model.layers]
+    by_module = token_grad_norms(model, ids, rm, am, params=mods, progress=False)
+    by_name = token_grad_norms(model, ids, rm, am, params=want, progress=False)
+    for got in (by_regex, by_module, by_name):
+        torch.testing.assert_close(got.prefix_sq, ref[1], rtol=RTOL, atol=0)
+    with pytest.raises(ValueError, match="selects no trainable"):
+        token_grad_norms(model, ids, rm, am, params="nope", progress=False)
+    with pytest.raises(ValueError, match="not trainable parameters"):
+        token_grad_norms(model, ids, rm, am, params=["nope"], progress=False)
+    with pytest.raises(TypeError, match="params must be"):
+        token_grad_norms(model, ids, rm, am, params=3, progress=False)
+
+
+def test_bad_inputs():
+    model = tiny_llama()
+    ids, rm, am = batch()
+    with pytest.raises(ValueError, match="response_mask has shape"):
+        token_grad_norms(model, ids, rm[:, :-1], am)
+    bad = rm.clone()
+    bad[0, 0] = 1
+    with pytest.raises(ValueError, match=r"response_mask\[:, 0\]"):
+        token_grad_norms(model, ids, bad, am)
+    with pytest.raises(ValueError, match="padded position"):
+        token_grad_norms(model, ids, torch.ones_like(rm).index_fill(1, torch.tensor([0]), 0), am)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_grad_norms(model, ids, rm, am, chunk_size=0)
+    with pytest.raises(TypeError, match="integer"):
+        token_grad_norms(model, ids.float(), rm, am)
+
+
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_both_methods_long_sequences(method):
+    """L=24 > hidden 16: the ghost engine switches to forming D^T A for long prefixes."""
+    model = exact_float64(trained_llama(tied=True))
+    ids, rm, am = batch("left", L=24, B=2)
+    got = token_grad_norms(model, ids, rm, am, method=method, chunk_size=5, progress=False)
+    g, _, _ = brute_token_grads(model, ids, rm, am)
+    tok, pre, diag = norms_from_grads(g, rm)
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
+    with pytest.raises(ValueError, match="method"):
+        token_grad_norms(model, ids, rm, am, method="fast")
+
+
+def test_iter_token_grads_yields_brute_force_rows():
+    """The materialising iterator (used by analysis) yields exactly the per-token gradients."""
+    from varbench.grads.exact import iter_token_grads
+
+    model = exact_float64(tiny_llama())
+    ids, rm, am = batch("left")
+    g, _, _ = brute_token_grads(model, ids, rm, am)
+    plist = [p for _, p in select_params(model)]
+    seen = 0
+    for b, cols, flat in iter_token_grads(model, ids, rm, am, plist, 3, progress=False):
+        torch.testing.assert_close(torch.cat(flat, dim=1), g[b, cols], rtol=RTOL, atol=1e-14)
+        seen += cols.numel()
+    assert seen == int(rm.sum())

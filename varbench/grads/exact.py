@@ -1,0 +1,237 @@
+"""Exact per-token, prefix and diagonal-prefix gradient norms of a causal LM (SCIENCE.md 6).
+
+For every response token t of sequence b, ``g_t = grad_theta log pi(y_t | y_<t)``. Method:
+reverse mode, one cotangent per token, batched ``chunk_size`` at a time through
+``torch.autograd.grad(..., is_grads_batched=True)`` (a vmap over the backward). Causality is
+used twice: a chunk whose last token sits at column t1 runs its forward on ``input_ids[:, :t1+1]``
+only (later positions cannot influence it), and tokens with ``response_mask == 0`` (prompt,
+environment, padding) cost nothing. Prefix norms ``||sum_{j<=t} g_j||^2`` stream with one
+running vector per parameter (O(P) memory); only a ``chunk_size x P`` block of per-token
+gradients ever exists, never ``T x P``.
+
+Models: any causal LM that ``varbench.models.forward.forward_logits`` can run and whose ops
+have vmap batching rules for their backward (transformers' eager and sdpa attention do).
+Flash-attention kernels and models with in-place buffer updates in forward are not functional
+in this sense; use ``attn_implementation='eager'`` or ``'sdpa'`` for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from varbench._checks import check_choice, check_positive_int
+from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
+from varbench.grads.ghost import GhostModule, plan_ghost
+from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
+from varbench.grads.stats import token_logprobs
+from varbench.models.forward import forward_logits
+
+DEFAULT_CHUNK = (
+    16  # measured best on the small preset (CPU): 8 -> 9.3s, 16 -> 7.8s, 64 -> 12.1s at T=128
+)
+
+
+@dataclass
+class TokenGradNorms:
+    """Exact squared gradient norms, each ``[B, L]`` (0 where ``response_mask`` is 0).
+
+    ``token_sq = ||g_t||^2``; ``prefix_sq = ||sum_{j<=t, m_j=1} g_j||^2`` (cross terms
+    included); ``diag_prefix_sq = sum_{j<=t, m_j=1} ||g_j||^2``. With ``groups``, the
+    ``group_*`` fields are ``[B, L, n_groups]`` over ``group_names`` and sum to the totals
+    over the last axis (the prefix breakdown is per group's own prefix vector).
+    """
+
+    token_sq: torch.Tensor
+    prefix_sq: torch.Tensor
+    diag_prefix_sq: torch.Tensor
+    sequence_sq: torch.Tensor | None = None  # [B] ||sum_t g_t||^2, = prefix_sq at the last token
+    group_names: list[str] | None = None
+    group_token_sq: torch.Tensor | None = None
+    group_prefix_sq: torch.Tensor | None = None
+    group_diag_prefix_sq: torch.Tensor | None = None
+
+
+def last_response_value(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L, ...] -> [B, ...]``: x at each row's last response column (0 for an empty row)."""
+    B, L = response_mask.shape
+    cols = torch.arange(L, device=x.device).expand(B, L)
+    last = torch.where(response_mask != 0, cols, torch.zeros_like(cols)).max(-1).values
+    return x[torch.arange(B, device=x.device), last]
+
+
+def iter_token_grads(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: list[torch.nn.Parameter],
+    chunk_size: int,
+    *,
+    progress: bool = True,
+) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
+    """Yield ``(b, cols [C], grads)`` with ``grads[i]`` the ``[C, numel_i]`` per-token gradients
+    of ``params[i]`` for the response tokens ``cols`` of sequence b, in increasing column order.
+
+    Inputs are assumed checked (:func:`check_inputs`); the model is put in eval mode.
+    """
+    B = input_ids.shape[0]
+    total = int(response_mask.sum().item())
+    bar = tqdm(total=total, desc="per-token grads", disable=None if progress else True, leave=False)
+    with eval_mode(model):
+        for b in range(B):
+            cols_b = torch.nonzero(response_mask[b], as_tuple=False).flatten()
+            for start in range(0, cols_b.numel(), chunk_size):
+                cols = cols_b[start : start + chunk_size]
+                end = int(cols[-1].item()) + 1  # causal: columns >= end cannot matter
+                ids = input_ids[b : b + 1, :end]
+                am = attention_mask[b : b + 1, :end]
+                with torch.enable_grad():
+                    logits = forward_logits(model, ids, am).logits
+                    lp = token_logprobs(logits, ids)[0, cols]  # [C]
+                    eye = torch.eye(cols.numel(), dtype=lp.dtype, device=lp.device)
+                    grads = torch.autograd.grad(
+                        lp, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True
+                    )
+                flat = [
+                    torch.zeros(cols.numel(), p.numel(), dtype=lp.dtype, device=lp.device)
+                    if g is None
+                    else g.reshape(cols.numel(), -1)
+                    for g, p in zip(grads, params, strict=True)
+                ]
+                yield b, cols, flat
+                bar.update(cols.numel())
+    bar.close()
+
+
+def token_grad_norms(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    params: ParamFilter = None,
+    groups: GroupSpec = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    method: str = "ghost",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> TokenGradNorms:
+    """Exact ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` (each ``[B, L]``) of a causal LM.
+
+    ``params``: parameter filter (see :func:`varbench.grads.params.select_params`);
+    ``groups``: True (embeddings / each block's attention and MLP / final norm / head) or a
+    callable name -> group, adding ``[B, L, n_groups]`` breakdowns; ``chunk_size``: tokens per
+    batched backward; ``method``: 'ghost' (default: Linear/Embedding weights by Gram-matrix
+    ghost norms, see :mod:`varbench.grads.ghost`; memory ~ chunk_size x activations) or
+    'materialize' (every per-token gradient formed, memory ~ chunk_size x P); ``dtype``/``device``:
+    run on a copy of the model (float64 for validation: :func:`varbench.grads.exact_float64`
+    gives a model that is float64 throughout). Cost: about one activation backward per response
+    token over its own prefix (causality halves the total), plus one forward per chunk.
+    """
+    check_positive_int("chunk_size", chunk_size)
+    check_choice("method", method, ["ghost", "materialize"])
+    input_ids, response_mask, attention_mask = check_inputs(
+        input_ids, response_mask, attention_mask
+    )
+    model = prepare_model(model, dtype, device)
+    dev = next(model.parameters()).device
+    input_ids, response_mask, attention_mask = (
+        x.to(dev) for x in (input_ids, response_mask, attention_mask)
+    )
+    chosen = select_params(model, params)
+    names = [n for n, _ in chosen]
+    if groups is False:
+        group_names, gidx = ["all"], [0] * len(chosen)
+    else:
+        group_names, gidx = group_index(model, names, groups)
+    group_of = dict(zip(names, gidx, strict=True))
+    n_groups = len(group_names)
+    B, L = input_ids.shape
+    acc = next(model.parameters()).dtype
+    tok = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
+    pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
+    if method == "ghost":
+        ghost_plan, rest = plan_ghost(model, chosen)
+    else:
+        ghost_plan, rest = [], chosen
+    ghosts = [GhostModule(m, group_of[n], L) for m, n in ghost_plan]
+    calls = {id(g): 0 for g in ghosts}
+
+    def make_hook(gm):
+        def fn(mod, args, out):
+            calls[id(gm)] += 1
+            gm.hook(mod, args, out)
+
+        return fn
+
+    handles = [gm.module.register_forward_hook(make_hook(gm)) for gm in ghosts]
+    rest_p = [p for _, p in rest]
+    rest_g = [group_of[n] for n, _ in rest]
+    total = int(response_mask.sum().item())
+    bar = tqdm(total=total, desc="per-token grads", disable=None if progress else True, leave=False)
+    try:
+        with eval_mode(model):
+            for b in range(B):
+                for gm in ghosts:
+                    gm.reset()
+                running = [torch.zeros(p.numel(), dtype=acc, device=dev) for p in rest_p]
+                cols_b = torch.nonzero(response_mask[b], as_tuple=False).flatten()
+                for start in range(0, cols_b.numel(), chunk_size):
+                    cols = cols_b[start : start + chunk_size]
+                    C = cols.numel()
+                    end = int(cols[-1].item()) + 1  # causal: columns >= end cannot matter
+                    ids = input_ids[b : b + 1, :end]
+                    for gm in ghosts:
+                        calls[id(gm)] = 0
+                    with torch.enable_grad():
+                        logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
+                        lp = token_logprobs(logits, ids)[0, cols]  # [C]
+                        if any(c != 1 for c in calls.values()):
+                            raise RuntimeError(
+                                "a Linear/Embedding ran more or less than once per forward; "
+                                "use method='materialize'"
+                            )
+                        targets = [gm.out for gm in ghosts] + rest_p
+                        eye = torch.eye(C, dtype=lp.dtype, device=dev)
+                        grads = torch.autograd.grad(
+                            lp, targets, grad_outputs=eye, is_grads_batched=True, allow_unused=True
+                        )
+                    for gm, d in zip(ghosts, grads[: len(ghosts)], strict=True):
+                        if d is None:
+                            continue
+                        t_sq, p_sq = gm.norms(d.reshape(C, end, -1))
+                        tok[b, cols, gm.group] += t_sq
+                        pre[b, cols, gm.group] += p_sq
+                    for i, g in enumerate(grads[len(ghosts) :]):
+                        if g is None:
+                            g = torch.zeros(C, rest_p[i].numel(), dtype=acc, device=dev)
+                        g = g.reshape(C, -1)
+                        tok[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
+                        cum = g.cumsum(0)
+                        cum += running[i]
+                        pre[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", cum, cum)
+                        running[i] = cum[-1].clone()
+                    bar.update(C)
+    finally:
+        for h in handles:
+            h.remove()
+        for gm in ghosts:
+            gm.inp = gm.out = gm.running = None
+        bar.close()
+    m = response_mask.to(acc).unsqueeze(-1)
+    diag = tok.cumsum(1) * m
+    out = TokenGradNorms(
+        token_sq=tok.sum(-1),
+        prefix_sq=pre.sum(-1),
+        diag_prefix_sq=diag.sum(-1),
+        sequence_sq=last_response_value(pre.sum(-1), response_mask),
+    )
+    if groups is not False:
+        out.group_names = group_names
+        out.group_token_sq, out.group_prefix_sq, out.group_diag_prefix_sq = tok, pre, diag
+    return out

@@ -1,0 +1,141 @@
+"""Sketched (unbiased) per-token and prefix norms from k forward-mode probes (SCIENCE.md 6).
+
+For a random direction v over the parameters, one forward-mode JVP gives ``u_t = g_t . v`` for
+every token at once, and ``cumsum(u)_t = G_t . v`` for every prefix. With ``v ~ N(0, I)``,
+``E[u_t^2] = ||g_t||^2`` and ``E[(G_t . v)^2] = ||G_t||^2``: averaging over k probes is unbiased,
+with ``Var = 2 ||g||^4 / k`` (relative std ``sqrt(2/k)``) per entry. Cost: k JVPs (each about
+2-3 forwards), independent of T: the route for models too large for the exact path.
+The directions are :class:`varbench.grads.sequence.Sketch` columns, so ``u / sqrt(k)`` is the
+JL sketch ``S g_t`` (see :func:`varbench.grads.group.token_sketches`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call, jvp, vmap
+
+from varbench._checks import check_positive_int
+from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
+from varbench.grads.params import ParamFilter, select_params
+from varbench.grads.precision import functional_attention
+from varbench.grads.sequence import Sketch
+from varbench.grads.stats import token_logprobs
+from varbench.models.forward import forward_logits
+
+
+class _LogProbs(torch.nn.Module):
+    """Wrapper so ``functional_call`` can swap parameters under ``forward_logits``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(forward_logits(self.m, ids, am).logits, ids)
+
+
+def jvp_token_probes(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    sketch: Sketch,
+    *,
+    params: ParamFilter = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    probe_chunk: int = 32,
+) -> torch.Tensor:
+    """``[k, B, L]`` probes ``u_j[b, t] = g_{b,t} . v_j`` (v_j = sketch column j; 0 off mask).
+
+    ``probe_chunk`` probes run as one vmapped JVP (memory ~ probe_chunk x activations)."""
+    check_positive_int("probe_chunk", probe_chunk)
+    input_ids, response_mask, attention_mask = check_inputs(
+        input_ids, response_mask, attention_mask
+    )
+    model = prepare_model(model, dtype, device)
+    p0 = next(model.parameters())
+    dev, dt = p0.device, p0.dtype
+    chosen = select_params(model, params)
+    primals = {"m." + n: p.detach() for n, p in chosen}
+    sizes = [p.numel() for _, p in chosen]
+    wrapper = _LogProbs(model)
+    ids, am = input_ids.to(dev), attention_mask.to(dev)
+    m = response_mask.to(dev, dt)
+
+    def f(p):
+        return functional_call(wrapper, p, (ids, am))
+
+    def probe(tangents):
+        return jvp(f, (primals,), (tangents,))[1]
+
+    out = []
+    with eval_mode(model), functional_attention(model), torch.no_grad():
+        for j0 in range(0, sketch.k, probe_chunk):
+            js = range(j0, min(j0 + probe_chunk, sketch.k))
+            v = torch.stack([sketch.direction(j, sum(sizes), dt, dev) for j in js])  # [c, n]
+            tangents = {
+                k: t.reshape(len(js), *primals[k].shape)
+                for k, t in zip(primals, torch.split(v, sizes, dim=1), strict=True)
+            }
+            # vmap over probes: one batched dual forward per chunk instead of c forwards
+            out.append(vmap(probe)(tangents) * m)
+    return torch.cat(out)
+
+
+@dataclass
+class SketchedNorms:
+    """Unbiased estimates ``[B, L]`` (0 off the mask) and their estimated std ``[B, L]``
+    (sample std of the k per-probe values / sqrt(k)); ``probes [k, B, L]`` for custom stats."""
+
+    token_sq: torch.Tensor
+    prefix_sq: torch.Tensor
+    diag_prefix_sq: torch.Tensor
+    token_sq_std: torch.Tensor
+    prefix_sq_std: torch.Tensor
+    probes: torch.Tensor
+
+
+def sketched_token_norms(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    k: int = 16,
+    seed: int = 0,
+    params: ParamFilter = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> SketchedNorms:
+    """Estimate ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` from k Gaussian JVP probes.
+
+    Unbiased for every entry; relative std ``sqrt(2/k)`` per entry (Gaussian probes). Same
+    ``seed`` -> same numbers. Shapes as :func:`varbench.grads.token_grad_norms`.
+    """
+    check_positive_int("k", k)
+    u = jvp_token_probes(
+        model,
+        input_ids,
+        response_mask,
+        attention_mask,
+        Sketch(k, seed),
+        params=params,
+        dtype=dtype,
+        device=device,
+    )  # [k, B, L]
+    m = response_mask.to(u.device, u.dtype)
+    tok_s = u.pow(2)
+    pre_s = u.cumsum(-1).pow(2) * m
+    sd = (lambda x: x.std(0) / k**0.5) if k > 1 else (lambda x: torch.full_like(x[0], float("nan")))
+    tok = tok_s.mean(0)
+    return SketchedNorms(
+        token_sq=tok,
+        prefix_sq=pre_s.mean(0),
+        diag_prefix_sq=tok.cumsum(-1) * m,
+        token_sq_std=sd(tok_s),
+        prefix_sq_std=sd(pre_s),
+        probes=u,
+    )
