@@ -14,6 +14,10 @@ import sys
 
 # Modules that register subcommands, in the order `varbench --help` lists them.
 _COMMAND_MODULES: list[str] = [
+    "varbench.runner.commands",
+    "varbench.train.commands",
+    "varbench.rollout.commands",
+    "varbench.analysis.commands",
 ]
 
 

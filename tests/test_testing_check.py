@@ -1,0 +1,152 @@
+"""check_estimator: known-good estimators pass, known defects are caught, inputs are judged."""
+
+from __future__ import annotations
+
+import math
+
+import _fixtures_testing as fx
+import pytest
+import torch
+
+from varbench.testing import EstimatorInputError, check_estimator
+from varbench.testing.adapt import detect_shape, load
+from varbench.testing.bias import mean_zero_pvalue
+
+FAST = {"num_steps": 1500, "baselines": ()}
+
+
+def _row(res, check):
+    return res.row(check)
+
+
+def test_rloo_passes_without_rescaling():
+    res = check_estimator("rloo", require_unbiased=True, **FAST)
+    assert res.passed, str(res)
+    assert _row(res, "bias (raw)")["required"]
+    assert abs(_row(res, "scale along g*")["value"] - 1) < 4 * _row(res, "scale along g*")["se"]
+
+
+def test_centered_passes_with_rescaling_only():
+    res = check_estimator("centered", **FAST)
+    assert res.passed, str(res)
+    raw = _row(res, "bias (raw)")
+    assert not raw["passed"] and not raw["required"]  # measured: biased by the factor 3/4
+    scale = _row(res, "scale along g*")
+    assert abs(scale["value"] - 0.75) < 4 * scale["se"]  # (G-1)/G, SCIENCE.md 2.1
+    assert not check_estimator("centered", require_unbiased=True, **FAST).passed
+
+
+def test_user_function_same_numbers_as_registered_scheme():
+    a = check_estimator(fx.centered_by_hand, **FAST)
+    b = check_estimator("centered", **FAST)
+    assert a.shape == "varbench"
+    for check in ("bias (raw)", "bias (rescaled)", "scale along g*"):
+        assert _row(a, check)["value"] == pytest.approx(_row(b, check)["value"], rel=1e-5)
+
+
+@pytest.mark.parametrize("fn", [fx.length_bonus, fx.own_token_baseline])
+def test_direction_changing_estimators_fail(fn):
+    res = check_estimator(fn, **FAST)
+    assert not res.passed
+    row = _row(res, "bias (rescaled)")
+    assert not row["passed"] and row["p_value"] < 1e-3 and row["debiased"] > 0.05, str(res)
+
+
+def test_otb_small_group_bias_is_measured_and_reported():
+    res = check_estimator("otb", G=2, **FAST)
+    raw, resc = _row(res, "bias (raw)"), _row(res, "bias (rescaled)")
+    for r in (raw, resc):
+        assert math.isfinite(r["value"]) and math.isfinite(r["se"]) and r["se"] > 0
+    assert raw["p_value"] < 1e-3  # the sample sits in its own baseline: biased at G = 2
+    assert "bias (rescaled)" in str(res)
+
+
+def test_verl_shaped_function_detected_and_passes():
+    res = check_estimator(fx.verl_rloo, require_unbiased=True, **FAST)
+    assert res.shape == "verl"
+    assert res.passed, str(res)
+
+
+@pytest.mark.parametrize(
+    ("fn", "check"),
+    [
+        (fx.leaks_into_padding, "shape/mask contract"),
+        (fx.position_dependent, "permutation equivariance"),
+        (fx.reads_masked_logprobs, "masked-value leakage"),
+        ("raw", "all-agree groups"),
+    ],
+)
+def test_contract_defects_caught(fn, check):
+    res = check_estimator(fn, num_steps=200, baselines=())
+    assert not _row(res, check)["passed"], str(res)
+    assert not res.passed
+
+
+def test_raising_estimator_is_a_failure_not_a_crash():
+    res = check_estimator(fx.raises, num_steps=200, baselines=())
+    assert not res.passed
+    assert "RuntimeError: boom" in _row(res, "shape/mask contract")["detail"]
+
+
+def test_deterministic_by_seed():
+    a = check_estimator("otb", num_steps=300, seed=7, baselines=("centered",))
+    b = check_estimator("otb", num_steps=300, seed=7, baselines=("centered",))
+    c = check_estimator("otb", num_steps=300, seed=8, baselines=("centered",))
+    cols = ["value", "se", "p_value"]
+    assert a.table[cols].equals(b.table[cols])
+    assert not a.table[cols].equals(c.table[cols])
+
+
+def test_variance_rows_against_baselines():
+    res = check_estimator("rloo", num_steps=500, baselines=("centered", "otb"))
+    vs_centered = _row(res, "variance ratio vs centered")
+    # rloo = G/(G-1) centered: identical after the best rescaling, on the same groups.
+    assert vs_centered["value"] == pytest.approx(1.0, abs=1e-6)  # float32 advantages
+    strict = check_estimator("raw", num_steps=500, baselines=("centered",),
+                             max_variance_ratio=1.0, require_all_agree_zero=False)
+    assert _row(strict, "variance ratio vs centered")["required"]
+    assert not _row(strict, "variance ratio vs centered")["passed"]  # raw: no baseline
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ("no_such_module_xyz:fn", "module not found"),
+        ("_fixtures_testing:missing", "has no attribute"),
+        ("_fixtures_testing:not_a_function", "not a function"),
+        ("_fixtures_testing:one_argument", "wrong signature"),
+        ("no-colon-and-not-a-scheme", "not a registered scheme"),
+    ],
+)
+def test_bad_input_says_which(ref, message):
+    with pytest.raises(EstimatorInputError, match=message):
+        check_estimator(ref)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="alpha"):
+        check_estimator("rloo", alpha=2.0)
+    with pytest.raises(ValueError, match="G"):
+        check_estimator("rloo", G=0)
+
+
+def test_detect_shape_by_names_and_counts():
+    assert detect_shape(fx.verl_rloo) == "verl"
+    assert detect_shape(fx.centered_by_hand) == "varbench"
+    assert detect_shape(lambda a, b, c: (a, a)) == "verl"
+    assert detect_shape(lambda r, m: r) == "varbench"
+    assert load("topk", {"k": 2}).shape == "scheme"
+
+
+def test_mean_zero_test_false_alarm_rate_and_power():
+    """p-values of data with mean 0 are ~uniform: over 400 seeded datasets, the count below 0.05
+    lies in the binomial 1e-4 two-sided band [6, 38]; a shifted mean is detected."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.linspace(0.2, 3.0, 12)  # unequal variances: the chi-square weighting matters
+    low = 0
+    for _ in range(400):
+        x = torch.randn(300, 12, generator=gen, dtype=torch.float64) * scales
+        low += mean_zero_pvalue(x) < 0.05
+    assert 6 <= low <= 38, low
+    x = torch.randn(300, 12, generator=gen, dtype=torch.float64) * scales + 0.3
+    assert mean_zero_pvalue(x) < 1e-6

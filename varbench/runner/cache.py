@@ -1,0 +1,138 @@
+"""Finished cases on disk: one JSON file per case, written atomically.
+
+``OUT/cases/<case name>-<hash>.json`` holds the case's config (name, kind, parameters, varbench
+version: the hash) and its AnalysisResults (records as pandas' ``orient="table"`` JSON, so
+dtypes survive). A file is written to a temporary name and moved into place with ``os.replace``:
+a run killed mid-write leaves a temporary file that is never read as a result (and is removed
+by the next run once its writer is gone). JSON, not pickle: merging shard directories from
+other machines must not execute anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from varbench.analysis.result import AnalysisResult, Headline
+from varbench.runner.schema import Case
+
+FORMAT = "varbench.case/1"
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+def _jsonable(obj: Any) -> Any:
+    from varbench.report.writer import _jsonable as report_jsonable
+
+    return report_jsonable(obj)
+
+
+def result_to_dict(r: AnalysisResult) -> dict[str, Any]:
+    """An AnalysisResult as strict JSON-ready data."""
+    return {
+        "kind": r.kind, "name": r.name,
+        "records": {k: json.loads(df.reset_index(drop=True).to_json(orient="table",
+                                                                   index=False))
+                    for k, df in r.records.items()},
+        "summary": _jsonable(r.summary), "headlines": [_jsonable(h.to_dict()) for h in r.headlines],
+        "config": _jsonable(r.config), "provenance": _jsonable(r.provenance),
+        "notes": list(r.notes),
+    }
+
+
+def result_from_dict(d: dict[str, Any]) -> AnalysisResult:
+    """Inverse of :func:`result_to_dict`."""
+    records = {k: pd.read_json(StringIO(json.dumps(v)), orient="table")
+               for k, v in d["records"].items()}
+    heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
+             for h in d["headlines"]]
+    return AnalysisResult(d["kind"], d["name"], records, d["summary"], heads, d["config"],
+                          d["provenance"], d["notes"])
+
+
+class CaseCache:
+    """The ``cases/`` directory of one output directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, case: Case) -> Path:
+        return self.root / f"{case.key}.json"
+
+    def has(self, case: Case) -> bool:
+        return self.path(case).is_file()
+
+    def load(self, case: Case) -> list[AnalysisResult]:
+        """The stored results of ``case``; ValueError naming the file if it is corrupt."""
+        return load_file(self.path(case), expect_key=case.key)
+
+    def store(self, case: Case, results: list[AnalysisResult], wall_time_s: float) -> Path:
+        """Write ``case``'s results atomically (tmp file + fsync + os.replace)."""
+        payload = {"format": FORMAT, "key": case.key, "config": _jsonable(case.config()),
+                   "wall_time_s": wall_time_s,
+                   "results": [result_to_dict(r) for r in results]}
+        text = json.dumps(payload, allow_nan=False)
+        return atomic_write(self.path(case), text)
+
+    def clean_stale_tmp(self) -> list[Path]:
+        """Remove temporary files whose writer process is gone; returns what was removed."""
+        gone = []
+        for p in self.root.iterdir():
+            m = _TMP.match(p.name)
+            if m and not _alive(int(m["pid"])):
+                p.unlink(missing_ok=True)
+                gone.append(p)
+        return gone
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.root.glob("*.json") if not p.name.startswith("."))
+
+
+def atomic_write(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]:
+    """Read one case file; ValueError naming it when it is corrupt or not a case file."""
+    payload = read_payload(path)
+    if expect_key is not None and payload.get("key") != expect_key:
+        raise ValueError(f"case file {path} holds case {payload.get('key')!r}, "
+                         f"expected {expect_key!r}")
+    try:
+        return [result_from_dict(d) for d in payload["results"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"case file {path} is corrupt ({type(err).__name__}: {err})") from None
+
+
+def read_payload(path: Path) -> dict[str, Any]:
+    """The raw JSON of a case file, checked for the format tag."""
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"case file {path} is corrupt or unreadable ({err})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"case file {path} is not a varbench case file (format {FORMAT})")
+    return payload
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,124 @@
+"""CLI: ``varbench run``, ``varbench merge``, ``varbench compare``, ``varbench check``.
+
+Exit codes: 0 success / pass; 1 a check failed or a comparison found a regression; 2 bad input
+(unknown file, invalid suite, module not found, wrong signature: the message says which);
+130 interrupted (finished cases stay cached; rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the runner's subcommands to the top-level parser."""
+    p = sub.add_parser("run", help="run a suite (cached, resumable) and write its report",
+                       description="Run every case of SUITE.toml not already cached in --out, "
+                       "then write summary.json, report.md and report.html there.")
+    p.add_argument("suite", metavar="SUITE.toml")
+    p.add_argument("--out", default=None, help="output directory (default reports/<suite name>)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only shard I of N (1-based; cases I-1, I-1+N, ...); no report: "
+                   "combine shards with `varbench merge`")
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("merge", help="combine shard outputs into one report")
+    p.add_argument("dirs", nargs="+", metavar="DIR")
+    p.add_argument("--out", required=True, help="output directory of the merged report")
+    p.set_defaults(func=_merge)
+
+    p = sub.add_parser("compare", help="compare two reports figure by figure (exit 1 on a "
+                       "regression beyond tolerance)")
+    p.add_argument("baseline", metavar="BASELINE", help="report directory or summary.json")
+    p.add_argument("new", metavar="NEW", help="report directory or summary.json")
+    p.add_argument("--tolerance", type=float, default=3.0,
+                   help="allowed difference in combined standard errors (default 3)")
+    p.add_argument("--rel-tolerance", type=float, default=0.01,
+                   help="allowed relative difference added to it (default 0.01)")
+    p.add_argument("--abs-tolerance", type=float, default=1e-9)
+    p.set_defaults(func=_compare)
+
+    p = sub.add_parser("check", help="regression-test advantage estimators (exit 0 pass, "
+                       "1 fail, 2 bad input)")
+    p.add_argument("estimators", nargs="+", metavar="MODULE:FUNCTION",
+                   help="a function (varbench- or verl-shaped) or a registered scheme name")
+    p.add_argument("-G", type=int, default=4, help="group size (default 4)")
+    p.add_argument("--steps", type=int, default=3000, help="sampled steps for the bias test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=1e-3,
+                   help="false-alarm rate of each bias test (default 0.001)")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="relative bias that is flagged when significant (default 0.05)")
+    p.add_argument("--baselines", default="centered,otb",
+                   help="comma-separated schemes for the variance comparison")
+    p.add_argument("--require-unbiased", action="store_true",
+                   help="also require the raw (unrescaled) bias test to pass")
+    p.add_argument("--max-variance-ratio", type=float, default=None,
+                   help="fail when the variance ratio to a baseline exceeds this")
+    p.set_defaults(func=_check)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from varbench.runner.run import parse_shard, run_suite
+
+    shard = parse_shard(args.shard) if args.shard else None
+    summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True))
+    print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
+          f"{summary.wall_time_s:.1f} s")
+    if summary.report is not None:
+        print(f"report: {summary.report}")
+    else:
+        print(f"shard {args.shard} written to {summary.out_dir}; combine the shards with "
+              "`varbench merge DIR... --out DIR`")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from varbench.runner.run import merge_outputs
+
+    summary = merge_outputs(args.dirs, args.out)
+    print(f"merged {len(summary.cached)} case(s); report: {summary.report}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from varbench.runner.compare import compare_reports, regressions
+
+    table = compare_reports(args.baseline, args.new, tolerance=args.tolerance,
+                            rel_tolerance=args.rel_tolerance, abs_tolerance=args.abs_tolerance)
+    bad = regressions(table)
+    with pd.option_context("display.max_rows", None, "display.width", 160):
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"{len(table)} figure(s), {len(bad)} beyond tolerance")
+    return 1 if len(bad) else 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from varbench.runner.distributed import init_from_env, shutdown
+    from varbench.testing.adapt import load
+    from varbench.testing.check import check_estimator
+
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    for ref in args.estimators:  # bad input for any of them -> exit 2 before running anything
+        load(ref)
+    for b in baselines:
+        load(b)
+    rank, _ = init_from_env()  # under torchrun: the sampled steps are split across ranks
+    failed = 0
+    try:
+        for ref in args.estimators:
+            res = check_estimator(ref, G=args.G, num_steps=args.steps, seed=args.seed,
+                                  alpha=args.alpha, tolerance=args.tolerance,
+                                  baselines=baselines, require_unbiased=args.require_unbiased,
+                                  max_variance_ratio=args.max_variance_ratio)
+            if rank == 0:
+                print(res, flush=True)
+            failed += not res.passed
+    finally:
+        shutdown()
+    if len(args.estimators) > 1 and rank == 0:
+        print(f"{len(args.estimators) - failed} passed, {failed} failed", file=sys.stderr)
+    return 1 if failed else 0

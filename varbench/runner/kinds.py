@@ -1,0 +1,272 @@
+"""Case kinds a suite may name, and how the runner executes each one.
+
+A kind points at one library function by ``"module:function"``; the suite keys a case may set
+are that function's keyword parameters (read from its signature, so the schema cannot drift
+from the code), minus the ones the runner supplies itself (cache directory, progress). Every
+kind returns a list of :class:`~varbench.analysis.result.AnalysisResult` for the report.
+
+Kinds: ``proxy``, ``variance``, ``cancellation`` (the analyses; besides the function's keywords
+a case sets ``preset``/``checkpoint``, ``states`` (random, warm), ``task`` or ``tasks`` and
+``knobs``, from which the runner builds the Policy and Task objects), ``train`` (one training
+run; keys are :class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training
+validation experiment; keys are :class:`~varbench.train.validate.ValidateConfig` fields plus
+``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's ``MODULE:FUNCTION``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# Parameters the runner fills in (or builds from settings); a suite cannot set them directly.
+RUNNER_PARAMS = ("cache_dir", "progress", "config", "policy", "policies", "task", "tasks")
+_P = inspect.Parameter
+
+
+def _setting(name: str, default: Any) -> inspect.Parameter:
+    return _P(name, _P.KEYWORD_ONLY, default=default)
+
+
+# Settings of the analysis kinds that become Policy / Task objects (as `varbench proxy` etc.
+# build them): the model, its states, and the task(s) with their knobs.
+_MODEL_SETTINGS = {
+    "preset": _setting("preset", "tiny"),  # embedded preset (random init / warm-started)
+    "checkpoint": _setting("checkpoint", None),  # a local HF checkpoint dir instead, used as is
+    "knobs": _setting("knobs", None),  # task knobs, e.g. { n = 3 }
+}
+STATES = ("random", "warm")
+
+
+@dataclass(frozen=True)
+class CaseKind:
+    """One kind of case: the library function it runs and how its output becomes results."""
+
+    name: str
+    target: str  # "module:function"
+    summary: str
+    settings: tuple[tuple[str, Any], ...] = ()  # extra suite keys and their defaults
+
+    def function(self) -> Callable:
+        module, _, attr = self.target.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(
+                f"case kind {self.name!r} is not available: cannot import {module} ({err})"
+            ) from None
+        if not hasattr(mod, attr):
+            raise ValueError(f"case kind {self.name!r} is not available: {module} has no {attr}")
+        return getattr(mod, attr)
+
+    def parameters(self) -> dict[str, inspect.Parameter]:
+        """Suite-settable keys of this kind with their defaults, by name."""
+        if self.name == "train":
+            from dataclasses import fields
+
+            from varbench.train.config import TrainConfig
+
+            return {f.name: _setting(f.name, None) for f in fields(TrainConfig)}
+        if self.name == "validate":
+            from dataclasses import fields
+
+            from varbench.train.validate import ValidateConfig
+
+            return {f.name: _setting(f.name, None) for f in fields(ValidateConfig)}
+        sig = inspect.signature(self.function())
+        out = {}
+        for i, p in enumerate(sig.parameters.values()):
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in RUNNER_PARAMS:
+                continue
+            if self.name == "check" and i == 0:
+                continue  # fn_or_name: given as the `estimator` key
+            out[p.name] = p
+        if self.name == "check":
+            out["estimator"] = _P("estimator", _P.KEYWORD_ONLY)
+        else:
+            out.update(_MODEL_SETTINGS)
+        out.update({k: _setting(k, v) for k, v in self.settings})
+        return out
+
+    def execute(self, name: str, params: dict[str, Any], work_dir: Path,
+                progress: bool | None) -> list:
+        """Run the case; returns AnalysisResult objects (work_dir: its private scratch space)."""
+        return _EXECUTORS[self.name](self, name, dict(params), work_dir, progress)
+
+
+KINDS: dict[str, CaseKind] = {
+    k.name: k
+    for k in (
+        CaseKind("proxy", "varbench.analysis.proxy:proxy_correlation",
+                 "proxy w_t / W_t against exact per-token and prefix gradient norms",
+                 (("task", "sort"), ("states", ["random", "warm"]))),
+        CaseKind("variance", "varbench.analysis.variance:estimator_variance",
+                 "estimator variance, bias, MSE per scheme x G x mode",
+                 (("task", "sort"), ("states", ["warm"]))),
+        CaseKind("cancellation", "varbench.analysis.cancellation:cancellation",
+                 "token gradient cancellation at shared steps",
+                 (("tasks", ["arith", "toolsum"]), ("states", ["warm"]))),
+        CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
+        CaseKind("validate", "varbench.train.validate:run_validation",
+                 "the training validation experiment (schemes x G x seeds, claims)"),
+        CaseKind("check", "varbench.testing.check:check_estimator",
+                 "regression checks of an advantage estimator"),
+    )
+}
+
+
+def _states(params: dict, task, progress) -> dict[str, Any]:
+    """{state label: Policy}: a checkpoint as is, or the preset at random init / warm-started."""
+    from varbench.models import build_policy, load_policy
+
+    preset, seed = params.pop("preset"), params.get("seed", 0)
+    checkpoint, states = params.pop("checkpoint"), params.pop("states")
+    if checkpoint is not None:
+        return {Path(checkpoint).name: load_policy(checkpoint)}
+    out = {}
+    for s in dict.fromkeys(states):
+        if s == "random":
+            out["random init"] = build_policy(preset, seed=seed)
+        else:
+            from varbench.train.warmstart import warm_start
+
+            out["warm-started"] = warm_start(preset, task, seed=seed, progress=bool(progress))
+    return out
+
+
+def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+    from varbench.tasks import get_task
+
+    fn = kind.function()
+    full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
+    params = {**full, **params}
+    knobs = params.pop("knobs") or {}
+    if params.get("sketch_dim") == 0:
+        params["sketch_dim"] = None  # TOML has no null: 0 means "no sketch", as on the CLI
+    settings = {"preset": params["preset"], "checkpoint": params["checkpoint"],
+                "states": params["states"], "knobs": knobs}
+    run = {"cache_dir": str(work_dir / "cells"), "progress": progress, "config": settings}
+    if kind.name == "cancellation":
+        tasks = [get_task(t, **knobs) for t in params.pop("tasks")]
+        pols = {}
+        for t in tasks:
+            st = _states(dict(params), t, progress)
+            pols[t.name] = next(iter(st.values()))
+        for k in ("preset", "checkpoint", "states"):
+            params.pop(k)
+        results = [fn(pols, tasks, **params, **run)]
+    else:
+        task = get_task(params.pop("task"), **knobs)
+        states = _states(params, task, progress)
+        if kind.name == "proxy":
+            results = [fn(states, task, **params, **run)]
+        else:
+            results = []
+            for state, pol in states.items():
+                res = fn(pol, task, **params, **{**run, "config": {**settings, "state": state}})
+                res.name = f"{name} ({state})" if len(states) > 1 else name
+                results.append(res)
+            return results
+    for r in results:
+        r.name = name
+    return results
+
+
+def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+    from varbench.analysis.result import AnalysisResult, Headline
+    from varbench.report import provenance
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    config = TrainConfig.from_dict(params, source=f"case {name!r}")
+    start = time.perf_counter()
+    res = train(config, run_dir=work_dir / "run", resume=True, progress=progress)
+    df = res.records
+    heads = []
+    evals = df.dropna(subset=["eval/acc_sampled"]) if "eval/acc_sampled" in df else df.iloc[:0]
+    if len(evals):
+        first, last = evals.iloc[0], evals.iloc[-1]
+        for col, what in (("eval/acc_sampled", "sampled"), ("eval/acc_greedy", "greedy")):
+            if col in evals:
+                heads.append(Headline(
+                    f"final_{what}_accuracy", float(last[col]), None,
+                    f"{name}: held-out {what} accuracy {float(first[col]):.3g} -> "
+                    f"{float(last[col]):.3g} after {int(last.get('step', len(df) - 1))} steps",
+                ))
+    if "tokens/sampled" in df:
+        heads.append(Headline("tokens_sampled", float(df["tokens/sampled"].iloc[-1]), None,
+                              f"{name}: {int(df['tokens/sampled'].iloc[-1])} sampled tokens"))
+    prov = provenance(config=config.to_dict(), seeds=config.seed, device=config.device,
+                      wall_time_s=time.perf_counter() - start)
+    return [AnalysisResult("train", name, {"steps": df}, {"stopped": res.stopped}, heads,
+                           config.to_dict(), prov)]
+
+
+def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+    from varbench.analysis.result import AnalysisResult, Headline
+    from varbench.report import provenance
+    from varbench.testing.check import check_estimator
+
+    estimator = params.pop("estimator")
+    res = check_estimator(estimator, **params)
+    heads = [Headline("passed", float(res.passed), None,
+                      f"{res.name}: {'PASSED' if res.passed else 'FAILED'} check_estimator")]
+    for r in res.table.itertuples():
+        if r.check.startswith(("bias", "scale", "variance")) and _finite(r.value):
+            se = float(r.se) if _finite(r.se) else None
+            key = r.check.replace(" ", "_").replace("(", "").replace(")", "").replace("*", "")
+            heads.append(Headline(key, float(r.value), se,
+                                  f"{res.name}: {r.check} = {r.value:.3g}"
+                                  + (f" (SE {se:.2g})" if se is not None else "")))
+    prov = provenance(config={"estimator": estimator, **params}, seeds=res.config["seed"],
+                      wall_time_s=res.wall_time_s)
+    return [AnalysisResult("check", name, {"checks": res.table}, {"passed": res.passed}, heads,
+                           res.config, prov, [str(res)])]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+    """run_validation writes its own report into work_dir; read its records back from there."""
+    from varbench.train.validate import ValidateConfig, run_validation
+
+    base = ValidateConfig.reduced_default() if params.pop("reduced", False) else ValidateConfig()
+    changes = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v
+               for k, v in params.items()}
+    cfg = replace(base, **changes)
+    run_validation(cfg, work_dir / "validation", progress=progress)
+    return _read_report(work_dir / "validation", name)
+
+
+def _read_report(out: Path, name: str) -> list:
+    """AnalysisResults back from a report directory (summary.json + tables/*.csv)."""
+    import json
+
+    import pandas as pd
+
+    from varbench.analysis.result import AnalysisResult, Headline
+
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    results = []
+    for a in summary["analyses"]:
+        records = {}
+        for rel in a["tables"]:
+            if rel.endswith(".csv"):
+                records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(out / rel)
+        heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
+                 for h in a["headlines"]]
+        prov = a.get("provenance", {})
+        results.append(AnalysisResult(a["kind"], name, records, a.get("summary", {}), heads,
+                                      prov.get("config", {}), prov, a.get("notes", [])))
+    return results
+
+
+_EXECUTORS = {"proxy": _analysis, "variance": _analysis, "cancellation": _analysis,
+              "train": _train, "validate": _validate, "check": _check}

@@ -1,0 +1,200 @@
+"""Execute a suite: every case once, cached, resumable, shardable; then one report.
+
+    run_suite("suites/quickstart.toml", out_dir="reports/quickstart")
+    run_suite(path, out_dir="out/shard1", shard=(1, 4))   # cases 0, 4, 8, ... (1-based I/N)
+    merge_outputs(["out/shard1", ..., "out/shard4"], "out/all")
+
+Output directory: ``cases/`` (one file per finished case, see :mod:`varbench.runner.cache`),
+``work/<case key>/`` (a case's scratch: analysis cells, training checkpoints, so even a case
+interrupted halfway resumes from its last finished cell), ``suite.json`` (the suite's digest and
+case list) and, for a full run or a merge, the report (summary.json, report.md, report.html).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from varbench.analysis.result import AnalysisResult
+from varbench.runner.cache import CaseCache, atomic_write, load_file, read_payload
+from varbench.runner.schema import Case, Suite, load_suite
+
+MANIFEST = "suite.json"
+
+
+@dataclass
+class RunSummary:
+    """What a run did: which cases it computed, which it found cached, where the report is."""
+
+    out_dir: Path
+    computed: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    report: Path | None = None
+    wall_time_s: float = 0.0
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 1 <= I <= N; ValueError naming the value otherwise."""
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"--shard={text!r} is not valid; expected I/N, e.g. 1/4") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard={text!r} is not valid; need 1 <= I <= N (shards are 1-based)")
+    return i, n
+
+
+def shard_cases(cases: Sequence[Case], shard: tuple[int, int] | None) -> list[Case]:
+    """Shard I of N: the cases at positions I-1, I-1+N, ... (deterministic, balanced)."""
+    if shard is None:
+        return list(cases)
+    i, n = shard
+    return [c for c in cases if c.index % n == i - 1]
+
+
+def default_out_dir(suite: Suite) -> Path:
+    return Path("reports") / suite.name
+
+
+def run_suite(
+    suite: Suite | str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    shard: tuple[int, int] | None = None,
+    progress: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> RunSummary:
+    """Run every (selected) case not already cached, then render the report.
+
+    Interruption (Ctrl-C, a kill) loses at most the case in progress; finished cases are never
+    recomputed or corrupted. A sharded run writes its cases and ``suite.json`` but no report:
+    combine shards with :func:`merge_outputs`.
+    """
+    suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(suite)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    say = log or (lambda msg: None)
+    start = time.perf_counter()
+    cache = CaseCache(out / "cases")
+    cache.clean_stale_tmp()
+    current = shard is None and _report_current(out, suite)
+    _write_manifest(out, suite, shard)
+    selected = shard_cases(suite.cases, shard)
+    summary = RunSummary(out)
+    bar = tqdm(selected, desc=f"suite {suite.name}", unit="case", disable=not show)
+    for case in bar:
+        bar.set_postfix_str(case.name)
+        if cache.has(case):
+            try:
+                cache.load(case)
+                summary.cached.append(case.name)
+                say(f"[cached]  {case.name}")
+                continue
+            except ValueError as err:
+                say(f"[corrupt] {case.name}: {err}; recomputing it")
+        t0 = time.perf_counter()
+        work = out / "work" / case.key  # created by the kinds that need scratch space
+        from varbench.runner.kinds import KINDS
+
+        results = KINDS[case.kind].execute(case.name, case.params, work, show)
+        cache.store(case, results, time.perf_counter() - t0)
+        summary.computed.append(case.name)
+        say(f"[done]    {case.name} ({time.perf_counter() - t0:.1f} s)")
+    if shard is None:
+        summary.report = out / "report.html"
+        if summary.computed or not current:
+            results = [r for c in suite.cases for r in cache.load(c)]
+            render(results, out, suite.title)
+            _write_manifest(out, suite, shard, rendered=True)
+    summary.wall_time_s = time.perf_counter() - start
+    return summary
+
+
+def render(results: list[AnalysisResult], out: Path, title: str) -> Path:
+    """One report for the suite (the report layer renders; nothing is computed here)."""
+    from varbench.report import write_report
+
+    write_report(results, out, title=title)
+    return out / "report.html"
+
+
+def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary:
+    """Combine shard output directories into ``out_dir`` and render the suite's report.
+
+    Every directory must come from the same suite (same digest in ``suite.json``); the union of
+    their cases must cover the suite. Case files are copied atomically; nothing is recomputed.
+    """
+    if not dirs:
+        raise ValueError("merge needs at least one shard output directory")
+    manifests = []
+    for d in dirs:
+        path = Path(d) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{d} has no {MANIFEST}: not a `varbench run` output")
+        try:
+            manifests.append(json.loads(path.read_text(encoding="utf-8")))
+        except ValueError as err:
+            raise ValueError(f"{path} is corrupt ({err})") from None
+    digests = {m["digest"] for m in manifests}
+    if len(digests) != 1:
+        raise ValueError(f"shard outputs come from different suites (digests {sorted(digests)}); "
+                         "merge only shards of one suite file and varbench version")
+    head = manifests[0]
+    out = Path(out_dir)
+    cases = CaseCache(out / "cases")
+    found: dict[str, Path] = {}
+    for d in dirs:
+        for f in CaseCache(Path(d) / "cases").files():
+            key = read_payload(f).get("key")
+            if key in head["cases"] and key not in found:
+                load_file(f, expect_key=key)  # refuse corrupt shards before copying
+                found[key] = f
+    missing = [k for k in head["cases"] if k not in found]
+    if missing:
+        raise ValueError(f"merge is missing {len(missing)} case(s): {missing}; run the "
+                         "remaining shards (or `varbench run` into one of the directories)")
+    summary = RunSummary(out)
+    for key, f in found.items():
+        dest = cases.root / f"{key}.json"
+        if f.resolve() != dest.resolve():
+            tmp = dest.with_name(f".{dest.name}.copy")
+            shutil.copyfile(f, tmp)
+            tmp.replace(dest)
+        summary.cached.append(key)
+    _write_manifest_raw(out, {**head, "shard": None, "report_digest": None})
+    results = [r for key in head["cases"] for r in load_file(found[key], expect_key=key)]
+    summary.report = render(results, out, head["title"])
+    _write_manifest_raw(out, {**head, "shard": None, "report_digest": head["digest"]})
+    return summary
+
+
+def _write_manifest(out: Path, suite: Suite, shard: tuple[int, int] | None,
+                    rendered: bool = False) -> None:
+    _write_manifest_raw(out, {
+        "suite": suite.name, "title": suite.title, "file": str(suite.path),
+        "digest": suite.digest, "cases": [c.key for c in suite.cases],
+        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+        "report_digest": suite.digest if rendered else None,
+    })
+
+
+def _report_current(out: Path, suite: Suite) -> bool:
+    """True when the report on disk was rendered from exactly these cases (nothing to redo)."""
+    try:
+        old = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    files = ("summary.json", "report.md", "report.html")
+    return old.get("report_digest") == suite.digest and all((out / f).is_file() for f in files)
+
+
+def _write_manifest_raw(out: Path, data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / MANIFEST, json.dumps(data, indent=2) + "\n")

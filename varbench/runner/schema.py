@@ -1,0 +1,241 @@
+"""Suite files: TOML data validated up front, before any case runs.
+
+    [suite]                 # name (required), title, description, seed
+    name = "quickstart"
+    seed = 0
+
+    [defaults]              # keys applied to every case whose kind accepts them
+    policy = "tiny"
+
+    [[cases]]               # one table per case: name, kind, then the kind's keys
+    name = "variance"
+    kind = "variance"
+    schemes = ["centered", "otb"]
+
+A suite file is data: nothing in it is evaluated. The only code it can reach is an explicit
+``estimator = "MODULE:FUNCTION"`` of a ``check`` case, imported by name when that case runs.
+Every error names the file, the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from varbench.runner.kinds import KINDS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+SUITE_KEYS = {"name": str, "title": str, "description": str, "seed": int}
+TOP_KEYS = ("suite", "defaults", "cases")
+_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*$")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One validated case: ``params`` are the kind's keyword arguments (defaults applied)."""
+
+    index: int
+    name: str
+    kind: str
+    params: dict[str, Any]
+
+    def config(self) -> dict[str, Any]:
+        """What identifies the case's result (with the varbench version: the cache key)."""
+        from varbench import __version__
+
+        return {"name": self.name, "kind": self.kind, "params": self.params,
+                "varbench_version": __version__}
+
+    @property
+    def key(self) -> str:
+        """Hash of :meth:`config`: a changed setting or version never reuses a result."""
+        blob = json.dumps(self.config(), sort_keys=True).encode()
+        return f"{self.name}-{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A validated suite file."""
+
+    path: Path
+    name: str
+    title: str
+    description: str
+    seed: int
+    cases: tuple[Case, ...]
+
+    @property
+    def digest(self) -> str:
+        """Hash of every case key: shards of the same suite agree on it."""
+        return hashlib.sha256("\n".join(c.key for c in self.cases).encode()).hexdigest()[:16]
+
+
+class SuiteError(ValueError):
+    """An invalid suite file (message names the file and the key)."""
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate a suite file; raises :class:`SuiteError` (a ValueError)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"suite file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise SuiteError(f"{path}: not valid TOML: {err}") from None
+    return parse_suite(data, path)
+
+
+def parse_suite(data: dict[str, Any], path: Path) -> Suite:
+    """Validate the parsed TOML ``data`` of the file ``path``."""
+    _keys(path, "top level", data, TOP_KEYS)
+    head = data.get("suite")
+    if not isinstance(head, dict):
+        raise SuiteError(f"{path}: missing [suite] table (with at least name = \"...\")")
+    _keys(path, "[suite]", head, SUITE_KEYS)
+    for key, typ in SUITE_KEYS.items():
+        if key in head and (not isinstance(head[key], typ) or isinstance(head[key], bool)):
+            raise SuiteError(f"{path}: [suite] key {key!r} must be a {typ.__name__}, "
+                             f"got {head[key]!r}")
+    if "name" not in head:
+        raise SuiteError(f"{path}: [suite] needs name = \"...\"")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise SuiteError(f"{path}: [defaults] must be a table")
+    raw_cases = data.get("cases")
+    if not isinstance(raw_cases, list) or not raw_cases:
+        raise SuiteError(f"{path}: no cases; add at least one [[cases]] table with name and kind")
+    params_of = {}
+    cases, seen = [], set()
+    for i, raw in enumerate(raw_cases):
+        where = f"cases[{i}]"
+        if not isinstance(raw, dict):
+            raise SuiteError(f"{path}: {where} must be a table ([[cases]])")
+        name, kind = raw.get("name"), raw.get("kind")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise SuiteError(f"{path}: {where} key 'name' must be a string of letters, digits, "
+                             f"'_', '-', '.' (got {name!r})")
+        where = f"{where} ({name!r})"
+        if name in seen:
+            raise SuiteError(f"{path}: {where}: duplicate case name {name!r}")
+        seen.add(name)
+        if kind not in KINDS:
+            raise SuiteError(f"{path}: {where} key 'kind' = {kind!r} is not valid; "
+                             f"choose one of {sorted(KINDS)}")
+        if kind not in params_of:
+            params_of[kind] = _kind_params(path, kind)
+        valid = params_of[kind]
+        body = {k: v for k, v in raw.items() if k not in ("name", "kind")}
+        _keys(path, where, body, sorted(valid))
+        merged = {k: v for k, v in defaults.items() if k in valid}
+        merged.update(body)
+        if "seed" in valid and "seed" not in merged and "seed" in head:
+            merged["seed"] = head["seed"]
+        for key, value in merged.items():
+            _check_value(path, where, kind, key, value, valid[key])
+        missing = [k for k, p in valid.items()
+                   if p.default is inspect.Parameter.empty and k not in merged]
+        if missing:
+            raise SuiteError(f"{path}: {where}: kind {kind!r} needs key(s) {missing}")
+        if kind == "train":
+            from varbench.train.config import TrainConfig
+
+            TrainConfig.from_dict(merged, source=f"{path}: {where}")  # validates types
+        cases.append(Case(i, name, kind, merged))
+    unused = [k for k in defaults if not any(k in p for p in params_of.values())]
+    if unused:
+        allowed = sorted({k for p in params_of.values() for k in p})
+        raise SuiteError(f"{path}: [defaults] key(s) {unused} apply to no case; valid keys for "
+                         f"this suite's kinds: {allowed}")
+    return Suite(path, head["name"], head.get("title", head["name"]),
+                 head.get("description", ""), head.get("seed", 0), tuple(cases))
+
+
+def _kind_params(path: Path, kind: str) -> dict[str, inspect.Parameter]:
+    try:
+        return KINDS[kind].parameters()
+    except ValueError as err:
+        raise SuiteError(f"{path}: {err}") from None
+
+
+def _keys(path: Path, where: str, table: dict, valid) -> None:
+    bad = [k for k in table if k not in valid]
+    if bad:
+        raise SuiteError(f"{path}: {where}: unknown key {bad[0]!r}; valid keys: {sorted(valid)}")
+
+
+def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
+                 param: inspect.Parameter) -> None:
+    """Types from the parameter's default; choices for names the library registers."""
+    at = f"{path}: {where} key {key!r}"
+    default = param.default
+    if default is not inspect.Parameter.empty and default is not None:
+        want = type(default)
+        ok = (
+            isinstance(value, bool) if want is bool
+            else (isinstance(value, int) and not isinstance(value, bool)) if want is int
+            else (isinstance(value, (int, float)) and not isinstance(value, bool))
+            if want is float
+            else isinstance(value, str) if want is str
+            else isinstance(value, list) if want in (list, tuple)
+            else True
+        )
+        if not ok:
+            label = {list: "list", tuple: "list"}.get(want, want.__name__)
+            raise SuiteError(f"{at} must be a {label} (like its default {default!r}), "
+                             f"got {value!r}")
+    choices = _choices(key, kind)
+    if choices is not None:
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if v not in choices and not (key == "policy" and isinstance(v, str)
+                                         and Path(v).is_dir()):
+                extra = " or an existing checkpoint directory" if key == "policy" else ""
+                raise SuiteError(f"{at}: {v!r} is not valid; choose one of "
+                                 f"{sorted(map(str, choices))}{extra}")
+    if key == "checkpoint" and value is not None and not Path(str(value)).is_dir():
+        raise SuiteError(f"{at} = {value!r} is not an existing checkpoint directory")
+    if key == "estimator":
+        from varbench.estimators import schemes
+
+        if not isinstance(value, str) or not (_REF.match(value) or value in schemes()):
+            raise SuiteError(f"{at} = {value!r} is not valid; give MODULE:FUNCTION (imported "
+                             f"by name when the case runs) or a scheme in {schemes()}")
+
+
+def _choices(key: str, kind: str) -> list[Any] | None:
+    if key in ("scheme", "schemes", "baselines"):
+        from varbench.estimators import schemes
+
+        names = schemes()
+        if kind == "variance":  # labels may name OTB-type schemes with exact weights
+            names = names + [f"{n}_exact" for n in names if n.startswith("otb")]
+        return names
+    if key in ("agg", "mode", "modes"):
+        from varbench.estimators import AGGREGATION_MODES
+
+        return list(AGGREGATION_MODES)
+    if key in ("task", "tasks"):
+        from varbench.tasks import task_names
+
+        return task_names()
+    if key in ("policy", "preset"):
+        from varbench.models import presets
+
+        return presets()
+    if key == "states":
+        from varbench.runner.kinds import STATES
+
+        return list(STATES)
+    return None

@@ -1,0 +1,155 @@
+"""``check_estimator``: the regression test a new advantage estimator must pass.
+
+    from varbench.testing import check_estimator
+    result = check_estimator("mypkg.adv:my_estimator")   # or a callable, or a scheme name
+    print(result)            # pass/fail table
+    assert result.passed
+
+Rows (``result.table``, a DataFrame): the deterministic contract checks of
+:mod:`varbench.testing.contract`, the bias tests of :mod:`varbench.testing.bias` against the
+exact gradient of an enumerable toy task, and the variance at equal token budget against
+baselines. ``required`` rows decide ``passed``; the others are measured and reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from varbench.testing import bias as _bias
+from varbench.testing.adapt import load
+from varbench.testing.contract import contract_rows
+from varbench.testing.toy import ToyPolicy, ToyTask
+
+COLUMNS = ["check", "passed", "required", "value", "se", "debiased", "p_value", "threshold",
+           "detail"]
+
+
+@dataclass
+class CheckResult:
+    """Outcome of :func:`check_estimator`: ``passed`` and one table row per check."""
+
+    name: str
+    shape: str
+    passed: bool
+    table: pd.DataFrame
+    config: dict[str, Any] = field(default_factory=dict)
+    wall_time_s: float = 0.0
+
+    def row(self, check: str) -> pd.Series:
+        """The table row named ``check`` (e.g. "bias (raw)")."""
+        hit = self.table[self.table["check"] == check]
+        if hit.empty:
+            raise KeyError(f"no check {check!r}; have {list(self.table['check'])}")
+        return hit.iloc[0]
+
+    def __str__(self) -> str:
+        lines = [f"check_estimator: {self.name} ({self.shape}-shaped), "
+                 f"G={self.config.get('G')}, {self.config.get('num_steps')} steps, "
+                 f"seed={self.config.get('seed')}, alpha={self.config.get('alpha')}"]
+        lines.append(f"{'status':6}  {'check':34} {'value':>10} {'SE':>9} {'p':>8}  detail")
+        for r in self.table.itertuples():
+            status = ("PASS" if r.passed else "FAIL") if r.required else (
+                "info" if r.passed else "warn")
+            lines.append(
+                f"{status:6}  {r.check:34} {_num(r.value):>10} {_num(r.se):>9} "
+                f"{_num(r.p_value):>8}  {r.detail}"
+            )
+        lines.append(f"{'PASSED' if self.passed else 'FAILED'} in {self.wall_time_s:.1f} s")
+        return "\n".join(lines)
+
+
+def _num(v: Any) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return f"{v:.3g}"
+
+
+def check_estimator(
+    fn_or_name: Any,
+    *,
+    G: int = 4,
+    num_steps: int = 3000,
+    seed: int = 0,
+    alpha: float = 1e-3,
+    tolerance: float = 0.05,
+    baselines: Sequence[str] = ("centered", "otb"),
+    require_unbiased: bool = False,
+    require_all_agree_zero: bool = True,
+    max_variance_ratio: float | None = None,
+    task: ToyTask | None = None,
+    groups_per_call: int = 256,
+    estimator_options: dict[str, Any] | None = None,
+) -> CheckResult:
+    """Run every check on an estimator; deterministic for a given ``seed``.
+
+    ``fn_or_name``: a registered scheme name, ``"MODULE:FUNCTION"``, or a callable shaped
+    ``fn(rewards[P,G], mask[P,G,T], **options) -> [P,G,T]`` (varbench) or
+    ``fn(token_level_rewards[B,T], response_mask[B,T], index[B], **kw) -> (adv, returns)``
+    (verl), told apart by signature. Estimators that accept ``logprobs`` / ``sum_pi_sq`` (or
+    ``**kw``) receive them ``[P,G,T]``; ``estimator_options`` are passed on every call.
+
+    Bias: ``num_steps`` steps of G responses for each prompt of ``task`` (default
+    ``ToyTask()``). A bias test fails when p < ``alpha`` (its false-alarm rate for an estimator
+    without that bias) and the debiased relative bias exceeds ``tolerance``. The raw test is
+    required only with ``require_unbiased`` (group-mean baselines are unbiased up to the
+    positive factor (G-1)/G, which is not a defect); the rescaled test always is.
+    Variance: rescaled variance x tokens against each of ``baselines`` on the same groups;
+    required only when ``max_variance_ratio`` is given.
+
+    Data-parallel: under ``torchrun`` (``torch.distributed`` initialised) the sampled steps are
+    split across ranks and gathered; every rank returns the single-process result.
+
+    Raises :class:`~varbench.testing.adapt.EstimatorInputError` (a ValueError) for a module
+    that is not found, a missing function or a wrong signature; the estimator's own errors
+    become failed rows.
+    """
+    from varbench._checks import check_positive_int
+
+    check_positive_int("G", G)
+    check_positive_int("num_steps", num_steps, minimum=3)
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance={tolerance!r} is not valid; expected a number >= 0")
+    start = time.perf_counter()
+    est = load(fn_or_name, estimator_options)
+    base = {name: load(name) for name in baselines}
+    rows = [dict(r, required=True) for r in contract_rows(est.call, seed)]
+    if not require_all_agree_zero:
+        for r in rows:
+            if r["check"] == "all-agree groups":
+                r["required"] = False
+    task = task or ToyTask(seed=seed)
+    policy = ToyPolicy(task)
+    g_star = policy.exact_gradient()
+    calls = {"": est.call, **{n: b.call for n, b in base.items()}}  # "": the candidate
+    xs, tokens = _bias.chunked_estimates(policy, calls, num_steps, G, seed + 1,
+                                         groups_per_call=groups_per_call)
+    x = xs.pop("")
+    for n, e in xs.items():
+        if isinstance(e, str):
+            raise RuntimeError(f"baseline {n!r} failed on the toy task: {e}")
+    if isinstance(x, str):
+        rows.append({"check": "bias (rescaled)", "passed": False, "required": True,
+                     "detail": f"estimator failed on the toy task: {x}"})
+    else:
+        for r in _bias.bias_rows(x, g_star, alpha=alpha, tolerance=tolerance):
+            r["required"] = r["check"] != "bias (raw)" or require_unbiased
+            rows.append(r)
+        for r in _bias.variance_rows(x, xs, g_star, tokens, max_ratio=max_variance_ratio):
+            r["required"] = max_variance_ratio is not None and r["check"].startswith("variance r")
+            rows.append(r)
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    passed = bool(table.loc[table["required"], "passed"].all())
+    config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,
+              "tolerance": tolerance, "baselines": list(baselines),
+              "require_unbiased": require_unbiased, "max_variance_ratio": max_variance_ratio,
+              "task": asdict(task), "groups_per_call": groups_per_call,
+              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()}}
+    return CheckResult(est.name, est.shape, passed, table, config,
+                       time.perf_counter() - start)
