@@ -1,1 +1,33 @@
-"""varbench.analysis."""
+"""varbench.analysis: proxy correlation, estimator variance, token gradient cancellation.
+
+Each analysis returns an :class:`AnalysisResult` (tidy pandas records + headline figures with
+standard errors + provenance) that ``varbench.report.write_report`` renders.
+"""
+
+from varbench.analysis.cancellation import cancellation
+from varbench.analysis.oracle import ExactDistribution, enumerate_distribution
+from varbench.analysis.proxy import proxy_correlation
+from varbench.analysis.result import AnalysisResult, Headline
+from varbench.analysis.stats import correlations, paired_compare, variance_stats
+from varbench.analysis.trie import prefix_node_ids, shared_steps, token_net_weight
+from varbench.analysis.variance import DEFAULT_SCHEMES, estimator_variance
+from varbench.analysis.vectors import TokenVectors, token_vectors
+
+__all__ = [
+    "DEFAULT_SCHEMES",
+    "AnalysisResult",
+    "ExactDistribution",
+    "Headline",
+    "TokenVectors",
+    "cancellation",
+    "correlations",
+    "enumerate_distribution",
+    "estimator_variance",
+    "paired_compare",
+    "prefix_node_ids",
+    "proxy_correlation",
+    "shared_steps",
+    "token_net_weight",
+    "token_vectors",
+    "variance_stats",
+]

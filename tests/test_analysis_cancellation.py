@@ -1,0 +1,129 @@
+"""Known answers of the cancellation analysis (SCIENCE.md 4) with the estimators' coefficients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from varbench.analysis.cancellation import cancellation, sample_weights
+from varbench.analysis.trie import shared_steps
+from varbench.estimators import coefficients as coefmod
+from varbench.estimators.registry import advantages
+from varbench.models import build_policy
+from varbench.tasks import get_task
+
+
+def _group():
+    """Two groups of 4; in each, all responses share the first two tokens; lengths differ."""
+    tokens = torch.tensor([
+        [[4, 5, 0, 0, 0], [4, 5, 6, 0, 0], [4, 5, 6, 7, 0], [4, 5, 8, 9, 9]],
+        [[7, 7, 7, 0, 0], [7, 7, 1, 0, 0], [7, 7, 1, 2, 3], [7, 7, 2, 2, 0]],
+    ])
+    lengths = torch.tensor([[2, 3, 4, 5], [3, 3, 5, 4]])
+    mask = (torch.arange(5) < lengths[..., None]).double()
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(2, 4, 5, generator=g, dtype=torch.float64) * mask
+    return tokens, mask, rewards, logp
+
+
+def _full(mode, transform="none", ratio="token", logp_new=None, scheme="centered"):
+    tokens, mask, rewards, logp = _group()
+    adv = advantages(scheme, rewards, mask != 0)
+    new = logp if logp_new is None else logp_new
+    c = sample_weights(new, logp, adv, mask, mode, ratio=ratio, transform=transform, max_len=5)
+    df = shared_steps(tokens, adv, c, mask)
+    full = df[df["full_group"]]
+    assert len(full) == 4  # two full-group steps per group
+    return full, c, adv, mask
+
+
+def test_weights_times_advantage_equal_loss_coefficients():
+    tokens, mask, rewards, logp = _group()
+    adv = advantages("centered", rewards, mask != 0)
+    g = torch.Generator().manual_seed(1)
+    new = logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
+    for ratio in ("token", "sequence"):
+        c = sample_weights(new, logp, adv, mask, "seq-mean-token-mean", ratio=ratio)
+        want = -coefmod.token_coefficients(new, logp, adv, mask != 0, "seq-mean-token-mean",
+                                           ratio=ratio)
+        torch.testing.assert_close(c * adv, want, rtol=1e-12, atol=1e-15)
+        assert (c[mask != 0] >= 0).all()
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"])
+def test_exchangeable_modes_cancel_exactly_at_ratio_one(mode):
+    full, *_ = _full(mode)
+    assert full["residual"].max() < 1e-15
+    assert full["exchangeable"].max() < 1e-15
+
+
+def test_seq_mean_token_mean_with_unequal_lengths_does_not_cancel():
+    full, *_ = _full("seq-mean-token-mean")
+    assert (full["residual"] > 1e-3).all()
+    assert (full["exchangeable"] < 1e-15).all()  # the whole residual is weighting-induced
+    torch.testing.assert_close(
+        torch.tensor(full["residual"].to_numpy()),
+        torch.tensor((full["weighting_residual"] * full["abs_sum"]).abs().to_numpy()),
+    )
+
+
+def test_gspo_sequence_ratio_breaks_cancellation_after_an_update():
+    tokens, mask, rewards, logp = _group()
+    g = torch.Generator().manual_seed(2)
+    new = logp + 0.05 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
+    full, *_ = _full("seq-mean-token-sum", ratio="sequence", logp_new=new)
+    assert (full["residual"] > 1e-6).all()
+
+
+@pytest.mark.parametrize("transform", ["min_replace", "adv_orthogonal"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_transforms_restore_cancellation(mode, transform):
+    tokens, mask, rewards, logp = _group()
+    g = torch.Generator().manual_seed(3)
+    new = logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
+    full, c, adv, m = _full(mode, transform=transform, ratio="sequence", logp_new=new)
+    assert full["residual"].max() < 1e-12
+    if transform == "adv_orthogonal":  # sum_i A_i v~_i = 0 at every position
+        assert (c * adv * m).sum(1).abs().max() < 1e-12
+
+
+@pytest.fixture(scope="module")
+def peaked_policy():
+    """A micro policy with a sharpened head, so sampled groups share prefixes."""
+    pol = build_policy("micro", seed=0)
+    with torch.no_grad():
+        pol.model.lm_head.weight.mul_(30)
+    return pol
+
+
+def test_pipeline_records_and_grad_ratio(peaked_policy, tmp_path):
+    task = get_task("sort", n=3, max_value=2)
+    res = cancellation(peaked_policy, [task], n_prompts=3, G=4, reward="inclusion_adjacency",
+                       modes=["seq-mean-token-sum", "seq-mean-token-mean"],
+                       ratios=["token"], inner_steps=[0], transforms=["none"], sketch_dim=64,
+                       cache_dir=str(tmp_path))
+    conf = res.records["configs"].set_index("mode")
+    nodes = res.records["nodes"]
+    assert set(conf.index) == {"seq-mean-token-sum", "seq-mean-token-mean"}
+    assert conf["n_shared"].min() > 0
+    # Fixed length and ratio 1: every mode is exchangeable, full-group steps (if any) cancel.
+    full = nodes[nodes["full_group"]]
+    assert (full["residual"] < 1e-6).all()
+    ok = nodes.dropna(subset=["grad_ratio"])
+    assert len(ok) > 0
+    # At a shared step every member has the same gradient: sketch ratio == scalar ratio.
+    torch.testing.assert_close(torch.tensor(ok["grad_ratio"].to_numpy()),
+                               torch.tensor(ok["scalar_ratio"].to_numpy()), rtol=1e-4, atol=1e-6)
+    assert len(res.records["token_ids"]) > 0
+    assert all(h.se is None or h.se >= 0 for h in res.headlines)
+
+
+def test_bad_input(peaked_policy):
+    task = get_task("sort", n=2)
+    with pytest.raises(ValueError, match="modes"):
+        cancellation(peaked_policy, [task], modes=["mean"])
+    with pytest.raises(ValueError, match="transform"):
+        cancellation(peaked_policy, [task], transforms=["max_replace"])
+    with pytest.raises(ValueError, match="tasks"):
+        cancellation(peaked_policy, [])

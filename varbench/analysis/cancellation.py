@@ -1,0 +1,282 @@
+"""Token gradient cancellation (issue 5.3, SCIENCE.md 4) on sampled groups.
+
+    res = cancellation(policy, [get_task("arith"), get_task("toolsum")])
+    res.records["configs"]   # task, config, full_residual_rel (+ se), shared_residual_rel, ...
+
+For each task one batch is sampled; its advantages (default ``centered``) are fixed. For each
+number of PPO inner steps k (a copy of the policy takes k clipped-loss steps on the batch, so
+ratios and clips become non-trivial; k = 0 is ratio 1), each aggregation mode, token vs
+sequence (GSPO) ratio, and transform (none / Min-Replace / Adv-Orthogonal on the per-sample
+weights), the per-token weight ``c`` (without the advantage) is read off the loss's exact
+coefficient (``token_coefficients``) and the prefix-trie diagnostics of ``trie.py`` are applied.
+Known answers (tests): full-group shared steps cancel exactly under seq-mean-token-sum with
+centered advantages and ratio 1; they do not under seq-mean-token-mean with unequal lengths;
+both transforms restore ``sum_i A_i v~_i = 0`` at full-group steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from varbench._checks import check_choice, check_positive_int
+from varbench.analysis._common import CellCache, concat, show_progress
+from varbench.analysis.result import AnalysisResult, Headline
+from varbench.analysis.trie import shared_steps, token_net_weight
+from varbench.analysis.vectors import token_vectors
+from varbench.estimators.aggregation import AGGREGATION_MODES
+from varbench.estimators.coefficients import token_coefficients
+from varbench.estimators.loss import RATIO_KINDS, policy_loss
+from varbench.estimators.registry import advantages
+from varbench.estimators.transforms import adv_orthogonal, min_replace
+from varbench.grads.stats import token_logprobs
+from varbench.models.forward import forward_logits
+from varbench.models.presets import Policy
+from varbench.report.headline import fmt, with_se
+from varbench.report.provenance import provenance
+from varbench.rollout.sampler import sample
+from varbench.tasks.base import Task
+
+TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
+
+
+def sample_weights(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    ratio: str = "token",
+    clip: tuple[float, float] = (0.2, 0.2),
+    transform: str = "none",
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Per-token weight ``c [P, G, T]`` WITHOUT the advantage: ``c * A`` is the ascent coefficient.
+
+    The loss coefficient is linear in |A| once the sign of A is fixed (the clip indicator only
+    reads the sign), so ``c = -token_coefficients(..., adv=sign(A)) * sign(A)`` (sign(0) := +1):
+    aggregation weight x ratio x clip indicator (x GSPO's sequence factor), >= 0. Needs A
+    constant over a response for ``ratio="sequence"`` (outcome-reward schemes). ``transform``
+    then replaces c per position across the group (Min-Replace / Adv-Orthogonal, detached).
+    """
+    check_choice("transform", transform, TRANSFORMS)
+    m = mask != 0
+    sgn = torch.where(adv < 0, -1.0, 1.0).to(logp.dtype) * m
+    c = -token_coefficients(logp, logp_old, sgn, m, mode, clip=clip, ratio=ratio,
+                            max_len=max_len) * sgn
+    if transform == "min_replace":
+        c = min_replace(c, m)
+    elif transform == "adv_orthogonal":
+        c = adv_orthogonal(c, adv.to(c.dtype), m)
+    return c
+
+
+def _batch_logp(model: torch.nn.Module, batch) -> torch.Tensor:
+    flat = batch.flat()
+    logits = forward_logits(model, flat.input_ids, flat.attention_mask).logits
+    return batch.to_groups(token_logprobs(logits, flat.input_ids) * flat.response_mask)
+
+
+def ppo_logps(policy: Policy, batch, adv: torch.Tensor, steps: Sequence[int], *, lr: float,
+              clip: tuple[float, float], mode: str = "token-mean") -> dict[int, torch.Tensor]:
+    """``{k: logp after k clipped-loss Adam steps}`` of a copy of the policy on ``batch``.
+
+    k = 0 gives the sampling log-probs (ratio 1). The update uses token ratios and ``mode``.
+    """
+    out = {0: batch.logprobs.detach()}
+    if max(steps, default=0) == 0:
+        return out
+    model = copy.deepcopy(policy.model)
+    model.train(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    mask = batch.mask != 0
+    with torch.enable_grad():
+        for k in range(1, max(steps) + 1):
+            logp = _batch_logp(model, batch)
+            loss, _ = policy_loss(logp, batch.logprobs, adv, mask, mode, clip=clip)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if k in steps:
+                with torch.no_grad():
+                    out[k] = _batch_logp(model, batch).detach()
+    return out
+
+
+def _cluster_mean_se(df: pd.DataFrame, col: str) -> tuple[float, float, int]:
+    """Mean of ``col`` and its SE treating groups (p) as independent clusters."""
+    d = df[["p", col]].dropna()
+    if not len(d):
+        return float("nan"), float("nan"), 0
+    per = d.groupby("p")[col].mean()
+    se = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else float("nan")
+    return float(d[col].mean()), se, len(d)
+
+
+def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ratios, steps,
+                  transforms, clip, lr, top_tokens, sketch_dim, progress):
+    prompts = task.prompts(n_prompts, seed=seed)
+    batch = sample(policy, task, prompts, G, seed=seed, reward=reward)
+    mask = batch.mask != 0
+    rewards = batch.rewards.to(batch.logprobs.dtype)
+    adv = advantages(scheme, rewards, mask, logprobs=batch.logprobs, sum_pi_sq=batch.sum_pi_sq)
+    logps = ppo_logps(policy, batch, adv, steps, lr=lr, clip=clip)
+    grads = None
+    if sketch_dim is not None:
+        grads = token_vectors(policy.model, batch, sketch_dim=sketch_dim, sketch_seed=seed,
+                              progress=progress).vec
+    tid = policy.tokenizer.convert_ids_to_tokens
+    confs, nodes, tokens = [], [], []
+    for k in steps:
+        for mode in modes:
+            for ratio in ratios:
+                for tf in transforms:
+                    label = f"{mode} | {ratio} ratio | k={k} | {tf}"
+                    c = sample_weights(logps[k], batch.logprobs, adv, mask, mode, ratio=ratio,
+                                       clip=clip, transform=tf, max_len=task.max_new_tokens)
+                    df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask,
+                                      token_grads=grads if k == 0 else None)
+                    meta = {"task": task.name, "config": label, "mode": mode, "ratio": ratio,
+                            "inner_steps": k, "transform": tf}
+                    row = dict(meta)
+                    full = df[df["full_group"]]
+                    for name, part in (("full", full), ("shared", df)):
+                        for col, key in (("rel_residual", "residual_rel"),
+                                         ("weighting_residual", "weighting_rel")):
+                            v, se, n = _cluster_mean_se(part, col)
+                            row[f"{name}_{key}"], row[f"{name}_{key}_se"] = v, se
+                        row[f"n_{name}"] = int(len(part))
+                        # Steps with something to cancel (sum |c A| > 0): the means run over
+                        # these; a zero weight (clipped, or Min-Replace's min of 0) drops out.
+                        row[f"n_{name}_active"] = int(part["rel_residual"].notna().sum())
+                    v, se, _ = _cluster_mean_se(df, "grad_ratio")
+                    row["grad_ratio"], row["grad_ratio_se"] = v, se
+                    with torch.no_grad():
+                        lr_ = (logps[k] - batch.logprobs)[mask]
+                    row["mean_abs_log_ratio"] = float(lr_.abs().mean())
+                    confs.append(row)
+                    nodes.append(df.assign(**meta))
+                    tw = token_net_weight(batch.tokens, adv, c, mask, top=top_tokens)
+                    tw.insert(1, "token_str", [str(s) for s in tid(tw["token"].tolist())])
+                    tokens.append(tw.assign(**meta))
+    return pd.DataFrame(confs), concat(nodes), concat(tokens), batch
+
+
+def cancellation(
+    policy: Policy | Mapping[str, Policy],
+    tasks: Sequence[Task],
+    *,
+    n_prompts: int = 8,
+    G: int = 8,
+    reward: str | None = None,
+    scheme: str = "centered",
+    modes: Sequence[str] = AGGREGATION_MODES,
+    ratios: Sequence[str] = RATIO_KINDS,
+    inner_steps: Sequence[int] = (0, 4),
+    transforms: Sequence[str] = TRANSFORMS,
+    clip: tuple[float, float] = (0.2, 0.2),
+    lr: float = 3e-3,
+    top_tokens: int = 15,
+    sketch_dim: int | None = 256,
+    seed: int = 0,
+    cache_dir: str | None = None,
+    progress: bool | None = None,
+    config: dict[str, Any] | None = None,
+) -> AnalysisResult:
+    """Shared-step cancellation diagnostics for every configuration on each task.
+
+    ``policy``: one Policy for every task, or ``{task name: Policy}`` (e.g. a policy
+    warm-started on each task).
+    Records: ``configs`` (one row per task x configuration: mean relative residual at
+    full-group and at all shared steps, weighting-induced residual, gradient cancellation ratio,
+    each with a cluster SE over groups), ``nodes`` (every shared step), ``token_ids`` (net weight
+    of the most frequent ids). ``sketch_dim=None`` skips per-token gradient vectors (the
+    gradient ratio is then NaN). Each task is one cached cell.
+    """
+    check_positive_int("n_prompts", n_prompts)
+    check_positive_int("G", G, minimum=2)
+    for m in modes:
+        check_choice("modes", m, AGGREGATION_MODES)
+    for r in ratios:
+        check_choice("ratios", r, RATIO_KINDS)
+    for t in transforms:
+        check_choice("transforms", t, TRANSFORMS)
+    steps = sorted({int(k) for k in inner_steps})
+    if steps and steps[0] < 0:
+        raise ValueError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
+    if not tasks:
+        raise ValueError("tasks is empty; pass at least one Task")
+    pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))
+    missing = [t.name for t in tasks if t.name not in pols]
+    if missing:
+        raise ValueError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
+    t0 = time.perf_counter()
+    cfg = {"analysis": "cancellation",
+           "policies": {k: {"name": v.name, "meta": v.meta} for k, v in pols.items()},
+           "tasks": {t.name: t.knobs for t in tasks}, "n_prompts": n_prompts, "G": G,
+           "reward": reward, "scheme": scheme, "modes": list(modes), "ratios": list(ratios),
+           "inner_steps": steps, "transforms": list(transforms), "clip": list(clip), "lr": lr,
+           "top_tokens": top_tokens, "sketch_dim": sketch_dim, "seed": seed, **(config or {})}
+    cache = CellCache(cache_dir, cfg)
+    out: dict[str, list[pd.DataFrame]] = {"configs": [], "nodes": [], "token_ids": []}
+    for task in tasks:
+        cells = {k: cache.load(f"{task.name}__{k}") for k in out}
+        if any(v is None for v in cells.values()):
+            conf, nodes, toks, _ = _task_records(
+                pols[task.name], task, n_prompts=n_prompts, G=G, reward=reward, seed=seed,
+                scheme=scheme, modes=modes, ratios=ratios, steps=steps, transforms=transforms,
+                clip=clip, lr=lr, top_tokens=top_tokens, sketch_dim=sketch_dim,
+                progress=show_progress(progress))
+            cells = {"configs": conf, "nodes": nodes, "token_ids": toks}
+            for k, v in cells.items():
+                cache.save(f"{task.name}__{k}", v)
+        for k, v in cells.items():
+            out[k].append(v)
+    records = {k: concat(v) for k, v in out.items()}
+    heads, notes = _headlines(records["configs"])
+    return AnalysisResult(
+        kind="cancellation", name="cancellation", records=records,
+        summary={h.key: {"value": h.value, "se": h.se} for h in heads}, headlines=heads,
+        config=cfg, notes=notes,
+        provenance=provenance(config=cfg, seeds={"prompts": seed, "sample": seed,
+                                                 "sketch": seed},
+                              device=str(next(iter(pols.values())).device),
+                              wall_time_s=time.perf_counter() - t0),
+    )
+
+
+def _headlines(conf: pd.DataFrame) -> tuple[list[Headline], list[str]]:
+    notes = [
+        "Relative residual = |sum_S c_i A_i| / sum_S |c_i A_i| at a shared step S: 0 is exact "
+        "cancellation, 1 is none. SEs treat groups as independent clusters.",
+        "At a shared step every member has the same grad log pi(a|h), so the gradient "
+        "cancellation ratio equals the scalar relative residual up to the sketch's rounding; "
+        "it is computed from per-token gradient sketches at k = 0 only.",
+        "Means run over active steps (sum_S |c_i A_i| > 0); a clipped token or a Min-Replace "
+        "minimum of 0 removes a step's gradient entirely, which counts as no step here.",
+        "PPO inner steps update a copy of the policy with token ratios and token-mean "
+        "aggregation; every configuration then reads its coefficients at those parameters.",
+    ]
+    heads = []
+    for r in conf.itertuples():
+        # Headline the ratio-1 comparisons of modes and ratios, and the transforms at k = max.
+        key_row = (r.inner_steps == 0 and r.transform == "none") or (
+            r.inner_steps == conf["inner_steps"].max() and r.mode == "seq-mean-token-mean")
+        if r.n_full_active == 0 or not key_row:
+            continue
+        heads.append(Headline(
+            f"{r.task}:{r.config}:full_residual_rel", r.full_residual_rel, r.full_residual_rel_se,
+            f"{r.task}, {r.config}: relative residual at {r.n_full_active} full-group shared "
+            f"steps {with_se(r.full_residual_rel, r.full_residual_rel_se)} ("
+            f"{r.n_shared_active} shared steps: {fmt(r.shared_residual_rel)})."))
+    if not len(heads):
+        notes.append("No full-group shared steps occurred in these samples (responses of a "
+                     "group diverge at the first token); see the all-shared-steps columns.")
+    return heads, notes

@@ -1,0 +1,302 @@
+"""Statistics with uncertainty: bootstrap correlations over sequences, variance of group estimates.
+
+Two families, both pure functions of tensors / arrays (no models):
+
+- ``correlations``: Pearson (raw and log), Spearman and Kendall correlations of paired per-token
+  (or per-sequence) values with percentile bootstrap CIs that resample *sequences* (every token of
+  a drawn sequence comes along), because tokens of one sequence are not independent.
+- ``variance_stats`` / ``paired_compare``: the SCIENCE.md section 5 statistics of M independent
+  group estimates ``X [M, D]`` against a reference gradient ``g* [D]``, each with a delete-one
+  jackknife standard error over the M groups. Everything is computed from the Gram matrix
+  ``X X^T`` and ``X g*``, so D may be large (a flat gradient) or small (a sketch) at the same cost.
+  Paired comparisons between two schemes that share the same sampled groups jackknife the ratio
+  (or difference) jointly, so the shared sampling noise cancels in the SE.
+
+Caveat: the SEs condition on the reference ``g*``; a sampled reference has its own SE, reported
+separately by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats as sps
+
+CORRELATION_METHODS = ("pearson", "pearson_log", "spearman", "kendall")
+VARIANCE_STATS = (
+    "variance",
+    "bias",
+    "bias2_debiased",
+    "mse",
+    "cosine",
+    "snr",
+    "variance_x_tokens",
+    "noise_scale",
+    "signal_norm2",
+)
+
+
+def _as_np(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).ravel()
+
+
+def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
+    if x.size < 3 or np.all(x == x[0]) or np.all(y == y[0]):
+        return float("nan")
+    if method == "pearson":
+        return float(np.corrcoef(x, y)[0, 1])
+    if method == "pearson_log":
+        keep = (x > 0) & (y > 0)
+        if keep.sum() < 3:
+            return float("nan")
+        lx, ly = np.log(x[keep]), np.log(y[keep])
+        if np.all(lx == lx[0]) or np.all(ly == ly[0]):
+            return float("nan")
+        return float(np.corrcoef(lx, ly)[0, 1])
+    if method == "spearman":
+        return float(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
+    if method == "kendall":
+        return float(sps.kendalltau(x, y).statistic)
+    raise ValueError(f"method={method!r} is not valid; choose one of {list(CORRELATION_METHODS)}")
+
+
+def correlations(
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    seq_ids: np.ndarray | torch.Tensor,
+    *,
+    methods: Sequence[str] = CORRELATION_METHODS,
+    n_boot: int = 200,
+    level: float = 0.95,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Correlations of paired values ``x``, ``y`` [N] with bootstrap CIs resampling sequences.
+
+    ``seq_ids`` [N] names the sequence each value belongs to (any integers). Each bootstrap draw
+    resamples the distinct sequences with replacement and keeps all their values. Returns one row
+    per method: ``method, estimate, ci_low, ci_high, se`` (bootstrap std), ``n`` (values),
+    ``n_seq``. ``pearson_log`` uses log values and drops non-positive pairs (true norms are
+    heavy-tailed; the proxy lies in [0, 2)). NaN where a correlation is undefined (constant input).
+    """
+    for m in methods:
+        if m not in CORRELATION_METHODS:
+            raise ValueError(
+                f"methods contains {m!r}; choose from {list(CORRELATION_METHODS)}"
+            )
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r} is not valid; expected a number in (0, 1)")
+    x = _as_np(x).astype(np.float64)
+    y = _as_np(y).astype(np.float64)
+    sid = _as_np(seq_ids)
+    if not (x.shape == y.shape == sid.shape):
+        raise ValueError(
+            f"x, y and seq_ids must have the same length, got {x.size}, {y.size}, {sid.size}"
+        )
+    # Group value indices by sequence so a draw of sequences maps to a gather of values.
+    uniq, inv = np.unique(sid, return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    counts = np.bincount(inv, minlength=uniq.size)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rng = np.random.default_rng(seed)
+    boots = {m: np.empty(n_boot) for m in methods}
+    for b in range(n_boot):
+        pick = rng.integers(0, uniq.size, uniq.size)
+        lens = counts[pick]
+        # Positions start[pick] + 0..len-1, flattened without a Python loop over sequences.
+        base = np.repeat(starts[pick] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+        idx = order[base + np.arange(lens.sum())]
+        for m in methods:
+            boots[m][b] = _corr(m, x[idx], y[idx])
+    alpha = (1 - level) / 2
+    rows = []
+    for m in methods:
+        bs = boots[m][np.isfinite(boots[m])]
+        lo, hi = (np.quantile(bs, [alpha, 1 - alpha]) if bs.size else (np.nan, np.nan))
+        rows.append(
+            {
+                "method": m,
+                "estimate": _corr(m, x, y),
+                "ci_low": float(lo),
+                "ci_high": float(hi),
+                "se": float(bs.std(ddof=1)) if bs.size > 1 else float("nan"),
+                "n": int(x.size),
+                "n_seq": int(uniq.size),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens):
+    """Every variance statistic from sufficient sums over n group estimates (broadcasts)."""
+    var = (sumsq - ss / n) / (n - 1)
+    gbar2 = ss / n**2
+    bias2 = gbar2 - 2 * sumxg / n + gg
+    signal2 = gbar2 - var / n  # unbiased estimate of ||E g_hat||^2
+    tiny = torch.finfo(torch.float64).tiny
+    return {
+        "variance": var,
+        "bias": bias2.clamp(min=0).sqrt(),
+        "bias2_debiased": bias2 - var / n,
+        "mse": (sumsq - 2 * sumxg) / n + gg,
+        "cosine": sumcos / n,
+        "snr": gbar2 / var.clamp(min=tiny),
+        "variance_x_tokens": var * tokens,
+        # NaN where the signal is not resolved (its unbiased estimate is <= 0).
+        "noise_scale": torch.where(signal2 > 0, var / signal2.clamp(min=tiny), torch.nan),
+        "signal_norm2": signal2,
+    }
+
+
+def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Tensor | None):
+    """Full-sample and leave-one-out statistics of x [M, D]; each value is a dict of tensors."""
+    x = x.detach().to(torch.float64)
+    M = x.shape[0]
+    gram = x @ x.T  # [M, M]
+    sq = gram.diagonal()
+    rows = gram.sum(1)
+    ss = rows.sum()
+    if ref is None:
+        xg = torch.zeros(M, dtype=torch.float64)
+        gg = torch.zeros((), dtype=torch.float64)
+    else:
+        ref = ref.detach().to(torch.float64).reshape(-1)
+        xg = x @ ref
+        gg = ref @ ref
+    norms = sq.sqrt() * gg.sqrt()
+    cos = torch.where(norms > 0, xg / norms.clamp(min=1e-300), torch.zeros_like(xg))
+    tok = (
+        torch.ones(M, dtype=torch.float64)
+        if tokens is None
+        else torch.as_tensor(tokens, dtype=torch.float64).reshape(M)
+    )
+    full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean())
+    loo = _stats_from_sums(
+        M - 1,
+        sq.sum() - sq,
+        ss - 2 * rows + sq,
+        xg.sum() - xg,
+        gg,
+        cos.sum() - cos,
+        (tok.sum() - tok) / (M - 1),
+    )
+    if ref is None:
+        for k in ("bias", "bias2_debiased", "mse", "cosine"):
+            full[k] = torch.tensor(float("nan"), dtype=torch.float64)
+            loo[k] = torch.full((M,), float("nan"), dtype=torch.float64)
+    return full, loo
+
+
+def _jk_se(loo: torch.Tensor) -> float:
+    M = loo.shape[0]
+    if not torch.isfinite(loo).all():
+        return float("nan")
+    return float(((M - 1) / M * ((loo - loo.mean()) ** 2).sum()).sqrt())
+
+
+def _check_estimates(estimates: torch.Tensor, ref: torch.Tensor | None) -> None:
+    if not isinstance(estimates, torch.Tensor) or estimates.dim() != 2:
+        raise ValueError(
+            "estimates must be a [M, D] tensor of group estimates, got "
+            f"{getattr(estimates, 'shape', type(estimates).__name__)}"
+        )
+    if estimates.shape[0] < 3:
+        raise ValueError(
+            f"estimates has M={estimates.shape[0]} groups; the jackknife needs M >= 3"
+        )
+    if not torch.isfinite(estimates).all():
+        raise ValueError("estimates contains NaN or inf")
+    if ref is not None and ref.numel() != estimates.shape[1]:
+        raise ValueError(
+            f"reference has {ref.numel()} entries, expected D={estimates.shape[1]} "
+            "(the second dimension of estimates)"
+        )
+
+
+def variance_stats(
+    estimates: torch.Tensor,
+    reference: torch.Tensor | None = None,
+    *,
+    tokens: torch.Tensor | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Variance statistics of M group estimates with jackknife SEs: ``{name: (value, se)}``.
+
+    ``estimates`` [M, D]: one gradient estimate (flat or sketched) per independent group.
+    ``reference`` [D]: g*, or None (bias, MSE and cosine are then NaN). ``tokens`` [M]: tokens
+    sampled by each group (for ``variance_x_tokens``; 1 if None). Statistics (SCIENCE.md 5):
+    ``variance`` = 1/(M-1) sum ||g_m - g_bar||^2; ``bias`` = ||g_bar - g*||; ``bias2_debiased`` =
+    ||g_bar - g*||^2 - V/M; ``mse`` = mean ||g_m - g*||^2; ``cosine`` = mean cos(g_m, g*);
+    ``snr`` = ||g_bar||^2 / V; ``variance_x_tokens`` = V * mean tokens; ``signal_norm2`` =
+    ||g_bar||^2 - V/M (unbiased for ||E g_hat||^2); ``noise_scale`` = V / signal_norm2, the simple
+    noise scale B_simple = tr Sigma / ||G||^2 with one *group* as the sample unit
+    (NaN when signal_norm2 <= 0).
+    Caveat: SEs are delete-one jackknife over groups and condition on g*.
+    """
+    _check_estimates(estimates, reference)
+    full, loo = _jackknife_parts(estimates, reference, tokens)
+    return {k: (float(full[k]), _jk_se(loo[k])) for k in VARIANCE_STATS}
+
+
+def paired_compare(
+    estimates_a: torch.Tensor,
+    estimates_b: torch.Tensor,
+    reference: torch.Tensor | None = None,
+    *,
+    stat: str = "variance",
+    tokens_a: torch.Tensor | None = None,
+    tokens_b: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Compare ``stat`` of two schemes evaluated on the SAME M sampled groups (paired design).
+
+    ``estimates_a``, ``estimates_b`` [M, D]: row m of both comes from the same group m. Returns
+    ``ratio`` = stat_a / stat_b and ``diff`` = stat_a - stat_b, each with a jackknife SE that
+    deletes group m from both at once (so the shared sampling noise cancels).
+    """
+    if stat not in VARIANCE_STATS:
+        raise ValueError(f"stat={stat!r} is not valid; choose one of {list(VARIANCE_STATS)}")
+    _check_estimates(estimates_a, reference)
+    _check_estimates(estimates_b, reference)
+    if estimates_a.shape[0] != estimates_b.shape[0]:
+        raise ValueError(
+            f"paired schemes need the same groups: M={estimates_a.shape[0]} vs "
+            f"{estimates_b.shape[0]}"
+        )
+    fa, la = _jackknife_parts(estimates_a, reference, tokens_a)
+    fb, lb = _jackknife_parts(estimates_b, reference, tokens_b)
+    a, b, a_l, b_l = fa[stat], fb[stat], la[stat], lb[stat]
+    ratio = float(a / b) if float(b) != 0 else float("nan")
+    return {
+        "a": float(a),
+        "b": float(b),
+        "ratio": ratio,
+        "ratio_se": _jk_se(a_l / b_l) if math.isfinite(ratio) else float("nan"),
+        "diff": float(a - b),
+        "diff_se": _jk_se(a_l - b_l),
+    }
+
+
+def variance_stats_reference(
+    estimates: torch.Tensor, reference: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Slow reference for ``variance_stats`` values (direct formulas on the vectors, float64)."""
+    x = estimates.detach().double()
+    M = x.shape[0]
+    gbar = x.mean(0)
+    var = float(((x - gbar) ** 2).sum() / (M - 1))
+    out = {"variance": var, "snr": float(gbar @ gbar) / var}
+    out["signal_norm2"] = float(gbar @ gbar) - var / M
+    out["noise_scale"] = var / out["signal_norm2"] if out["signal_norm2"] > 0 else float("nan")
+    if reference is not None:
+        g = reference.detach().double().reshape(-1)
+        out["bias"] = float((gbar - g).norm())
+        out["bias2_debiased"] = out["bias"] ** 2 - var / M
+        out["mse"] = float(((x - g) ** 2).sum(1).mean())
+        out["cosine"] = float(
+            torch.stack([torch.dot(r, g) / (r.norm() * g.norm()) for r in x]).mean()
+        )
+    return out

@@ -1,0 +1,166 @@
+"""Figures drawn from analysis records (matplotlib, Agg backend, PNG).
+
+One function per analysis kind; each reads only ``result.records`` and returns a list of
+``(file name, caption)`` for the figures it wrote into ``fig_dir``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+Figure = tuple[str, str]
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _states(df: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(df["state"])) if "state" in df else ["policy"]
+
+
+def proxy_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
+    """Log-log scatter, correlation against position and calibration, one panel per state."""
+    out: list[Figure] = []
+    tok = result.records.get("tokens")
+    if tok is not None and len(tok):
+        states = _states(tok)
+        fig, axes = plt.subplots(1, len(states), figsize=(4.2 * len(states), 3.8), squeeze=False)
+        for ax, st in zip(axes[0], states, strict=True):
+            d = tok[tok["state"] == st]
+            d = d[(d["w_t"] > 0) & (d["token_sq"] > 0)]
+            ax.scatter(d["w_t"], d["token_sq"], s=4, alpha=0.4)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("proxy w_t = ||e_y - pi||^2")
+            ax.set_ylabel("exact ||g_t||^2 (all parameters)")
+            ax.set_title(st)
+        name = f"{prefix}proxy_scatter.png"
+        _save(fig, fig_dir / name)
+        out.append((name, "Per-token proxy against the exact squared gradient norm (log-log)."))
+    cor = result.records.get("correlations")
+    if cor is not None and len(cor):
+        pos = cor[(cor["scope"] == "position") & (cor["method"] == "spearman")]
+        if len(pos):
+            states = _states(pos)
+            fig, axes = plt.subplots(
+                1, len(states), figsize=(4.2 * len(states), 3.8), squeeze=False
+            )
+            for ax, st in zip(axes[0], states, strict=True):
+                d = pos[pos["state"] == st]
+                for q in dict.fromkeys(d["quantity"]):
+                    e = d[d["quantity"] == q].sort_values("position")
+                    ax.plot(e["position"], e["estimate"], marker="o", label=q)
+                    ax.fill_between(e["position"], e["ci_low"], e["ci_high"], alpha=0.2)
+                ax.axhline(0, color="grey", lw=0.5)
+                ax.set_ylim(-1, 1)
+                ax.set_xlabel("response position t")
+                ax.set_ylabel("Spearman within position (95% CI)")
+                ax.set_title(st)
+                ax.legend(fontsize=7)
+            name = f"{prefix}proxy_by_position.png"
+            _save(fig, fig_dir / name)
+            out.append((name, "Rank correlation computed within each position across sequences."))
+    cal = result.records.get("calibration")
+    if cal is not None and len(cal):
+        fig, ax = plt.subplots(figsize=(4.8, 3.8))
+        for st in _states(cal):
+            d = cal[cal["state"] == st].sort_values("proxy_mean")
+            ax.errorbar(d["proxy_mean"], d["true_mean"], yerr=d["true_se"], marker="o",
+                        capsize=2, label=st)
+        ax.set_yscale("log")
+        ax.set_xlabel("proxy w_t (bin mean)")
+        ax.set_ylabel("mean exact ||g_t||^2 in bin (+- SE)")
+        ax.legend(fontsize=8)
+        name = f"{prefix}proxy_calibration.png"
+        _save(fig, fig_dir / name)
+        out.append((name, "Calibration: binned proxy against the mean exact norm."))
+    return out
+
+
+def variance_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
+    """Variance (log) against G per scheme, and variance x tokens against G."""
+    cells = result.records.get("cells")
+    if cells is None or not len(cells):
+        return []
+    out: list[Figure] = []
+    modes = list(dict.fromkeys(cells["mode"]))
+    for col, label, fname in (
+        ("variance", "total variance tr Cov(g_hat)", "variance_vs_G.png"),
+        ("variance_x_tokens", "variance x tokens sampled per group", "variance_tokens_vs_G.png"),
+    ):
+        fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+        for ax, mode in zip(axes[0], modes, strict=True):
+            d = cells[cells["mode"] == mode]
+            for scheme in dict.fromkeys(d["scheme"]):
+                e = d[d["scheme"] == scheme].sort_values("G")
+                ax.errorbar(e["G"], e[col], yerr=e[f"{col}_se"], marker="o", capsize=2,
+                            label=scheme)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("group size G")
+            ax.set_ylabel(label)
+            ax.set_title(f"aggregation: {mode}")
+            ax.legend(fontsize=7)
+        name = f"{prefix}{fname}"
+        _save(fig, fig_dir / name)
+        out.append((name, f"{label} against G per scheme (+- jackknife SE)."))
+    return out
+
+
+def cancellation_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
+    """Mean shared-step residual per configuration, and net weight of the frequent token ids."""
+    out: list[Figure] = []
+    conf = result.records.get("configs")
+    if conf is not None and len(conf):
+        tasks = list(dict.fromkeys(conf["task"]))
+        fig, axes = plt.subplots(
+            1, len(tasks), figsize=(8 * len(tasks), 0.3 * conf.groupby("task").size().max() + 1.5),
+            squeeze=False,
+        )
+        for ax, task in zip(axes[0], tasks, strict=True):
+            d = conf[conf["task"] == task]
+            y = np.arange(len(d))
+            ax.barh(y - 0.2, d["full_residual_rel"], height=0.4, xerr=d["full_residual_rel_se"],
+                    label="full-group shared steps")
+            ax.barh(y + 0.2, d["shared_residual_rel"], height=0.4,
+                    xerr=d["shared_residual_rel_se"], label="all shared steps")
+            ax.set_yticks(y)
+            ax.set_yticklabels(d["config"], fontsize=7)
+            ax.set_xlabel("|sum c_i A_i| / sum |c_i A_i| at shared steps (mean +- SE)")
+            ax.set_title(f"task: {task}")
+            ax.legend(fontsize=7)
+        name = f"{prefix}cancellation_residual.png"
+        _save(fig, fig_dir / name)
+        out.append((name, "Relative residual at shared steps: 0 means exact cancellation."))
+    tid = result.records.get("token_ids")
+    if tid is not None and len(tid):
+        d = tid[tid["config"] == tid["config"].iloc[0]]
+        d = d[d["task"] == d["task"].iloc[0]].head(15)
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        ax.bar(d["token_str"].astype(str), d["net_weight"])
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("token (most frequent first)")
+        ax.set_ylabel("net weight sum c_i A_i")
+        ax.set_title(f"{d['task'].iloc[0]}: {d['config'].iloc[0]}")
+        name = f"{prefix}cancellation_token_net.png"
+        _save(fig, fig_dir / name)
+        out.append((name, "Signed net coefficient per token id (approximate: contexts differ)."))
+    return out
+
+
+FIGURES: dict[str, Callable[..., list[Figure]]] = {
+    "proxy": proxy_figures,
+    "variance": variance_figures,
+    "cancellation": cancellation_figures,
+}
