@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/varbench sample --task sort -G 8
+	.venv/bin/varbench run suites/quickstart.toml --out reports/quickstart
 
 test: setup
 	$(PY) -m ruff check varbench tests benchmarks
