@@ -100,3 +100,17 @@ def test_empty_results_rejected(tmp_path):
 def test_with_se_formats():
     assert with_se(0.123456, 0.0123) == "0.123 (SE 0.012)"
     assert with_se(float("nan"), None) == "n/a"
+
+
+def test_importing_the_report_layer_keeps_the_users_matplotlib_backend() -> None:
+    """Notebooks rely on their inline backend: varbench must never call matplotlib.use()."""
+    import subprocess
+    import sys
+
+    code = (
+        "import matplotlib; matplotlib.use('svg'); "
+        "import varbench.report.figures, varbench.train.validate_figures; "
+        "print(matplotlib.get_backend())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "svg"

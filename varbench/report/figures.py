@@ -1,4 +1,4 @@
-"""Figures drawn from analysis records (matplotlib, Agg backend, PNG).
+"""Figures drawn from analysis records (matplotlib, PNG).
 
 One function per analysis kind; each reads only ``result.records`` and returns a list of
 ``(file name, caption)`` for the figures it wrote into ``fig_dir``.
@@ -9,20 +9,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure as _MplFigure
 
 Figure = tuple[str, str]
+
+
+def subplots(nrows: int = 1, ncols: int = 1, *, figsize=None, **kwargs):
+    """``(figure, axes)`` like ``pyplot.subplots`` but without pyplot.
+
+    Figures are standalone ``matplotlib.figure.Figure`` objects saved straight to PNG, so
+    importing varbench never selects a backend (a notebook's inline backend keeps working) and
+    nothing accumulates in pyplot's figure registry.
+    """
+    fig = _MplFigure(figsize=figsize)
+    return fig, fig.subplots(nrows, ncols, **kwargs)
 
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _states(df: pd.DataFrame) -> list[str]:
@@ -35,7 +42,7 @@ def proxy_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
     tok = result.records.get("tokens")
     if tok is not None and len(tok):
         states = _states(tok)
-        fig, axes = plt.subplots(1, len(states), figsize=(4.2 * len(states), 3.8), squeeze=False)
+        fig, axes = subplots(1, len(states), figsize=(4.2 * len(states), 3.8), squeeze=False)
         for ax, st in zip(axes[0], states, strict=True):
             d = tok[tok["state"] == st]
             d = d[(d["w_t"] > 0) & (d["token_sq"] > 0)]
@@ -53,7 +60,7 @@ def proxy_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
         pos = cor[(cor["scope"] == "position") & (cor["method"] == "spearman")]
         if len(pos):
             states = _states(pos)
-            fig, axes = plt.subplots(
+            fig, axes = subplots(
                 1, len(states), figsize=(4.2 * len(states), 3.8), squeeze=False
             )
             for ax, st in zip(axes[0], states, strict=True):
@@ -73,7 +80,7 @@ def proxy_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
             out.append((name, "Rank correlation computed within each position across sequences."))
     cal = result.records.get("calibration")
     if cal is not None and len(cal):
-        fig, ax = plt.subplots(figsize=(4.8, 3.8))
+        fig, ax = subplots(figsize=(4.8, 3.8))
         for st in _states(cal):
             d = cal[cal["state"] == st].sort_values("proxy_mean")
             ax.errorbar(d["proxy_mean"], d["true_mean"], yerr=d["true_se"], marker="o",
@@ -99,7 +106,7 @@ def variance_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
         ("variance", "total variance tr Cov(g_hat)", "variance_vs_G.png"),
         ("variance_x_tokens", "variance x tokens sampled per group", "variance_tokens_vs_G.png"),
     ):
-        fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+        fig, axes = subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
         for ax, mode in zip(axes[0], modes, strict=True):
             d = cells[cells["mode"] == mode]
             for scheme in dict.fromkeys(d["scheme"]):
@@ -124,7 +131,7 @@ def cancellation_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
     conf = result.records.get("configs")
     if conf is not None and len(conf):
         tasks = list(dict.fromkeys(conf["task"]))
-        fig, axes = plt.subplots(
+        fig, axes = subplots(
             1, len(tasks), figsize=(8 * len(tasks), 0.3 * conf.groupby("task").size().max() + 1.5),
             squeeze=False,
         )
@@ -147,7 +154,7 @@ def cancellation_figures(result, fig_dir: Path, prefix: str) -> list[Figure]:
     if tid is not None and len(tid):
         d = tid[tid["config"] == tid["config"].iloc[0]]
         d = d[d["task"] == d["task"].iloc[0]].head(15)
-        fig, ax = plt.subplots(figsize=(6, 3.8))
+        fig, ax = subplots(figsize=(6, 3.8))
         ax.bar(d["token_str"].astype(str), d["net_weight"])
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_xlabel("token (most frequent first)")

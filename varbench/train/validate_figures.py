@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from varbench.report.figures import FIGURES  # noqa: E402
+from varbench.report.figures import FIGURES, subplots
 
 
 def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]]:
@@ -22,7 +17,7 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
     curves = result.records.get("curves_mean")
     if curves is not None and len(curves):
         tasks = list(dict.fromkeys(curves["task"]))
-        fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+        fig, axes = subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
         thr = result.summary.get("thresholds", {})
         for ax, task in zip(axes[0], tasks, strict=True):
             d = curves[curves["task"] == task]
@@ -41,13 +36,12 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
         name = f"{prefix}accuracy_vs_tokens.png"
         fig.tight_layout()
         fig.savefig(fig_dir / name, dpi=110)
-        plt.close(fig)
         out.append((name, "Held-out accuracy against sampled tokens, mean over seeds "
                           "(band: 1 std)."))
     traces = result.records.get("grad_traces")
     if traces is not None and len(traces):
         tasks = list(dict.fromkeys(traces["task"]))
-        fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+        fig, axes = subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
         for ax, task in zip(axes[0], tasks, strict=True):
             d = traces[traces["task"] == task]
             for (scheme, G, seed), c in d.groupby(["scheme", "G", "seed"]):
@@ -61,7 +55,6 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
         name = f"{prefix}grad_norm_traces.png"
         fig.tight_layout()
         fig.savefig(fig_dir / name, dpi=110)
-        plt.close(fig)
         out.append((name, "Gradient-norm traces per run (a collapse shows as a surge)."))
     return out
 
