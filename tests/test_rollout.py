@@ -283,3 +283,57 @@ def test_outputs_are_ordinary_tensors_usable_in_autograd(micro):
     w = torch.ones_like(b.logprobs, requires_grad=True)
     (w * b.logprobs * b.rewards[..., None]).sum().backward()  # saves b's tensors for backward
     assert torch.equal(w.grad, b.logprobs * b.rewards[..., None])
+
+
+@pytest.mark.parametrize("name,knobs", [("sort", {}), ("arith", {"digits": 2}), ("toolsum", {})])
+def test_preallocated_cache_equals_transformers_dynamic_cache(micro, monkeypatch, name, knobs):
+    """The in-place KV cache is a fast path of DynamicCache: identical batches, bit for bit."""
+    from varbench.rollout import sampler
+
+    task = get_task(name, **knobs)
+    prompts = task.prompts(4, seed=1)
+    assert sampler._grow_cache(micro.model, 8) is not None  # the fast path is really taken
+    fast = sample(micro, task, prompts, 8, seed=3)
+    monkeypatch.setattr(sampler, "_grow_cache", lambda model, capacity: None)
+    slow = sample(micro, task, prompts, 8, seed=3)
+    for f in ("tokens", "mask", "env_mask", "logprobs", "sum_pi_sq", "entropy", "rewards"):
+        assert torch.equal(getattr(fast, f), getattr(slow, f)), f
+    assert fast.texts == slow.texts
+
+
+def test_preallocated_cache_layer_grows_crops_and_selects():
+    from varbench.rollout.kvcache import GrowLayer
+
+    layer = GrowLayer(capacity=2)
+    k = torch.arange(2 * 3 * 4, dtype=torch.float64).reshape(2, 1, 3, 4)
+    ref_k, ref_v = [], []
+    for i in range(3):  # 3 tokens into capacity 2: must reallocate and keep the old ones
+        ks, vs = k[:, :, i : i + 1], -k[:, :, i : i + 1]
+        keys, values = layer.update(ks, vs)
+        ref_k.append(ks), ref_v.append(vs)
+        assert torch.equal(keys, torch.cat(ref_k, 2)) and torch.equal(values, torch.cat(ref_v, 2))
+    assert layer.get_seq_length() == 3
+    layer.crop(-1)
+    assert torch.equal(layer.keys, k[:, :, :2])
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, k[1:, :, :2])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.values, -k[[1, 1], :, :2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name,knobs,G", [("sort", {}, 3), ("arith", {"digits": 2}, 5)])
+def test_deferred_statistics_equal_per_step_statistics(monkeypatch, dtype, name, knobs, G):
+    """Statistics computed once over [B, T, V] after the loop equal the per-step ones bitwise."""
+    from varbench.rollout import sampler
+
+    policy = build_policy("micro", seed=2, dtype=dtype)
+    task = get_task(name, **knobs)
+    prompts = task.prompts(3, seed=4)  # B = 3 * G rows: odd sizes, rows stop at EOS (arith)
+    fast = sample(policy, task, prompts, G, seed=1)
+    monkeypatch.setattr(sampler, "_DEFER_MAX", 0)  # force the per-step path
+    slow = sample(policy, task, prompts, G, seed=1)
+    for f in ("tokens", "mask", "logprobs", "sum_pi_sq", "entropy", "lengths"):
+        x, y = getattr(fast, f), getattr(slow, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), f
+        assert torch.equal(torch.signbit(x.float()), torch.signbit(y.float())), f

@@ -16,17 +16,26 @@ Recorded ``logprobs``, ``sum_pi_sq`` and ``entropy`` describe pi itself, i.e. th
 softmax at temperature 1 without filtering, whatever ``temperature``/``top_k``/``top_p``/
 ``greedy`` select tokens with; with non-default settings the samples are not from pi
 (``meta["on_policy"]`` is then False).
+
+Speed (``benchmarks/bench_sampling.py``): the model runs under ``inference_mode`` while the
+returned tensors are allocated outside it (ordinary tensors, usable in autograd); the KV cache
+of plain full-attention decoders is preallocated and written in place (``kvcache.py``) instead
+of concatenated every step; for single-turn tasks the statistics of pi are computed in one pass
+over the stored [B, T, V] logits after the loop. None of this changes a drawn token or a
+recorded number (tests compare against transformers' DynamicCache and the per-step path).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
+from transformers.cache_utils import Cache
 
 from varbench._checks import check_positive_int
 from varbench.grads.stats import sum_pi_sq
@@ -34,6 +43,7 @@ from varbench.models.forward import position_ids_from_mask
 from varbench.models.presets import Policy
 from varbench.models.tokenizer import check_tokenizer_covers
 from varbench.rollout.batch import RolloutBatch
+from varbench.rollout.kvcache import grow_cache as _grow_cache
 from varbench.tasks.base import Prompt, Task
 
 
@@ -71,9 +81,25 @@ def _filtered(z: torch.Tensor, temperature: float, top_k: int | None, top_p: flo
     return z
 
 
+# tokenizer -> {(vocabulary size, alphabet)} already checked: the check encodes and decodes every
+# symbol (~3 ms, ~1% of a small sampling call) and its answer only changes with the vocabulary
+_COVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_covers(tok, task: Task) -> None:
+    key = (len(tok), tuple(task.alphabet))
+    try:
+        seen = _COVERED.setdefault(tok, set())
+    except TypeError:  # not weak-referenceable: check every time
+        seen = set()
+    if key not in seen:
+        check_tokenizer_covers(tok, task.alphabet, what=f"task {task.name!r}")
+        seen.add(key)
+
+
 def _encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
     """[P, Lp] left-padded prompt ids and their mask."""
-    ids = [tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in prompts]
+    ids = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
     Lp = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = torch.full((len(ids), Lp), pad, dtype=torch.long)
@@ -85,7 +111,7 @@ def _encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> tuple[torch.Tensor,
     return out, mask
 
 
-@torch.no_grad()  # not inference_mode: callers use the outputs in autograd graphs
+@torch.no_grad()  # model calls run in inference_mode inside; the outputs stay ordinary tensors
 def sample(
     policy: Policy,
     task: Task,
@@ -116,7 +142,7 @@ def sample(
     T = task.max_new_tokens if max_new_tokens is None else check_positive_int(
         "max_new_tokens", max_new_tokens)
     tok, model = policy.tokenizer, policy.model
-    check_tokenizer_covers(tok, task.alphabet, what=f"task {task.name!r}")
+    _check_covers(tok, task)
     prompt_ids, prompt_mask = _encode_prompts(tok, prompts)
     longest = int(prompt_mask.sum(-1).max())
     if longest + T > policy.context_length:
@@ -137,84 +163,51 @@ def sample(
     B = P * G  # row b = p * G + i
     step = _stepper(model)
     pids, pmask = prompt_ids.to(dev), prompt_mask.to(dev)
-    if G > 1 and _can_repeat(model):
-        # Prefill each prompt once and copy its cache G times: identical rows, 1/G the work.
-        cache, logits = step(pids, pmask, position_ids_from_mask(pmask), None)
-        cache.batch_repeat_interleave(G)
-        logits = logits.repeat_interleave(G, 0)
-    else:
-        ids = pids.repeat_interleave(G, 0)
-        m = pmask.repeat_interleave(G, 0)
-        cache, logits = step(ids, m, position_ids_from_mask(m), None)
-    attn = pmask.repeat_interleave(G, 0)  # [A, Lp + t] mask of the active rows
-    next_pos = attn.sum(-1)  # [A] position id of each active row's next token
-
+    Lp = pids.shape[1]
+    # inference_mode, not just no_grad: no version counters or autograd metadata on the many
+    # small tensors of each model call (several % of a decode step for a small model).
+    with torch.inference_mode():
+        cache = _grow_cache(model, Lp + T)
+        if G > 1 and _can_repeat(model):
+            # Prefill each prompt once and copy its cache G times: identical rows, 1/G the work.
+            cache, logits = step(pids, pmask, position_ids_from_mask(pmask), cache)
+            cache.batch_repeat_interleave(G)
+            logits = logits.repeat_interleave(G, 0)
+        else:
+            ids = pids.repeat_interleave(G, 0)
+            m = pmask.repeat_interleave(G, 0)
+            cache, logits = step(ids, m, position_ids_from_mask(m), cache)
     stat_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    # Outputs are allocated outside inference mode and only written in place inside it, so the
+    # returned tensors stay ordinary tensors that autograd may save.
     tokens = torch.full((B, T), pad, dtype=torch.long, device=dev)
     mask = torch.zeros((B, T), dtype=torch.float32, device=dev)
     env = torch.zeros((B, T), dtype=torch.float32, device=dev)
     lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=stat_dtype, device=dev)
                                  for _ in range(3))
-    # Finished rows leave the batch (their cache rows too), so later steps cost only what is
-    # still running; act maps active slots to rows of the [B, T] outputs.
-    act = torch.arange(B, device=dev)
-    whole = True  # every row still active: act is arange(B)
-    plain = temperature == 1.0 and top_k is None and top_p in (None, 1.0)
-    queues: list[deque[int]] = [deque() for _ in range(B)]
-    pending: set[int] = set()
-    steps = tqdm(range(T), desc=f"sample {task.name}", leave=False,
-                 disable=not (progress and sys.stderr.isatty()))
-    used = 0
-    for t in steps:
-        z = logits.to(stat_dtype)
-        logp = torch.log_softmax(z, dim=-1)  # [A, V] of pi (temperature 1, unfiltered)
-        pi = logp.exp()
-        if greedy:
-            cur = z.argmax(-1)
-        else:
-            probs = pi if plain else torch.softmax(_filtered(z, temperature, top_k, top_p), -1)
-            cur = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-        is_env = torch.zeros_like(cur, dtype=torch.bool)
-        if pending:  # rows with queued tool output take it instead of their draw
-            slot = {int(b): s for s, b in enumerate(act.tolist()) if int(b) in pending}
-            rows = sorted(slot)
-            idx = torch.tensor([slot[b] for b in rows], device=dev)
-            cur[idx] = torch.tensor([queues[b].popleft() for b in rows], device=dev)
-            is_env[idx] = True
-            pending.difference_update(b for b in rows if not queues[b])
-        is_pol = ~is_env
-        rows = slice(None) if whole else act  # plain slicing is cheaper while nobody stopped
-        pol = is_pol.to(stat_dtype)
-        tokens[rows, t] = cur
-        mask[rows, t] = is_pol.float()
-        env[rows, t] = is_env.float()
-        lp_out[rows, t] = logp.gather(-1, cur[:, None]).squeeze(-1) * pol
-        spsq_out[rows, t] = sum_pi_sq(z) * pol
-        # clamp: a -inf logit (masked vocabulary) must give 0 * finite, not 0 * -inf = NaN
-        ent_out[rows, t] = -(pi * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1) * pol
-        used = t + 1
-        if t == T - 1:
-            break
-        if not task.fixed_length or task.multi_turn:
-            finished = torch.zeros_like(is_pol)
-            if not task.fixed_length and eos is not None:
-                finished |= is_pol & (cur == eos)
-            if task.multi_turn:
-                finished |= _env_turn(task, prompts, G, tok, tokens, mask, env, t, act,
-                                      is_pol & ~finished, queues, pending, turn_ids, T)
-            if bool(finished.all()):
-                break
-            if bool(finished.any()):
-                keep = (~finished).nonzero().flatten()
-                act, cur, attn, next_pos = act[keep], cur[keep], attn[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
-                whole = False
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
-        cache, logits = step(cur[:, None], attn, next_pos[:, None], cache)
-        next_pos = next_pos + 1
+    stop = torch.full((B,), T, dtype=torch.long, device=dev)  # steps each row took part in
+    with torch.inference_mode():
+        # Attention mask and position ids of every step, preallocated: step t reads a view
+        # instead of concatenating. Active rows never hold a stopped token (stopped rows leave
+        # the batch), so the response part of the mask is all ones.
+        attn_all = torch.ones((B, Lp + T), dtype=pmask.dtype, device=dev)
+        attn_all[:, :Lp] = pmask.repeat_interleave(G, 0)
+        pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
+        loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=eos, turn_ids=turn_ids,
+                     gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                     stat_dtype=stat_dtype,
+                     out=(tokens, mask, env, lp_out, spsq_out, ent_out, stop))
+        used = loop.run(step, cache, logits, attn_all, pos_all, progress)
+        loop.finish(used)
+    if not task.multi_turn:  # mask was not needed during the loop: every kept step is policy
+        mask.copy_(torch.arange(T, device=dev) < stop[:, None])
     sl = slice(0, used)
     res = [x[:, sl] for x in (tokens, mask, env, lp_out, spsq_out, ent_out)]
-    texts = [_decode(tok, res[0][b], res[1][b] + res[2][b]) for b in range(B)]
+    # decoded once, at the end, in one tokenizer call
+    real = (res[1] + res[2]).tolist()
+    texts = tok.batch_decode([[x for x, r in zip(row, keep, strict=True) if r > 0]
+                              for row, keep in zip(res[0].tolist(), real, strict=True)],
+                             skip_special_tokens=True)
     scores = [task.score(prompts[b // G], texts[b], reward) for b in range(B)]
     rewards = torch.tensor(scores, dtype=torch.float32).reshape(P, G)
     out_dev = torch.device(device) if device is not None else dev
@@ -237,10 +230,157 @@ def sample(
             "policy": policy.name, "seed": None if generator is not None else int(seed),
             "max_new_tokens": T, "temperature": float(temperature), "top_k": top_k,
             "top_p": top_p, "greedy": bool(greedy),
-            "on_policy": plain and not greedy,
+            "on_policy": _plain(temperature, top_k, top_p) and not greedy,
             "prompt_objects": list(prompts),
         },
     )
+
+
+_DEFER_MAX = 1 << 24  # elements of the [B, T, V] logits kept for deferred statistics
+
+
+def _plain(temperature: float, top_k: int | None, top_p: float | None) -> bool:
+    """Whether draws come from pi itself (temperature 1, no filtering)."""
+    return temperature == 1.0 and top_k is None and top_p in (None, 1.0)
+
+
+class _Loop:
+    """The decode loop of ``sample``; writes step t of active rows into the [B, T] outputs.
+
+    Per step: one model call on the active rows and the statistics of pi. Written so a step
+    costs few small tensor ops and no host sync for tasks that cannot stop early.
+    """
+
+    def __init__(self, *, task, prompts, G, tok, T, eos, turn_ids, gen, greedy, temperature,
+                 top_k, top_p, stat_dtype, out):
+        self.task, self.prompts, self.G, self.tok, self.T = task, prompts, G, tok, T
+        self.eos, self.turn_ids, self.gen, self.greedy = eos, turn_ids, gen, greedy
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.plain = _plain(temperature, top_k, top_p)
+        self.stat_dtype = stat_dtype
+        self.tokens, self.mask, self.env, self.lp, self.spsq, self.ent, self.stop = out
+        B = self.tokens.shape[0]
+        self.queues: list[deque[int]] = [deque() for _ in range(B)]
+        self.pending: set[int] = set()
+        self.tiny = torch.finfo(stat_dtype).min
+        self.zbuf: torch.Tensor | None = None  # [B, T, V] logits when statistics are deferred
+
+    def run(self, step, cache, logits, attn_all, pos_all, progress: bool) -> int:
+        """Decode until every row stopped or T steps ran; returns the number of steps run."""
+        task, T = self.task, self.T
+        dev = logits.device
+        Lp = attn_all.shape[1] - T
+        act = torch.arange(self.tokens.shape[0], device=dev)  # active slot -> output row
+        whole = True  # every row still active: act is arange(B), plain slicing is cheaper
+        can_stop = not task.fixed_length or task.multi_turn
+        B, V = self.tokens.shape[0], logits.shape[-1]
+        if not task.multi_turn and B * T * V <= _DEFER_MAX:
+            # Statistics of pi in one pass after the loop instead of ~30 small ops per step;
+            # row-wise log_softmax / logsumexp / sum give the same bits for a row whether it
+            # is computed alone or inside the [B, T, V] block (tested against the per-step path).
+            self.zbuf = torch.zeros((B, T, V), dtype=self.stat_dtype, device=dev)
+        steps = range(T)  # a disabled tqdm still costs ~1 ms to build: only make a live one
+        if progress and sys.stderr.isatty():
+            steps = tqdm(steps, desc=f"sample {task.name}", leave=False)
+        for t in steps:
+            cur, is_pol = self._record(logits, t, slice(None) if whole else act, act)
+            if t == T - 1:
+                return T
+            if can_stop:
+                finished = self._finished(cur, is_pol, t, act)
+                n_done = int(finished.sum())  # the one host sync of a step
+                if n_done == finished.numel():
+                    self.stop[act] = t + 1
+                    return t + 1
+                if n_done:
+                    self.stop[act[finished]] = t + 1
+                    keep = (~finished).nonzero().flatten()
+                    act, cur = act[keep], cur[keep]
+                    attn_all, pos_all = attn_all[keep], pos_all[keep]
+                    cache.batch_select_indices(keep)
+                    whole = False
+            attn, pos = attn_all[:, : Lp + t + 1], pos_all[:, t : t + 1]  # views, no copies
+            cache, logits = step(cur[:, None], attn, pos, cache)
+        return T
+
+    def _record(self, logits, t, rows, act):
+        """Draw step t's tokens from ``logits`` [A, V] and record them and pi's statistics."""
+        z = logits.to(self.stat_dtype)
+        if self.zbuf is not None:
+            if self.greedy:
+                cur = z.argmax(-1)
+            else:
+                probs = (torch.log_softmax(z, dim=-1).exp() if self.plain else torch.softmax(
+                    _filtered(z, self.temperature, self.top_k, self.top_p), -1))
+                cur = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+            self.tokens[rows, t] = cur
+            self.zbuf[rows, t] = z
+            return cur, None
+        logp = torch.log_softmax(z, dim=-1)  # [A, V] of pi (temperature 1, unfiltered)
+        pi = logp.exp()
+        if self.greedy:
+            cur = z.argmax(-1)
+        else:
+            probs = pi if self.plain else torch.softmax(
+                _filtered(z, self.temperature, self.top_k, self.top_p), -1)
+            cur = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        lp = logp.gather(-1, cur[:, None]).squeeze(-1)
+        spsq = sum_pi_sq(z)
+        # clamp: a -inf logit (masked vocabulary) must give 0 * finite, not 0 * -inf = NaN
+        ent = -(pi * logp.clamp(min=self.tiny)).sum(-1)
+        is_pol = None
+        if self.task.multi_turn:  # env tokens replace draws and get mask 0 / statistics 0
+            is_env = torch.zeros_like(cur, dtype=torch.bool)
+            if self.pending:  # rows with queued tool output take it instead of their draw
+                self._take_env_tokens(cur, is_env, act)
+            is_pol = ~is_env
+            pol = is_pol.to(self.stat_dtype)
+            lp, spsq, ent = lp * pol, spsq * pol, ent * pol
+            self.mask[rows, t] = is_pol.float()
+            self.env[rows, t] = is_env.float()
+        self.tokens[rows, t] = cur
+        self.lp[rows, t] = lp
+        self.spsq[rows, t] = spsq
+        self.ent[rows, t] = ent
+        return cur, is_pol
+
+    def finish(self, used: int) -> None:
+        """Write the deferred statistics of the first ``used`` steps (no-op if not deferred)."""
+        if self.zbuf is None:
+            return
+        z = self.zbuf  # whole contiguous block: the same kernels as the per-step [A, V] rows
+        logp = torch.log_softmax(z, dim=-1)
+        pi = logp.exp()
+        lp = logp.gather(-1, self.tokens[..., None]).squeeze(-1)
+        ent = -(pi * logp.clamp(min=self.tiny)).sum(-1)
+        spsq = sum_pi_sq(z)
+        T = self.T
+        valid = torch.arange(T, device=z.device) < self.stop[:, None]  # steps a row took
+        zero = torch.zeros((), dtype=self.stat_dtype, device=z.device)
+        for out, x in ((self.lp, lp), (self.spsq, spsq), (self.ent, ent)):
+            out[:, :used] = torch.where(valid, x, zero)[:, :used]
+
+    def _take_env_tokens(self, cur, is_env, act) -> None:
+        queues, pending = self.queues, self.pending
+        slot = {int(b): s for s, b in enumerate(act.tolist()) if int(b) in pending}
+        rows = sorted(slot)
+        idx = torch.tensor([slot[b] for b in rows], device=cur.device)
+        cur[idx] = torch.tensor([queues[b].popleft() for b in rows], device=cur.device)
+        is_env[idx] = True
+        pending.difference_update(b for b in rows if not queues[b])
+
+    def _finished(self, cur, is_pol, t, act) -> torch.Tensor:
+        """[A] bool: rows that stop after step t (EOS, or the environment ended the episode)."""
+        task = self.task
+        pol = is_pol if is_pol is not None else torch.ones_like(cur, dtype=torch.bool)
+        finished = torch.zeros_like(pol)
+        if not task.fixed_length and self.eos is not None:
+            finished |= pol & (cur == self.eos)
+        if task.multi_turn:
+            finished |= _env_turn(task, self.prompts, self.G, self.tok, self.tokens, self.mask,
+                                  self.env, t, act, pol & ~finished, self.queues, self.pending,
+                                  self.turn_ids, self.T)
+        return finished
 
 
 def _stepper(model):
@@ -268,8 +408,6 @@ def _decode(tok, ids: torch.Tensor, real: torch.Tensor) -> str:
 
 def _can_repeat(model) -> bool:
     """Whether this model's cache class can copy batch rows (transformers' Cache can)."""
-    from transformers.cache_utils import Cache
-
     return hasattr(Cache, "batch_repeat_interleave") and hasattr(Cache, "batch_select_indices")
 
 
