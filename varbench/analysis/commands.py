@@ -96,13 +96,37 @@ def _cmd_proxy(args) -> int:
 
 
 def _cmd_variance(args) -> int:
+    from varbench.runner.distributed import init_from_env, shutdown
+
+    # Under torchrun: prompts sharded over ranks, records gathered; only rank 0 writes/prints.
+    rank, world = init_from_env()
+    try:
+        return _variance(args, rank, world)
+    finally:
+        shutdown()
+
+
+def _variance(args, rank: int, world: int) -> int:
+    import torch.distributed as dist
+
     from varbench.analysis.result import AnalysisResult
     from varbench.analysis.variance import estimator_variance
     from varbench.tasks import get_task
 
     task = get_task(args.task, **_kv(args.knob))
+    if world > 1 and rank != 0:
+        dist.barrier()  # rank 0 warm-starts first, so the others read its on-disk cache
+    states = _states(args, task)
+    if world > 1 and rank == 0:
+        dist.barrier()
+    if world > 1 and dist.get_backend() == "nccl":
+        # NCCL: one GPU per rank (init_from_env set it from LOCAL_RANK); compute there too.
+        import torch
+
+        for pol in states.values():
+            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
     results: list[AnalysisResult] = []
-    for state, pol in _states(args, task).items():
+    for state, pol in states.items():
         res = estimator_variance(
             pol, task, schemes=args.schemes, Gs=args.G, modes=args.modes, M=args.M,
             n_prompts=args.prompts, reward=args.reward, reference=args.reference,
@@ -111,6 +135,8 @@ def _cmd_variance(args) -> int:
             progress=args.progress, config={"state": state, "preset": args.preset})
         res.name = f"variance ({state})"
         results.append(res)
+    if rank != 0:
+        return 0
     if len(results) == 1:
         return _finish(results[0], args)
     from varbench.report import write_report

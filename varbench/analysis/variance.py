@@ -16,6 +16,19 @@ independent sample with the unbiased raw estimator (its SE reported). Both are t
 J = E[R] (seq-mean-token-sum scale); other modes compare against g* scaled by their constant
 (1/L for seq-mean-token-sum-norm; 1/E|o| for token-mean and seq-mean-token-mean, exact only for
 fixed-length tasks: for variable lengths these modes estimate a length-weighted objective).
+
+Data-parallel (``torch.distributed``): when a process group is joined (e.g. by
+``varbench.runner.distributed.init_from_env`` under ``torchrun``), prompt ``p`` is computed by
+rank ``p % world_size`` only; its sampling seed depends on the global index ``p`` alone, so the
+per-prompt cells do not depend on the world size. The per-prompt records are then exchanged with
+``all_gather_object`` and every rank pools the same records, equal to a one-process run with the
+same seed (to float tolerance: reductions on different thread counts may round differently).
+The same code path runs gloo on CPU and NCCL on GPUs (one GPU per rank)::
+
+    torchrun --standalone --nproc_per_node 2 -m varbench variance --prompts 4 ...
+    # GPUs: same command on a machine with CUDA; init_from_env picks NCCL and LOCAL_RANK's GPU
+
+See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from varbench.estimators.registry import schemes as registered_schemes
 from varbench.models.presets import Policy
 from varbench.report.provenance import provenance
 from varbench.rollout.sampler import sample
+from varbench.runner.distributed import gather_objects, rank_world
 from varbench.tasks.base import Task
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,
@@ -178,6 +192,10 @@ def estimator_variance(
     sqrt(sum se^2) / n_prompts over independent prompts), ``cells_by_prompt``, ``paired``
     (ratio to centered on the same groups), ``reference``. Finished (prompt, G) cells are cached
     under ``cache_dir`` and skipped on rerun.
+
+    Under a joined ``torch.distributed`` process group, prompts are sharded over the ranks
+    (prompt ``p`` on rank ``p % world_size``) and gathered; every rank returns the full result.
+    The gather is a collective: every rank must make the same call.
     """
     known = set(registered_schemes())
     for s in schemes:
@@ -211,9 +229,11 @@ def estimator_variance(
     prompts = task.prompts(n_prompts, seed=seed)
     show = show_progress(progress)
     max_len = task.max_new_tokens
+    rank, world = rank_world()
+    mine = [(p, prompt) for p, prompt in enumerate(prompts) if p % world == rank]
     cells, paired, refs = [], [], []
-    bar = tqdm(total=n_prompts * len(Gs), desc="variance cells", disable=not show)
-    for p, prompt in enumerate(prompts):
+    bar = tqdm(total=len(mine) * len(Gs), desc="variance cells", disable=not show or rank != 0)
+    for p, prompt in mine:
         names = [f"p{p}_G{G}" for G in Gs]
         done = [(cache.load(n + "_cells"), cache.load(n + "_paired")) for n in names]
         ref_row = cache.load(f"p{p}_reference")
@@ -248,6 +268,8 @@ def estimator_variance(
         cells += [c for c, _ in done]
         paired += [pr for _, pr in done]
     bar.close()
+    if world > 1:
+        cells, paired, refs = _gather_by_prompt(mine, len(Gs), cells, paired, refs)
     by_prompt, paired_df, ref_df = concat(cells), concat(paired), concat(refs)
     records = {"cells": _pool(by_prompt, ["scheme", "G", "mode"]),
                "paired": _pool(paired_df, ["scheme", "baseline", "G", "mode", "stat"]),
@@ -261,6 +283,15 @@ def estimator_variance(
                                                  "sketch": seed},
                               device=str(policy.device), wall_time_s=wall),
     )
+
+
+def _gather_by_prompt(mine, n_g, cells, paired, refs):
+    """Every rank's per-prompt frames, back in global prompt order (one-process order)."""
+    local = [(p, refs[i], cells[i * n_g : (i + 1) * n_g], paired[i * n_g : (i + 1) * n_g])
+             for i, (p, _) in enumerate(mine)]
+    merged = sorted((x for part in gather_objects(local) for x in part), key=lambda x: x[0])
+    return ([c for x in merged for c in x[2]], [pr for x in merged for pr in x[3]],
+            [x[1] for x in merged])
 
 
 def _pool(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

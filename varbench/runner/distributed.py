@@ -34,3 +34,25 @@ def shutdown() -> None:
     """Leave the process group (no-op when none was joined)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the joined process group; (0, 1) when none was joined."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's ``obj`` in rank order (``all_gather_object``; ``[obj]`` in one process).
+
+    Pickles through the backend, so it is meant for small per-prompt records, not tensors of
+    model size. With NCCL, objects travel via the current CUDA device (set by
+    :func:`init_from_env`).
+    """
+    rank, world = rank_world()
+    if world == 1:
+        return [obj]
+    out: list[object] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
