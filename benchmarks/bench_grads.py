@@ -9,8 +9,12 @@ and inputs are built):
   (d) token_grad_norms   (e) brute-force loop: one autograd.grad per token (retained graph),
   running prefix vector  (f) torch.func.jacrev of the per-token log-probs, then cumsum.
 Batch: 4 sequences, prompt 8 tokens, response T tokens. Times are wall seconds (and process
-CPU seconds: the machine may be shared). Where a contender would take too long by default it
-runs on a subset and is extrapolated, and the printout says so; --full runs everything whole.
+CPU seconds: on a shared machine compare CPU). (d)-(f) get an untimed warm-up on a short
+input first. Where a contender would take too long by default it runs on a subset and is
+extrapolated, and the printout says so: (d) at T=512 one of the four equal-length sequences;
+(e) a few tokens of one sequence, scaling only the per-token backward part (its forward is
+timed whole per sequence); (f) one sequence (and at T=512 its last 128 rows). --full runs
+everything whole.
 """
 
 from __future__ import annotations
@@ -69,22 +73,28 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
     def ours():
         token_grad_norms(model, ids[:nb], rm[:nb], am[:nb], chunk_size=chunk, progress=False)
 
-    def brute(n_tok: int | None):
+    def brute(n_tok: int | None, sub: slice = slice(None)) -> tuple[float, float]:
+        """One forward per sequence, then one retained-graph backward per token; returns the
+        (wall, cpu) seconds of the per-token part alone so a token subset extrapolates it."""
+        x, m = ids[:, sub], am[:, sub]
+        n = x.shape[1]
+        wall = cpu = 0.0
         for b in range(nb):
-            lp = token_logprobs(
-                forward_logits(model, ids[b : b + 1], am[b : b + 1]).logits, ids[b : b + 1]
-            )[0]
+            row = x[b : b + 1]
+            lp = token_logprobs(forward_logits(model, row, m[b : b + 1]).logits, row)[0]
             running = torch.zeros(sum(p.numel() for p in plist))
-            cols = list(range(LP, LP + T))
+            cols = list(range(LP, n))
             if n_tok is not None:
-                cols = cols[:: max(1, T // n_tok)][:n_tok]
+                cols = cols[:: max(1, len(cols) // n_tok)][:n_tok]
+            w0, c0 = time.perf_counter(), time.process_time()
             for t in cols:
-                gr = torch.cat(
-                    [x.reshape(-1) for x in torch.autograd.grad(lp[t], plist, retain_graph=True)]
-                )
+                grads = torch.autograd.grad(lp[t], plist, retain_graph=True)
+                gr = torch.cat([v.reshape(-1) for v in grads])
                 _ = gr.dot(gr)
                 running += gr
                 _ = running.dot(running)
+            wall, cpu = wall + time.perf_counter() - w0, cpu + time.process_time() - c0
+        return wall, cpu
 
     def jac():
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -120,23 +130,36 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
             best = min(best, (time.perf_counter() - w0, time.process_time() - c0))
         wall, cpu = best
     else:
-        # small warm-up on a short input so one-time costs are not timed
         base = _rss_mb()
+        short = slice(0, LP + 4)  # warm-up input: one-time costs (allocator, dispatch) untimed
+        per_token = None  # (e) on a token subset: (wall, cpu) of its per-token part
         if name == "d":
+            token_grad_norms(model, ids[:1, short], rm[:1, short], am[:1, short], progress=False)
             if T >= 512 and not full:
+                # every sequence has the same length, so one sequence costs a quarter of four
                 nb, scale, note = 1, B, "1 of 4 sequences, x4"
             fn = ours
         elif name == "e":
+            brute(None, short)
             n_tok = None if full else min(T, 16 if T <= 32 else 8)
             if n_tok is not None and n_tok < T:
-                nb, scale = 1, B * T / n_tok
-                note = f"{n_tok} of {T} tokens of 1 sequence, x{B * T // n_tok}"
+                # each token's backward runs over the whole retained graph, so its cost does not
+                # depend on the token: time n_tok of them, scale that part to all B x T tokens;
+                # the one forward per sequence is timed whole
+                nb = 1
+                note = f"{n_tok} of {T} tokens of 1 sequence, per-token part x{B * T // n_tok}"
+                per_token = n_tok
             fn = lambda: brute(n_tok)  # noqa: E731
         else:
+            jac_rows_save = jac_rows
+            jac_rows = 4
+            nb = 1
+            jac()  # warm-up on 4 rows of one sequence
+            nb, jac_rows = B, jac_rows_save
             if T >= 512 and not full:
                 # the whole T x P Jacobian of one sequence peaks near 19 GB here: take the
-                # last 128 tokens' rows only (full-length forward); time x4 x4, memory is a
-                # lower bound for the real anchor
+                # last 128 tokens' rows only (full-length forward; each row is one backward over
+                # the whole graph, so rows cost alike); time x4 x4, memory is a lower bound
                 nb, scale, jac_chunk, jac_rows = 1, B * T / 128, 32, 128
                 note = "128 of 512 tokens of 1 sequence, x16; chunk_size=32 (memory: lower bound)"
             elif T >= 128 and not full:
@@ -146,8 +169,12 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
                 note = "1 of 4 sequences, x4; jacrev chunk_size=32 (memory: of 1 sequence)"
             fn = jac
         w0, c0 = time.perf_counter(), time.process_time()
-        fn()
+        out = fn()
         wall, cpu = (time.perf_counter() - w0) * scale, (time.process_time() - c0) * scale
+        if per_token is not None:  # B x (forward part) + (B T / n_tok) x (per-token part)
+            k = B * T / per_token
+            wall = B * (wall - out[0]) + k * out[0]
+            cpu = B * (cpu - out[1]) + k * out[1]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(name=name, T=T, wall=wall, cpu=cpu, peak_mb=peak, delta_mb=peak - base, note=note)
 
@@ -183,7 +210,9 @@ def main() -> int:
     ap.add_argument("--T", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--full", action="store_true", help="no subsets or extrapolation (slow)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
-    ap.add_argument("--chunk", type=int, default=16, help="token_grad_norms chunk_size")
+    from varbench.grads.exact import DEFAULT_CHUNK
+
+    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="token_grad_norms chunk_size")
     ap.add_argument("--only", default="abcdef", help="contenders to run, e.g. 'abd'")
     ap.add_argument("--worker", nargs=2, metavar=("NAME", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args()
