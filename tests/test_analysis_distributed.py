@@ -1,4 +1,5 @@
-"""Data-parallel variance harness: 2 gloo ranks under torchrun equal one process (same seed)."""
+"""Data-parallel variance and gradient (proxy) harnesses: 2 gloo ranks under torchrun equal one
+process (same seed)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
+from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.variance import estimator_variance
 from varbench.cli import main
 from varbench.models import build_policy
@@ -27,6 +29,8 @@ CLI = ["variance", "--preset", "micro", "--states", "random", "--task", "sort", 
        "--reward", "inclusion_adjacency", "--prompts", "3", "-G", "2", "-M", "6", "--schemes",
        "centered", "otb", "--reference", "sampled", "--n-ref", "32", "--sketch-dim", "64",
        "--no-cache", "--no-progress"]
+# The gradient harness: exact per-token norms of 9 sequences split 5/4 over the ranks.
+PROXY_KW = {"n_prompts": 3, "G": 3, "seed": 3, "n_boot": 20, "progress": False}
 
 # One launch (each costs several seconds of imports per rank): the library call, then the
 # `varbench variance` command through the CLI entry point (`python -m varbench` calls the same
@@ -44,6 +48,9 @@ rank, world = init_from_env()
 assert world == 2 and dist.get_backend() == "gloo"
 res = estimator_variance(build_policy("micro", seed=1), get_task("sort", n=2), **%r)
 pickle.dump(res.records, open(sys.argv[1] + str(rank), "wb"))
+from varbench.analysis.proxy import proxy_correlation
+res = proxy_correlation(build_policy("micro", seed=1), get_task("sort", n=2), **%r)
+pickle.dump(res.records, open(sys.argv[1] + "proxy" + str(rank), "wb"))
 assert main(%r + ["--out", sys.argv[2]]) == 0
 assert not dist.is_initialized()
 """
@@ -73,7 +80,7 @@ def _assert_frames_close(a: pd.DataFrame, b: pd.DataFrame, name: str) -> None:
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
     script = tmp_path / "dp_variance.py"
-    script.write_text(SCRIPT % (KW, CLI))
+    script.write_text(SCRIPT % (KW, PROXY_KW, CLI))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -89,6 +96,14 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
         assert set(dp) == set(single)
         for name in single:
             _assert_frames_close(dp[name], single[name], name)
+    single_proxy = proxy_correlation(build_policy("micro", seed=1), get_task("sort", n=2),
+                                     **PROXY_KW).records
+    for rank in (0, 1):
+        dp = pickle.loads((tmp_path / f"recproxy{rank}").read_bytes())
+        assert set(dp) == set(single_proxy)
+        for name in single_proxy:
+            _assert_frames_close(dp[name], single_proxy[name], f"proxy.{name}")
+    assert single_proxy["tokens"]["seq"].nunique() == 9
     by_prompt = single["cells_by_prompt"]
     assert list(by_prompt["prompt"].unique()) == [0, 1, 2]
     assert (by_prompt["variance"] > 0).any()  # a non-degenerate comparison

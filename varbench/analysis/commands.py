@@ -84,15 +84,45 @@ def _cache(args) -> str | None:
 
 
 def _cmd_proxy(args) -> int:
+    from varbench.runner.distributed import init_from_env, shutdown
+
+    # Under torchrun: exact norms sharded over ranks by sequence; only rank 0 writes/prints.
+    rank, world = init_from_env()
+    try:
+        return _proxy(args, rank, world)
+    finally:
+        shutdown()
+
+
+def _ranked_states(args, task, rank: int, world: int) -> dict[str, Any]:
+    """Policy states built on every rank; rank 0 warm-starts first so the others hit its cache."""
+    import torch.distributed as dist
+
+    if world > 1 and rank != 0:
+        dist.barrier()
+    states = _states(args, task)
+    if world > 1 and rank == 0:
+        dist.barrier()
+    if world > 1 and dist.get_backend() == "nccl":
+        # NCCL: one GPU per rank (init_from_env set it from LOCAL_RANK); compute there too.
+        import torch
+
+        for pol in states.values():
+            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
+    return states
+
+
+def _proxy(args, rank: int, world: int) -> int:
     from varbench.analysis.proxy import proxy_correlation
     from varbench.tasks import get_task
 
     task = get_task(args.task, **_kv(args.knob))
-    res = proxy_correlation(_states(args, task), task, n_prompts=args.prompts, G=args.G,
-                            reward=args.reward, seed=args.seed, n_boot=args.boot,
-                            cache_dir=_cache(args), progress=args.progress,
+    res = proxy_correlation(_ranked_states(args, task, rank, world), task,
+                            n_prompts=args.prompts, G=args.G, reward=args.reward,
+                            seed=args.seed, n_boot=args.boot, cache_dir=_cache(args),
+                            progress=args.progress,
                             config={"preset": args.preset, "policy_path": args.policy})
-    return _finish(res, args)
+    return _finish(res, args) if rank == 0 else 0
 
 
 def _cmd_variance(args) -> int:
@@ -107,24 +137,13 @@ def _cmd_variance(args) -> int:
 
 
 def _variance(args, rank: int, world: int) -> int:
-    import torch.distributed as dist
 
     from varbench.analysis.result import AnalysisResult
     from varbench.analysis.variance import estimator_variance
     from varbench.tasks import get_task
 
     task = get_task(args.task, **_kv(args.knob))
-    if world > 1 and rank != 0:
-        dist.barrier()  # rank 0 warm-starts first, so the others read its on-disk cache
-    states = _states(args, task)
-    if world > 1 and rank == 0:
-        dist.barrier()
-    if world > 1 and dist.get_backend() == "nccl":
-        # NCCL: one GPU per rank (init_from_env set it from LOCAL_RANK); compute there too.
-        import torch
-
-        for pol in states.values():
-            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
+    states = _ranked_states(args, task, rank, world)
     results: list[AnalysisResult] = []
     for state, pol in states.items():
         res = estimator_variance(

@@ -11,6 +11,11 @@ Cumulative quantities are correlated pooled AND within each fixed position acros
 because pooled cumulative correlations are inflated by position alone (both grow with t).
 Also: per-sequence W_T vs ||sum_t g_t||^2, a calibration table (binned proxy vs mean exact
 norm), and how much the OTB baseline changes when the proxy replaces exact weights.
+
+Data-parallel under ``torchrun`` (every rank must make the call): sampling is cheap and runs on
+every rank with the same seed; the exact per-token norms, the expensive part, are computed for
+the sequences ``b % world_size == rank`` only and the token records are gathered back in
+one-process order, so every rank returns the same records as a one-process run.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from varbench.models.presets import Policy
 from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.rollout.sampler import sample
+from varbench.runner.distributed import gather_objects, rank_world
 from varbench.tasks.base import Task
 
 _PAIRS_TOKEN = (("w_t", "token_sq"), ("w_t", "head_sq"))
@@ -49,32 +55,38 @@ def token_records(policy: Policy, batch, *, state: str, progress: bool = False) 
     """
     flat = batch.flat()
     model = policy.model
-    fs = forward_stats(model, flat.input_ids, flat.response_mask, flat.attention_mask,
-                       hidden_norms=True)
-    norms = token_grad_norms(model, flat.input_ids, flat.response_mask, flat.attention_mask,
-                             groups=True, progress=progress)
-    m = flat.response_mask != 0
-    b_idx, col = m.nonzero(as_tuple=True)
-    pos = (m.long().cumsum(1) - 1)[b_idx, col]
+    rank, world = rank_world()
+    rows = torch.arange(rank, flat.input_ids.shape[0], world)  # this rank's sequences
+    ids, resp, attn = (x[rows] for x in (flat.input_ids, flat.response_mask, flat.attention_mask))
+    fs = forward_stats(model, ids, resp, attn, hidden_norms=True)
+    norms = token_grad_norms(model, ids, resp, attn, groups=True, progress=progress)
+    m = resp != 0
+    local, col = m.nonzero(as_tuple=True)
+    b_idx = rows[local]
+    pos = (m.long().cumsum(1) - 1)[local, col]
     G = batch.G
     data: dict[str, Any] = {
         "state": state,
         "p": (b_idx // G).numpy(),
         "seq": b_idx.numpy(),
         "pos": pos.numpy(),
-        "w_t": fs.proxy[b_idx, col].double().numpy(),
-        "W_t": fs.cum_proxy[b_idx, col].double().numpy(),
-        "token_sq": norms.token_sq[b_idx, col].double().numpy(),
-        "prefix_sq": norms.prefix_sq[b_idx, col].double().numpy(),
-        "diag_prefix_sq": norms.diag_prefix_sq[b_idx, col].double().numpy(),
-        "h_sq": fs.h_sq[b_idx, col].double().numpy(),
+        "w_t": fs.proxy[local, col].double().numpy(),
+        "W_t": fs.cum_proxy[local, col].double().numpy(),
+        "token_sq": norms.token_sq[local, col].double().numpy(),
+        "prefix_sq": norms.prefix_sq[local, col].double().numpy(),
+        "diag_prefix_sq": norms.diag_prefix_sq[local, col].double().numpy(),
+        "h_sq": fs.h_sq[local, col].double().numpy(),
     }
     names = norms.group_names or []
     for k, g in enumerate(names):
-        data[f"token_sq[{g}]"] = norms.group_token_sq[b_idx, col, k].double().numpy()
+        data[f"token_sq[{g}]"] = norms.group_token_sq[local, col, k].double().numpy()
     data["head_sq"] = data["token_sq[head]"] if "head" in names else np.nan
     data["reward"] = batch.rewards.reshape(-1)[b_idx].double().numpy()
-    return pd.DataFrame(data)
+    df = pd.DataFrame(data)
+    if world > 1:  # back to one-process order: sequence-major, then position
+        df = pd.concat(gather_objects(df), ignore_index=True)
+        df = df.sort_values(["seq", "pos"], kind="stable", ignore_index=True)
+    return df
 
 
 def _corr_rows(x, y, sid, *, quantity, scope, position, n_boot, seed, methods=None):
@@ -190,7 +202,8 @@ def proxy_correlation(
     recs: dict[str, list[pd.DataFrame]] = {k: [] for k in kinds}
     for state, pol in policies.items():
         cells = {k: cache.load(f"{state}__{k}") for k in recs}
-        if any(v is None for v in cells.values()):
+        # Under torchrun every rank must take the same branch (token_records gathers).
+        if any(gather_objects(any(v is None for v in cells.values()))):
             batch = sample(pol, task, prompts, G, seed=seed, reward=reward)
             tok = token_records(pol, batch, state=state, progress=show_progress(progress))
             cells = {
