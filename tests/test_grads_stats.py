@@ -66,5 +66,24 @@ def test_forward_stats_alignment_and_values(padding):
 def test_forward_stats_default_float32_and_no_grad():
     model = tiny_llama()
     ids, rm, am = batch()
+    assert all(p.requires_grad for p in model.parameters())
     st = forward_stats(model, ids, rm, am)
     assert st.proxy.dtype == torch.float32 and not st.proxy.requires_grad and st.h_sq is None
+    assert not st.logp.requires_grad and not st.entropy.requires_grad
+
+
+def test_eval_mode_switches_a_training_model_and_restores_it():
+    """Per-token quantities must not see dropout; a model in training mode is restored after."""
+    from varbench.grads._inputs import eval_mode
+
+    model = tiny_llama()
+    model.train()
+    seen = []
+    with eval_mode(model):
+        seen = [m.training for m in model.modules()]
+    assert not any(seen)
+    assert all(m.training for m in model.modules())
+    model.eval()
+    with eval_mode(model):
+        assert not model.training
+    assert not model.training

@@ -103,7 +103,8 @@ def forward_stats(
             raise ValueError("hidden_norms=True needs model.get_output_embeddings(); got None")
         handle = head.register_forward_hook(lambda m, args, out: captured.append(args[0]))
     try:
-        with eval_mode(model):
+        # forward-only statistics: no autograd graph (it would cost memory and time for nothing)
+        with eval_mode(model), torch.no_grad():
             logits = forward_logits(model, input_ids, attention_mask).logits  # [B, L, V]
     finally:
         if handle is not None:
