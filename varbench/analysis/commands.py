@@ -83,15 +83,23 @@ def _cache(args) -> str | None:
     return None if args.no_cache else str(Path(args.out) / "cells")
 
 
-def _cmd_proxy(args) -> int:
-    from varbench.runner.distributed import init_from_env, shutdown
+def _under_torchrun(body):
+    """A handler ``body(args, rank, world)`` run in the process group torchrun describes.
 
-    # Under torchrun: exact norms sharded over ranks by sequence; only rank 0 writes/prints.
-    rank, world = init_from_env()
-    try:
-        return _proxy(args, rank, world)
-    finally:
-        shutdown()
+    Outside torchrun this is one process (rank 0 of 1). Inside, the analysis shards its work
+    over the ranks and gathers the records; only rank 0 writes the report and prints.
+    """
+
+    def handler(args) -> int:
+        from varbench.runner.distributed import init_from_env, shutdown
+
+        rank, world = init_from_env()
+        try:
+            return body(args, rank, world)
+        finally:
+            shutdown()
+
+    return handler
 
 
 def _ranked_states(args, task, rank: int, world: int) -> dict[str, Any]:
@@ -125,17 +133,6 @@ def _proxy(args, rank: int, world: int) -> int:
     return _finish(res, args) if rank == 0 else 0
 
 
-def _cmd_variance(args) -> int:
-    from varbench.runner.distributed import init_from_env, shutdown
-
-    # Under torchrun: prompts sharded over ranks, records gathered; only rank 0 writes/prints.
-    rank, world = init_from_env()
-    try:
-        return _variance(args, rank, world)
-    finally:
-        shutdown()
-
-
 def _variance(args, rank: int, world: int) -> int:
 
     from varbench.analysis.result import AnalysisResult
@@ -166,6 +163,10 @@ def _variance(args, rank: int, world: int) -> int:
             print(f"[{r.name}] {h.text}")
     print(f"report: {out / 'report.html'}  ({out / 'summary.json'})")
     return 0
+
+
+_cmd_proxy = _under_torchrun(_proxy)  # exact norms sharded by sequence
+_cmd_variance = _under_torchrun(_variance)  # prompts sharded by rank
 
 
 def _cmd_cancellation(args) -> int:
