@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 
 from varbench.models import build_policy
 from varbench.rollout import sample
-from varbench.rollout.sampler import _encode_prompts
+from varbench.rollout.sampler import encode_prompts
 from varbench.tasks import get_task
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     task = get_task("sort", n=8)
     prompts = task.prompts(args.prompts, seed=0)
     T = args.new_tokens
-    ids, mask = _encode_prompts(policy.tokenizer, prompts)
+    ids, mask = encode_prompts(policy.tokenizer, prompts)
     gcfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             max_new_tokens=T, min_new_tokens=0, eos_token_id=None,
                             pad_token_id=policy.tokenizer.pad_token_id)

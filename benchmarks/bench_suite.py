@@ -95,7 +95,7 @@ def main() -> None:
 RANK_SCRIPT = """
 import json, sys, time
 import torch, torch.distributed as dist
-from varbench.runner.distributed import init_from_env, shutdown
+from varbench._util.distributed import init_from_env, shutdown
 from varbench.testing import check_estimator
 torch.set_num_threads(1)
 rank, world = init_from_env("gloo")
@@ -138,7 +138,7 @@ import pickle, sys, time
 import torch, torch.distributed as dist
 from varbench.analysis.variance import estimator_variance
 from varbench.models import build_policy
-from varbench.runner.distributed import init_from_env, shutdown
+from varbench._util.distributed import init_from_env, shutdown
 from varbench.tasks import get_task
 torch.set_num_threads(1)
 rank, world = init_from_env("gloo")
@@ -202,7 +202,7 @@ def bench_variance_ranks(n_prompts: int) -> None:
 
 def bench_suite(args: argparse.Namespace) -> None:
 
-    from varbench.runner.run import run_suite
+    from varbench.app.runner import run_suite
 
     with tempfile.TemporaryDirectory() as tmp:
         suite = Path(args.suite) if args.suite else Path(tmp) / "bench.toml"

@@ -8,8 +8,8 @@ import functools
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 
 V = 23
 

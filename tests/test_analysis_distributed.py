@@ -15,7 +15,7 @@ import torch
 
 from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.variance import estimator_variance
-from varbench.cli import main
+from varbench.app.cli import main
 from varbench.models import build_policy
 from varbench.tasks import get_task
 
@@ -39,9 +39,9 @@ SCRIPT = """
 import pickle, sys
 import torch.distributed as dist
 from varbench.analysis.variance import estimator_variance
-from varbench.cli import main
+from varbench.app.cli import main
 from varbench.models import build_policy
-from varbench.runner.distributed import init_from_env
+from varbench._util.distributed import init_from_env
 from varbench.tasks import get_task
 
 rank, world = init_from_env()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from varbench.analysis.oracle import enumerate_distribution
-from varbench.grads.stats import token_logprobs
 from varbench.models import build_policy, forward_logits
+from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task
 

@@ -11,8 +11,8 @@ from varbench.analysis.stats import variance_stats
 from varbench.analysis.variance import estimator_variance, group_advantages, group_estimates
 from varbench.analysis.vectors import CountSketch, token_vectors
 from varbench.estimators.loss import policy_loss
-from varbench.grads.stats import token_logprobs
 from varbench.models import build_policy, forward_logits
+from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task
 

@@ -7,7 +7,7 @@ import re
 import pytest
 from _fixtures_foundation import one_thread  # noqa: F401
 
-from varbench.cli import main
+from varbench.app.cli import main
 from varbench.models import build_policy, save_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

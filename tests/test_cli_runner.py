@@ -1,6 +1,6 @@
 """`varbench run / merge / compare / check`: exit codes and messages through the CLI entry point.
 
-Most tests call ``varbench.cli.main`` in process (same parser, same exit codes; a subprocess
+Most tests call ``varbench.app.cli.main`` in process (same parser, same exit codes; a subprocess
 costs the full torch/transformers import). Interrupting a run needs a real process.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import _fixtures_runner as fr
 import pytest
 
-from varbench.cli import main
-from varbench.runner.run import run_suite
+from varbench.app.cli import main
+from varbench.app.runner import run_suite
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from varbench.analysis.result import AnalysisResult, Headline
 from varbench.report import SCHEMA, provenance, write_report
 from varbench.report.headline import ratio_sentence, with_se
+from varbench.report.result import AnalysisResult, Headline
 
 
 def _variance_result():
@@ -109,7 +109,7 @@ def test_importing_the_report_layer_keeps_the_users_matplotlib_backend() -> None
 
     code = (
         "import matplotlib; matplotlib.use('svg'); "
-        "import varbench.report.figures, varbench.train.validate_figures; "
+        "import varbench.report.figures; "
         "print(matplotlib.get_backend())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -7,8 +7,8 @@ import torch
 from _fixtures_foundation import one_thread  # noqa: F401
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from varbench.grads.stats import sum_pi_sq
 from varbench.models import Policy, build_policy, build_tokenizer, forward_logits
+from varbench.models.logits import sum_pi_sq
 from varbench.rollout import RolloutBatch, sample
 from varbench.tasks import Prompt, get_task
 from varbench.tasks.sort import SortTask

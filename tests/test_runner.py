@@ -8,11 +8,11 @@ from pathlib import Path
 import _fixtures_runner as fr
 import pytest
 
-from varbench.runner import kinds
-from varbench.runner.cache import CaseCache
-from varbench.runner.compare import compare_reports, regressions
-from varbench.runner.run import merge_outputs, parse_shard, run_suite, shard_cases
-from varbench.runner.schema import SuiteError, load_suite
+from varbench.app import executors as kinds
+from varbench.app.cache import CaseCache
+from varbench.app.compare import compare_reports, regressions
+from varbench.app.runner import merge_outputs, parse_shard, run_suite, shard_cases
+from varbench.app.suite import SuiteError, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,7 +253,7 @@ tasks = ["sort"]
 def test_every_kind_dispatches_to_the_library(tmp_path):
     """Each analysis kind builds its Policy/Task from the suite's settings and returns results
     (micro preset at random init; `validate` is only validated, it trains for minutes)."""
-    from varbench.analysis.result import AnalysisResult
+    from varbench.report.result import AnalysisResult
 
     p = tmp_path / "kinds.toml"
     p.write_text(KIND_CASES)

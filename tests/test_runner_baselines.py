@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from varbench.runner.compare import compare_reports, load_figures, regressions
-from varbench.runner.run import run_suite
+from varbench.app.compare import compare_reports, load_figures, regressions
+from varbench.app.runner import run_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "reports" / "baselines" / "quickstart" / "summary.json"

@@ -14,7 +14,7 @@ from varbench.testing import check_estimator
 SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from varbench.runner.distributed import init_from_env, shutdown
+from varbench._util.distributed import init_from_env, shutdown
 from varbench.testing import check_estimator
 
 rank, world = init_from_env()

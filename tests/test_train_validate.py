@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 import torch
 
-from varbench.cli import main
-from varbench.train import validate_stats as vs
+from varbench.analysis import validate_stats as vs
+from varbench.app.cli import main
 
 
 def _curve(acc, tokens):

@@ -59,8 +59,8 @@ _EXPORTS: dict[str, str] = {
     "from_flat": "varbench.estimators",
     "to_flat": "varbench.estimators",
     # gradient harness
-    "sum_pi_sq": "varbench.grads",
-    "logit_proxy": "varbench.grads",
+    "sum_pi_sq": "varbench.models.logits",
+    "logit_proxy": "varbench.models.logits",
     "forward_stats": "varbench.grads",
     "token_grad_norms": "varbench.grads",
     "tail_token_norms": "varbench.grads",
@@ -80,9 +80,9 @@ _EXPORTS: dict[str, str] = {
     "train": "varbench.train",
     "warm_start": "varbench.train",
     # suites and estimator regression tests
-    "run_suite": "varbench.runner",
-    "load_suite": "varbench.runner",
-    "compare_reports": "varbench.runner",
+    "run_suite": "varbench.app",
+    "load_suite": "varbench.app",
+    "compare_reports": "varbench.app",
     "check_estimator": "varbench.testing",
 }
 

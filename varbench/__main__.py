@@ -2,6 +2,6 @@
 
 import sys
 
-from varbench.cli import main
+from varbench.app.cli import main
 
 sys.exit(main())

@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without
 from varbench.analysis import estimator_variance
 from varbench.tasks import get_task
 from varbench.train import TrainConfig, train, warm_start
-from varbench.train.validate_stats import (
+from varbench.analysis.validate_stats import (
     cell_table,
     rank_correlation_ci,
     t2t_table,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 from collections.abc import Iterable
 from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from varbench._util.io import atomic_write
 
 # Bump when the columns a cell stores change: old cells then miss instead of loading stale.
 _CELL_FORMAT = 2
@@ -51,17 +51,9 @@ class CellCache:
         """Store cell ``name`` atomically (no-op without a cache directory)."""
         if self.root is None:
             return
-        path = self._path(name)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         # 15 significant digits (pandas' maximum): a resumed cell equals the original to ~1e-15.
-        tmp.write_text(df.reset_index(drop=True).to_json(orient="table", index=False,
-                                                         double_precision=15))
-        os.replace(tmp, path)
-
-
-def show_progress(progress: bool | None) -> bool:
-    """Progress bars on a terminal by default, never in CI logs."""
-    return sys.stderr.isatty() if progress is None else bool(progress)
+        atomic_write(self._path(name), df.reset_index(drop=True).to_json(
+            orient="table", index=False, double_precision=15))
 
 
 def concat(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:

@@ -25,63 +25,21 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._checks import check_choice, check_positive_int
-from varbench.analysis._common import CellCache, concat, show_progress
-from varbench.analysis.result import AnalysisResult, Headline
+from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.progress import show_progress
+from varbench.analysis._common import CellCache, concat
 from varbench.analysis.trie import shared_steps, token_net_weight
 from varbench.analysis.vectors import token_vectors
 from varbench.estimators.aggregation import AGGREGATION_MODES
-from varbench.estimators.coefficients import token_coefficients
+from varbench.estimators.coefficients import TRANSFORMS, sample_weights
 from varbench.estimators.loss import RATIO_KINDS, policy_loss
 from varbench.estimators.registry import advantages
-from varbench.estimators.transforms import adv_orthogonal, min_replace
-from varbench.grads.stats import token_logprobs
-from varbench.models.forward import forward_logits
 from varbench.models.presets import Policy
 from varbench.report.headline import fmt, with_se
 from varbench.report.provenance import provenance
-from varbench.rollout.sampler import sample
+from varbench.report.result import AnalysisResult, Headline
+from varbench.rollout import response_logprobs, sample
 from varbench.tasks.base import Task
-
-TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
-
-
-def sample_weights(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    *,
-    ratio: str = "token",
-    clip: tuple[float, float] = (0.2, 0.2),
-    transform: str = "none",
-    max_len: int | None = None,
-) -> torch.Tensor:
-    """Per-token weight ``c [P, G, T]`` WITHOUT the advantage: ``c * A`` is the ascent coefficient.
-
-    The loss coefficient is linear in |A| once the sign of A is fixed (the clip indicator only
-    reads the sign), so ``c = -token_coefficients(..., adv=sign(A)) * sign(A)`` (sign(0) := +1):
-    aggregation weight x ratio x clip indicator (x GSPO's sequence factor), >= 0. Needs A
-    constant over a response for ``ratio="sequence"`` (outcome-reward schemes). ``transform``
-    then replaces c per position across the group (Min-Replace / Adv-Orthogonal, detached).
-    """
-    check_choice("transform", transform, TRANSFORMS)
-    m = mask != 0
-    sgn = torch.where(adv < 0, -1.0, 1.0).to(logp.dtype) * m
-    c = -token_coefficients(logp, logp_old, sgn, m, mode, clip=clip, ratio=ratio,
-                            max_len=max_len) * sgn
-    if transform == "min_replace":
-        c = min_replace(c, m)
-    elif transform == "adv_orthogonal":
-        c = adv_orthogonal(c, adv.to(c.dtype), m)
-    return c
-
-
-def _batch_logp(model: torch.nn.Module, batch) -> torch.Tensor:
-    flat = batch.flat()
-    logits = forward_logits(model, flat.input_ids, flat.attention_mask).logits
-    return batch.to_groups(token_logprobs(logits, flat.input_ids) * flat.response_mask)
 
 
 def ppo_logps(policy: Policy, batch, adv: torch.Tensor, steps: Sequence[int], *, lr: float,
@@ -99,14 +57,14 @@ def ppo_logps(policy: Policy, batch, adv: torch.Tensor, steps: Sequence[int], *,
     mask = batch.mask != 0
     with torch.enable_grad():
         for k in range(1, max(steps) + 1):
-            logp = _batch_logp(model, batch)
+            logp = response_logprobs(model, batch)
             loss, _ = policy_loss(logp, batch.logprobs, adv, mask, mode, clip=clip)
             opt.zero_grad()
             loss.backward()
             opt.step()
             if k in steps:
                 with torch.no_grad():
-                    out[k] = _batch_logp(model, batch).detach()
+                    out[k] = response_logprobs(model, batch).detach()
     return out
 
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 from varbench.models.presets import Policy
 from varbench.rollout.batch import RolloutBatch
-from varbench.rollout.sampler import _encode_prompts
+from varbench.rollout.sampler import encode_prompts
 from varbench.tasks.base import Prompt, Task
 
 
@@ -110,7 +110,7 @@ def enumerate_distribution(
     model, tok = policy.model, policy.tokenizer
     V = int(model.get_output_embeddings().weight.shape[0])
     responses = task.enumerate_responses(prompt, V)  # [N, T]
-    prompt_ids, _ = _encode_prompts(tok, [prompt])  # [1, Lp] (one prompt: no padding)
+    prompt_ids, _ = encode_prompts(tok, [prompt])  # [1, Lp] (one prompt: no padding)
     dev = policy.device
     Lp = prompt_ids.shape[1]
     out = []

@@ -28,9 +28,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._checks import check_positive_int
-from varbench.analysis._common import CellCache, concat, show_progress
-from varbench.analysis.result import AnalysisResult, Headline
+from varbench._util.checks import check_positive_int
+from varbench._util.distributed import gather_objects, rank_world
+from varbench._util.progress import show_progress
+from varbench.analysis._common import CellCache, concat
 from varbench.analysis.stats import correlations
 from varbench.estimators.otb import otb_baseline
 from varbench.estimators.registry import advantages
@@ -38,8 +39,8 @@ from varbench.grads import forward_stats, token_grad_norms
 from varbench.models.presets import Policy
 from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
+from varbench.report.result import AnalysisResult, Headline
 from varbench.rollout.sampler import sample
-from varbench.runner.distributed import gather_objects, rank_world
 from varbench.tasks.base import Task
 
 _PAIRS_TOKEN = (("w_t", "token_sq"), ("w_t", "head_sq"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from varbench._checks import check_shape
+from varbench._util.checks import check_shape
 
 _POLICY, _ENV = 1, 2
 

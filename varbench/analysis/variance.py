@@ -18,7 +18,7 @@ J = E[R] (seq-mean-token-sum scale); other modes compare against g* scaled by th
 fixed-length tasks: for variable lengths these modes estimate a length-weighted objective).
 
 Data-parallel (``torch.distributed``): when a process group is joined (e.g. by
-``varbench.runner.distributed.init_from_env`` under ``torchrun``), prompt ``p`` is computed by
+``varbench._util.distributed.init_from_env`` under ``torchrun``), prompt ``p`` is computed by
 rank ``p % world_size`` only; its sampling seed depends on the global index ``p`` alone, so the
 per-prompt cells do not depend on the world size. The per-prompt records are then exchanged with
 ``all_gather_object`` and every rank pools the same records, equal to a one-process run with the
@@ -41,10 +41,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from varbench._checks import check_choice, check_positive_int
-from varbench.analysis._common import CellCache, concat, show_progress
+from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.distributed import gather_objects, rank_world
+from varbench._util.progress import show_progress
+from varbench.analysis._common import CellCache, concat
 from varbench.analysis.oracle import enumerate_distribution
-from varbench.analysis.result import AnalysisResult
 from varbench.analysis.stats import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.analysis.variance_report import variance_headlines
 from varbench.analysis.vectors import token_vectors
@@ -54,8 +55,8 @@ from varbench.estimators.registry import advantages
 from varbench.estimators.registry import schemes as registered_schemes
 from varbench.models.presets import Policy
 from varbench.report.provenance import provenance
+from varbench.report.result import AnalysisResult
 from varbench.rollout.sampler import sample
-from varbench.runner.distributed import gather_objects, rank_world
 from varbench.tasks.base import Task
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,

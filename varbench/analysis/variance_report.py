@@ -7,8 +7,8 @@ from typing import Any
 
 import pandas as pd
 
-from varbench.analysis.result import Headline
 from varbench.report.headline import fmt, ratio_sentence, with_se
+from varbench.report.result import Headline
 
 
 def _ratio_se(a: float, sa: float, b: float, sb: float) -> float:

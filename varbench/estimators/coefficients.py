@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from varbench._util.checks import check_choice
 from varbench.estimators.loss import _terms
+from varbench.estimators.transforms import adv_orthogonal, min_replace
 
-__all__ = ["token_coefficients"]
+__all__ = ["TRANSFORMS", "sample_weights", "token_coefficients"]
+
+TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
 
 
 @torch.no_grad()
@@ -43,3 +47,35 @@ def token_coefficients(
         return torch.where(t.m, per, 0)
     length = t.m.sum(-1, keepdim=True).clamp(min=1).to(per.dtype)
     return torch.where(t.m, per.sum(-1, keepdim=True) / length, 0)
+
+
+def sample_weights(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    ratio: str = "token",
+    clip: tuple[float, float] = (0.2, 0.2),
+    transform: str = "none",
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Per-token weight ``c [P, G, T]`` WITHOUT the advantage: ``c * A`` is the ascent coefficient.
+
+    The loss coefficient is linear in |A| once the sign of A is fixed (the clip indicator only
+    reads the sign), so ``c = -token_coefficients(..., adv=sign(A)) * sign(A)`` (sign(0) := +1):
+    aggregation weight x ratio x clip indicator (x GSPO's sequence factor), >= 0. Needs A
+    constant over a response for ``ratio="sequence"`` (outcome-reward schemes). ``transform``
+    then replaces c per position across the group (Min-Replace / Adv-Orthogonal, detached).
+    """
+    check_choice("transform", transform, TRANSFORMS)
+    m = mask != 0
+    sgn = torch.where(adv < 0, -1.0, 1.0).to(logp.dtype) * m
+    c = -token_coefficients(logp, logp_old, sgn, m, mode, clip=clip, ratio=ratio,
+                            max_len=max_len) * sgn
+    if transform == "min_replace":
+        c = min_replace(c, m)
+    elif transform == "adv_orthogonal":
+        c = adv_orthogonal(c, adv.to(c.dtype), m)
+    return c

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench._checks import check_choice
+from varbench._util.checks import check_choice
 
 __all__ = ["KL_KINDS", "kl_penalty"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._checks import check_choice
+from varbench._util.checks import check_choice
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.kl import kl_penalty
 

@@ -26,18 +26,9 @@ from varbench.estimators.registry import (
     register_scheme,
     reward_to_go,
 )
+from varbench.models.logits import proxy_from_logprobs
 
 __all__ = ["otb_baseline", "proxy_from_logprobs", "cumulative_weights"]
-
-
-def proxy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
-    """Logit-Gradient Proxy from forward statistics: ``w = 1 - 2 exp(logprobs) + sum_pi_sq``.
-
-    Shapes: any, equal. Range [0, 2). Same quantity as ``varbench.grads.logit_proxy`` (which
-    starts from logits); this form needs only the stored log-prob and sum_pi_sq.
-    """
-    w = torch.exp(logprobs)
-    return torch.add(sum_pi_sq, w, alpha=-2, out=w).add_(1)  # in place: one allocation
 
 
 def cumulative_weights(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:

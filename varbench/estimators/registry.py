@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from varbench._checks import check_shape
+from varbench._util.checks import check_shape
 
 __all__ = [
     "SchemeOptions",

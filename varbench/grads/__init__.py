@@ -7,14 +7,16 @@ norms (``sketch``), group-gradient estimates (``group``), parameter filters and 
 (``params``), float64-throughout models (``precision``).
 """
 
+# the logits formulas live below rollout and grads; re-exported here for convenience
 from varbench.grads.exact import TokenGradNorms, token_grad_norms
 from varbench.grads.group import combine, group_gradients, token_sketches
 from varbench.grads.params import default_group, select_params
 from varbench.grads.precision import exact_float64
 from varbench.grads.sequence import Sketch, sequence_grads
 from varbench.grads.sketch import SketchedNorms, sketched_token_norms
-from varbench.grads.stats import ForwardStats, forward_stats, logit_proxy, sum_pi_sq, token_logprobs
+from varbench.grads.stats import ForwardStats, forward_stats
 from varbench.grads.tail import default_tail_modules, tail_token_norms
+from varbench.models.logits import logit_proxy, sum_pi_sq, token_logprobs
 
 __all__ = [
     "ForwardStats",

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from varbench._checks import check_shape
+from varbench._util.checks import check_shape
 
 
 def check_inputs(

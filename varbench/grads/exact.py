@@ -23,12 +23,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from varbench._checks import check_choice, check_positive_int
+from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.progress import show_progress
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.ghost import GhostModule, cumsum_rows_, plan_ghost
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 
 # measured on the small preset (CPU, 1 thread, one sequence, process CPU seconds):
 # T=128: 8 -> 1.50-1.57, 16 -> 1.60-1.68, 32 -> 1.86-1.97; T=512: 8 -> 25.6, 16 -> 26.9
@@ -71,7 +72,7 @@ def iter_token_grads(
     params: list[torch.nn.Parameter],
     chunk_size: int,
     *,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
     """Yield ``(b, cols [C], grads)`` with ``grads[i]`` the ``[C, numel_i]`` per-token gradients
     of ``params[i]`` for the response tokens ``cols`` of sequence b, in increasing column order.
@@ -80,7 +81,8 @@ def iter_token_grads(
     """
     B = input_ids.shape[0]
     total = int(response_mask.sum().item())
-    bar = tqdm(total=total, desc="per-token grads", disable=None if progress else True, leave=False)
+    bar = tqdm(total=total, desc="per-token grads", disable=not show_progress(progress),
+               leave=False)
     with eval_mode(model):
         for b in range(B):
             cols_b = torch.nonzero(response_mask[b], as_tuple=False).flatten()
@@ -119,7 +121,7 @@ def token_grad_norms(
     method: str = "ghost",
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> TokenGradNorms:
     """Exact ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` (each ``[B, L]``) of a causal LM.
 
@@ -175,7 +177,8 @@ def token_grad_norms(
     rest_p = [p for _, p in rest]
     rest_g = [group_of[n] for n, _ in rest]
     total = int(response_mask.sum().item())
-    bar = tqdm(total=total, desc="per-token grads", disable=None if progress else True, leave=False)
+    bar = tqdm(total=total, desc="per-token grads", disable=not show_progress(progress),
+               leave=False)
     try:
         with eval_mode(model):
             for b in range(B):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from varbench._checks import check_shape
+from varbench._util.checks import check_shape
 from varbench.grads._inputs import eval_mode, prepare_model
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.sequence import Sketch, flat_grads
 from varbench.grads.sketch import jvp_token_probes
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 from varbench.rollout.batch import RolloutBatch
 
 

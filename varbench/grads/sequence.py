@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._checks import check_positive_int
+from varbench._util.checks import check_positive_int
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.params import ParamFilter, select_params
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, jvp, vmap
 
-from varbench._checks import check_positive_int
+from varbench._util.checks import check_positive_int
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.precision import functional_attention
 from varbench.grads.sequence import Sketch
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 
 
 class _LogProbs(torch.nn.Module):

@@ -19,8 +19,8 @@ from torch.func import functional_call, vjp, vmap
 
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.exact import TokenGradNorms, last_response_value
-from varbench.grads.stats import token_logprobs
 from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
 
 
 def default_tail_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

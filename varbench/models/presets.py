@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from varbench._checks import check_choice
+from varbench._util.checks import check_choice
 from varbench.models.tokenizer import build_tokenizer
 
 _PRESETS: dict[str, dict] = {

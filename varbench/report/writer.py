@@ -17,7 +17,6 @@ import base64
 import html
 import json
 import math
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,32 +24,11 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.io import atomic_write, jsonable
 from varbench.report.figures import FIGURES
 
 SCHEMA = "varbench.report/1"
 _MAX_TABLE_ROWS = 40
-
-
-def _jsonable(obj: Any) -> Any:
-    """Convert numpy/torch scalars and NaN (-> null) so json.dumps writes strict JSON."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
-        obj = obj.item()
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    return str(obj)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and os.replace (no torn files)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _slug(text: str) -> str:
@@ -100,9 +78,7 @@ def write_report(
         tables = []
         for tname, df in res.records.items():
             fname = f"{prefix}{_slug(tname)}.csv"
-            tmp = out / "tables" / f".{fname}.tmp"
-            df.to_csv(tmp, index=False)
-            os.replace(tmp, out / "tables" / fname)
+            atomic_write(out / "tables" / fname, df.to_csv(index=False))
             if parquet:
                 df.to_parquet(out / "tables" / fname.replace(".csv", ".parquet"), index=False)
             tables.append((tname, fname, df))
@@ -127,15 +103,15 @@ def write_report(
             for s in sections
         ],
     }
-    atomic_write_text(out / "summary.json", json.dumps(_jsonable(summary), indent=2) + "\n")
-    atomic_write_text(out / "report.md", _markdown(title, sections))
-    atomic_write_text(out / "report.html", _html(title, sections, out))
+    atomic_write(out / "summary.json", json.dumps(jsonable(summary), indent=2) + "\n")
+    atomic_write(out / "report.md", _markdown(title, sections))
+    atomic_write(out / "report.html", _html(title, sections, out))
     return out
 
 
 def _provenance_lines(prov: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [(k, v) for k, v in prov.items() if k != "config"]
-    rows.append(("config", json.dumps(_jsonable(prov.get("config", {})), sort_keys=True)))
+    rows.append(("config", json.dumps(jsonable(prov.get("config", {})), sort_keys=True)))
     return [(k, str(v)) for k, v in rows]
 
 

@@ -1,6 +1,7 @@
 """varbench.rollout: sampling G responses per prompt into the [P, G, T] RolloutBatch."""
 
 from varbench.rollout.batch import FlatBatch, RolloutBatch
-from varbench.rollout.sampler import sample
+from varbench.rollout.logprobs import response_logprobs
+from varbench.rollout.sampler import encode_prompts, sample
 
-__all__ = ["FlatBatch", "RolloutBatch", "sample"]
+__all__ = ["FlatBatch", "RolloutBatch", "encode_prompts", "response_logprobs", "sample"]

@@ -28,7 +28,6 @@ recorded number (tests compare against transformers' DynamicCache and the per-st
 from __future__ import annotations
 
 import inspect
-import sys
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -37,9 +36,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from varbench._checks import check_positive_int
-from varbench.grads.stats import sum_pi_sq
+from varbench._util.checks import check_positive_int
+from varbench._util.progress import show_progress
 from varbench.models.forward import position_ids_from_mask
+from varbench.models.logits import pi_stats, stat_dtype
 from varbench.models.presets import Policy
 from varbench.models.tokenizer import check_tokenizer_covers
 from varbench.rollout.batch import RolloutBatch
@@ -97,7 +97,7 @@ def _check_covers(tok, task: Task) -> None:
         seen.add(key)
 
 
-def _encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
     """[P, Lp] left-padded prompt ids and their mask."""
     ids = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
     Lp = max(len(x) for x in ids)
@@ -127,7 +127,7 @@ def sample(
     greedy: bool = False,
     reward: str | None = None,
     device: str | torch.device | None = None,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> RolloutBatch:
     """Sample ``G`` responses to each prompt; return the scored ``[P, G, T]`` RolloutBatch.
 
@@ -143,7 +143,7 @@ def sample(
         "max_new_tokens", max_new_tokens)
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
-    prompt_ids, prompt_mask = _encode_prompts(tok, prompts)
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts)
     longest = int(prompt_mask.sum(-1).max())
     if longest + T > policy.context_length:
         raise ValueError(
@@ -177,13 +177,13 @@ def sample(
             ids = pids.repeat_interleave(G, 0)
             m = pmask.repeat_interleave(G, 0)
             cache, logits = step(ids, m, position_ids_from_mask(m), cache)
-    stat_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    sdt = stat_dtype(logits.dtype)
     # Outputs are allocated outside inference mode and only written in place inside it, so the
     # returned tensors stay ordinary tensors that autograd may save.
     tokens = torch.full((B, T), pad, dtype=torch.long, device=dev)
     mask = torch.zeros((B, T), dtype=torch.float32, device=dev)
     env = torch.zeros((B, T), dtype=torch.float32, device=dev)
-    lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=stat_dtype, device=dev)
+    lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=sdt, device=dev)
                                  for _ in range(3))
     stop = torch.full((B,), T, dtype=torch.long, device=dev)  # steps each row took part in
     with torch.inference_mode():
@@ -195,7 +195,7 @@ def sample(
         pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
         loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=eos, turn_ids=turn_ids,
                      gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
-                     stat_dtype=stat_dtype,
+                     stat_dtype=sdt,
                      out=(tokens, mask, env, lp_out, spsq_out, ent_out, stop))
         used = loop.run(step, cache, logits, attn_all, pos_all, progress)
         loop.finish(used)
@@ -262,10 +262,9 @@ class _Loop:
         B = self.tokens.shape[0]
         self.queues: list[deque[int]] = [deque() for _ in range(B)]
         self.pending: set[int] = set()
-        self.tiny = torch.finfo(stat_dtype).min
         self.zbuf: torch.Tensor | None = None  # [B, T, V] logits when statistics are deferred
 
-    def run(self, step, cache, logits, attn_all, pos_all, progress: bool) -> int:
+    def run(self, step, cache, logits, attn_all, pos_all, progress: bool | None) -> int:
         """Decode until every row stopped or T steps ran; returns the number of steps run."""
         task, T = self.task, self.T
         dev = logits.device
@@ -280,7 +279,7 @@ class _Loop:
             # is computed alone or inside the [B, T, V] block (tested against the per-step path).
             self.zbuf = torch.zeros((B, T, V), dtype=self.stat_dtype, device=dev)
         steps = range(T)  # a disabled tqdm still costs ~1 ms to build: only make a live one
-        if progress and sys.stderr.isatty():
+        if show_progress(progress):
             steps = tqdm(steps, desc=f"sample {task.name}", leave=False)
         for t in steps:
             cur, is_pol = self._record(logits, t, slice(None) if whole else act, act)
@@ -306,28 +305,12 @@ class _Loop:
     def _record(self, logits, t, rows, act):
         """Draw step t's tokens from ``logits`` [A, V] and record them and pi's statistics."""
         z = logits.to(self.stat_dtype)
+        cur = self._draw(z)
         if self.zbuf is not None:
-            if self.greedy:
-                cur = z.argmax(-1)
-            else:
-                probs = (torch.log_softmax(z, dim=-1).exp() if self.plain else torch.softmax(
-                    _filtered(z, self.temperature, self.top_k, self.top_p), -1))
-                cur = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
             self.tokens[rows, t] = cur
             self.zbuf[rows, t] = z
             return cur, None
-        logp = torch.log_softmax(z, dim=-1)  # [A, V] of pi (temperature 1, unfiltered)
-        pi = logp.exp()
-        if self.greedy:
-            cur = z.argmax(-1)
-        else:
-            probs = pi if self.plain else torch.softmax(
-                _filtered(z, self.temperature, self.top_k, self.top_p), -1)
-            cur = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
-        lp = logp.gather(-1, cur[:, None]).squeeze(-1)
-        spsq = sum_pi_sq(z)
-        # clamp: a -inf logit (masked vocabulary) must give 0 * finite, not 0 * -inf = NaN
-        ent = -(pi * logp.clamp(min=self.tiny)).sum(-1)
+        lp, ent, spsq = pi_stats(z, cur)  # of pi itself (temperature 1, unfiltered)
         is_pol = None
         if self.task.multi_turn:  # env tokens replace draws and get mask 0 / statistics 0
             is_env = torch.zeros_like(cur, dtype=torch.bool)
@@ -344,16 +327,21 @@ class _Loop:
         self.ent[rows, t] = ent
         return cur, is_pol
 
+    def _draw(self, z: torch.Tensor) -> torch.Tensor:
+        """[A] tokens drawn from ``z`` [A, V] (argmax when greedy)."""
+        if self.greedy:
+            return z.argmax(-1)
+        probs = (torch.log_softmax(z, dim=-1).exp() if self.plain else torch.softmax(
+            _filtered(z, self.temperature, self.top_k, self.top_p), -1))
+        return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+
     def finish(self, used: int) -> None:
         """Write the deferred statistics of the first ``used`` steps (no-op if not deferred)."""
         if self.zbuf is None:
             return
-        z = self.zbuf  # whole contiguous block: the same kernels as the per-step [A, V] rows
-        logp = torch.log_softmax(z, dim=-1)
-        pi = logp.exp()
-        lp = logp.gather(-1, self.tokens[..., None]).squeeze(-1)
-        ent = -(pi * logp.clamp(min=self.tiny)).sum(-1)
-        spsq = sum_pi_sq(z)
+        # the whole contiguous block: the same kernels as the per-step [A, V] rows
+        lp, ent, spsq = pi_stats(self.zbuf, self.tokens)
+        z = self.zbuf
         T = self.T
         valid = torch.arange(T, device=z.device) < self.stop[:, None]  # steps a row took
         zero = torch.zeros((), dtype=self.stat_dtype, device=z.device)

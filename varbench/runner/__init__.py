@@ -1,12 +1,19 @@
-"""varbench.runner: suites (TOML) validated up front, cached resumable runs, shards, comparison.
+"""Deprecated: the suite runner moved to :mod:`varbench.app` (kept for one release)."""
 
-See :mod:`varbench.runner.schema` for the suite layout and :mod:`varbench.runner.kinds` for the
-case kinds.
-"""
+from __future__ import annotations
 
-from varbench.runner.compare import compare_reports
-from varbench.runner.run import RunSummary, merge_outputs, run_suite
-from varbench.runner.schema import Case, Suite, SuiteError, load_suite
+import warnings
+from typing import Any
 
-__all__ = ["Case", "RunSummary", "Suite", "SuiteError", "compare_reports", "load_suite",
-           "merge_outputs", "run_suite"]
+_MOVED = ("Case", "RunSummary", "Suite", "SuiteError", "compare_reports", "load_suite",
+          "merge_outputs", "run_suite")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'varbench.runner' has no attribute {name!r}")
+    warnings.warn(f"varbench.runner.{name} moved to varbench.app.{name}; the old path goes "
+                  "away in the next release", DeprecationWarning, stacklevel=2)
+    import varbench.app
+
+    return getattr(varbench.app, name)

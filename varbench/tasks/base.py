@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from varbench._checks import check_choice, check_positive_int
+from varbench._util.checks import check_choice, check_positive_int
 
 SPLITS = ("train", "heldout")
 DIGITS = "0123456789"

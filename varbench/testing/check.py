@@ -108,7 +108,7 @@ def check_estimator(
     that is not found, a missing function or a wrong signature; the estimator's own errors
     become failed rows.
     """
-    from varbench._checks import check_positive_int
+    from varbench._util.checks import check_positive_int
 
     check_positive_int("G", G)
     check_positive_int("num_steps", num_steps, minimum=3)

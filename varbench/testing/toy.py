@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._checks import check_positive_int
+from varbench._util.checks import check_positive_int
 
 
 @dataclass(frozen=True)

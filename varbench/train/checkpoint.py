@@ -10,7 +10,6 @@ leaves a half checkpoint that looks finished. Nothing is unpickled on load.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from varbench._util.io import atomic_dir, atomic_write
 
 _PREFIX = "step_"
 
@@ -44,23 +45,15 @@ def save_checkpoint(
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f".tmp-{_PREFIX}{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    tensors, opt_json = _flatten_optimizer(optimizer.state_dict())
-    for name, gen in generators.items():
-        tensors[f"rng/{name}"] = gen.get_state()
-    tensors["rng/torch_global"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    with open(tmp / "state.json", "w") as fh:
-        json.dump({"step": step, "optimizer": opt_json, "state": state}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))
+        tensors, opt_json = _flatten_optimizer(optimizer.state_dict())
+        for name, gen in generators.items():
+            tensors[f"rng/{name}"] = gen.get_state()
+        tensors["rng/torch_global"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        atomic_write(tmp / "state.json",
+                     json.dumps({"step": step, "optimizer": opt_json, "state": state}))
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old)
     return final

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +27,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from varbench.estimators import (
-    adv_orthogonal,
-    advantages,
-    kl_penalty,
-    min_replace,
-    policy_loss,
-    token_coefficients,
-)
-from varbench.grads.stats import token_logprobs
+from varbench._util.progress import show_progress
+from varbench.estimators import advantages, kl_penalty, policy_loss
+from varbench.estimators.coefficients import sample_weights
 from varbench.models import Policy
-from varbench.models.forward import forward_logits
-from varbench.rollout import RolloutBatch, sample
+from varbench.rollout import response_logprobs, sample
 from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
@@ -72,21 +64,6 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return config.lr
 
 
-def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, groups: torch.Tensor):
-    """``[p, G, T]`` log pi(y_t | prefix) of the responses of ``groups`` (differentiable).
-
-    One teacher-forced forward through ``forward_logits`` (positions from the attention mask);
-    0 where ``mask`` is 0.
-    """
-    flat = batch.flat()
-    P, G, T = batch.tokens.shape
-    rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)
-    ids = flat.input_ids[rows]
-    logits = forward_logits(model, ids, flat.attention_mask[rows]).logits
-    logp = token_logprobs(logits, ids)[:, flat.prompt_len :]  # [p*G, T]
-    return logp.reshape(len(groups), G, T) * batch.mask[groups].to(logp.dtype)
-
-
 def minibatch_loss(
     config: TrainConfig,
     logp: torch.Tensor,
@@ -106,16 +83,11 @@ def minibatch_loss(
                                 ratio=config.ratio)
     if config.transform != "none":
         # v: the per-token weight multiplying A in the gradient (aggregation weight x ratio x
-        # clip indicator), read from the exact coefficients with |A| = 1 (the sign picks the
-        # clip side). Transformed within each group, detached; the surrogate's gradient is
-        # sum v~ (-A) grad logp, while the recorded loss value stays the untransformed one.
-        sign = torch.where(adv < 0, -1.0, 1.0).to(logp.dtype)
-        v = token_coefficients(logp, logp_old, sign, mask, config.agg, clip=clip,
-                               ratio=config.ratio) * -sign
-        if config.transform == "min_replace":
-            v = min_replace(v, mask)
-        else:
-            v = adv_orthogonal(v, adv, mask)
+        # clip indicator), transformed within each group and detached; the surrogate's
+        # gradient is sum v~ (-A) grad logp, while the recorded loss value stays the
+        # untransformed one.
+        v = sample_weights(logp, logp_old, adv, mask, config.agg, clip=clip, ratio=config.ratio,
+                           transform=config.transform)
         surrogate = torch.where(mask, v * -adv.detach() * logp, 0).sum()
         loss = loss.detach() + (surrogate - surrogate.detach())
     kl_loss = torch.zeros((), dtype=logp.dtype)
@@ -192,7 +164,7 @@ def train(
         if writer is not None:
             writer.write(row)
 
-    show = sys.stderr.isatty() if progress is None else progress
+    show = show_progress(progress)
     bar = tqdm(total=config.steps, initial=start, disable=not show, desc=f"train {config.scheme}")
 
     if start == 0:  # row 0: the starting policy, before any update

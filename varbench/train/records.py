@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from varbench._util.io import atomic_write
+
 # The fixed column set, in file order. Row 0 is the starting policy (evaluation only).
 FIELDS: tuple[str, ...] = (
     "step",
@@ -83,14 +85,11 @@ class RecordWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             kept = [r for r in _read_rows(self.path) if int(r["step"]) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            with open(tmp, "w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=FIELDS)
-                w.writeheader()
-                w.writerows(kept)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
+            buf = io.StringIO(newline="")
+            w = csv.DictWriter(buf, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(kept)
+            atomic_write(self.path, buf.getvalue())
         else:
             with open(self.path, "w", newline="") as fh:
                 csv.DictWriter(fh, fieldnames=FIELDS).writeheader()

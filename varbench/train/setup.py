@@ -6,12 +6,11 @@ Kept out of ``loop.py`` so that the loop reads top to bottom as the algorithm.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-from varbench._checks import check_choice
+from varbench._util.checks import check_choice
 from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
 from varbench.models import Policy, load_policy, presets
 from varbench.models import build_policy as build_preset
@@ -50,7 +49,7 @@ def build_policy(config: TrainConfig, task: Task) -> Policy:
             from varbench.train.warmstart import warm_start
 
             return warm_start(config.policy, task, seed=config.warm_start_seed,
-                              progress=sys.stderr.isatty())
+                              progress=None)
         return build_preset(config.policy, seed=config.seed)
     if Path(config.policy).is_dir():
         return load_policy(config.policy)

@@ -19,14 +19,15 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from varbench._checks import check_positive_int
+from varbench._util.checks import check_positive_int
+from varbench._util.io import atomic_dir
+from varbench._util.progress import show_progress
 from varbench.models.forward import forward_logits
 from varbench.models.io import load_policy, save_policy
 from varbench.models.presets import Policy, build_policy, presets
@@ -142,7 +143,7 @@ def warm_start(
     reward: str | None = None,
     use_cache: bool = True,
     threads: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Policy:
     """Train preset ``preset`` on ``task``'s demonstrations into the accuracy band ``target``.
 
@@ -202,12 +203,9 @@ def warm_start(
                       f"steps at held-out accuracy {info['accuracy']:.3f}, outside {target}",
                       stacklevel=2)
     if use_cache:
-        tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         info["cache"] = str(entry)
-        save_policy(policy, tmp)
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(tmp, entry)  # atomic: a crash mid-save never leaves a half-written entry
+        with atomic_dir(entry) as tmp:  # a crash mid-save never leaves a half-written entry
+            save_policy(policy, tmp)
     return policy
 
 
@@ -218,7 +216,7 @@ def _train(policy, task, lo, hi, seed, max_steps, batch_size, lr, eval_every, ev
     snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), 0)
     acc, step, in_band, n_eval = 0.0, 0, False, 0
     bar = tqdm(total=max_steps, desc=f"warm start {task.name}", leave=False,
-               disable=not (progress and sys.stderr.isatty()))
+               disable=not show_progress(progress))
     while step < max_steps:
         model.train()
         prompts = task.prompts(batch_size, split="train", seed=seed * 1_000_003 + step)

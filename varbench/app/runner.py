@@ -4,7 +4,7 @@
     run_suite(path, out_dir="out/shard1", shard=(1, 4))   # cases 0, 4, 8, ... (1-based I/N)
     merge_outputs(["out/shard1", ..., "out/shard4"], "out/all")
 
-Output directory: ``cases/`` (one file per finished case, see :mod:`varbench.runner.cache`),
+Output directory: ``cases/`` (one file per finished case, see :mod:`varbench.app.cache`),
 ``work/<case key>/`` (a case's scratch: analysis cells, training checkpoints, so even a case
 interrupted halfway resumes from its last finished cell), ``suite.json`` (the suite's digest and
 case list) and, for a full run or a merge, the report (summary.json, report.md, report.html).
@@ -13,8 +13,6 @@ case list) and, for a full run or a merge, the report (summary.json, report.md, 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +20,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from varbench.analysis.result import AnalysisResult
-from varbench.runner.cache import CaseCache, atomic_write, load_file, read_payload
-from varbench.runner.schema import Case, Suite, load_suite
+from varbench._util.io import atomic_write
+from varbench._util.progress import show_progress
+from varbench.app.cache import CaseCache, load_file, read_payload
+from varbench.app.suite import Case, Suite, load_suite
+from varbench.report.result import AnalysisResult
 
 MANIFEST = "suite.json"
 
@@ -79,7 +79,7 @@ def run_suite(
     """
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     out = Path(out_dir) if out_dir is not None else default_out_dir(suite)
-    show = sys.stderr.isatty() if progress is None else bool(progress)
+    show = show_progress(progress)
     say = log or (lambda msg: None)
     start = time.perf_counter()
     cache = CaseCache(out / "cases")
@@ -101,7 +101,7 @@ def run_suite(
                 say(f"[corrupt] {case.name}: {err}; recomputing it")
         t0 = time.perf_counter()
         work = out / "work" / case.key  # created by the kinds that need scratch space
-        from varbench.runner.kinds import KINDS
+        from varbench.app.executors import KINDS
 
         results = KINDS[case.kind].execute(case.name, case.params, work, show)
         cache.store(case, results, time.perf_counter() - t0)
@@ -164,9 +164,7 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     for key, f in found.items():
         dest = cases.root / f"{key}.json"
         if f.resolve() != dest.resolve():
-            tmp = dest.with_name(f".{dest.name}.copy")
-            shutil.copyfile(f, tmp)
-            tmp.replace(dest)
+            atomic_write(dest, f.read_bytes())
         summary.cached.append(key)
     _write_manifest_raw(out, {**head, "shard": None, "report_digest": None})
     results = [r for key in head["cases"] for r in load_file(found[key], expect_key=key)]

@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from varbench.runner.run import parse_shard, run_suite
+    from varbench.app.runner import parse_shard, run_suite
 
     shard = parse_shard(args.shard) if args.shard else None
     summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True))
@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from varbench.runner.run import merge_outputs
+    from varbench.app.runner import merge_outputs
 
     summary = merge_outputs(args.dirs, args.out)
     print(f"merged {len(summary.cached)} case(s); report: {summary.report}")
@@ -85,7 +85,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from varbench.runner.compare import compare_reports, regressions
+    from varbench.app.compare import compare_reports, regressions
 
     table = compare_reports(args.baseline, args.new, tolerance=args.tolerance,
                             rel_tolerance=args.rel_tolerance, abs_tolerance=args.abs_tolerance)
@@ -97,7 +97,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from varbench.runner.distributed import init_from_env, shutdown
+    from varbench._util.distributed import init_from_env, shutdown
     from varbench.testing.adapt import load
     from varbench.testing.check import check_estimator
 

@@ -91,7 +91,7 @@ def _under_torchrun(body):
     """
 
     def handler(args) -> int:
-        from varbench.runner.distributed import init_from_env, shutdown
+        from varbench._util.distributed import init_from_env, shutdown
 
         rank, world = init_from_env()
         try:
@@ -135,8 +135,8 @@ def _proxy(args, rank: int, world: int) -> int:
 
 def _variance(args, rank: int, world: int) -> int:
 
-    from varbench.analysis.result import AnalysisResult
     from varbench.analysis.variance import estimator_variance
+    from varbench.report.result import AnalysisResult
     from varbench.tasks import get_task
 
     task = get_task(args.task, **_kv(args.knob))

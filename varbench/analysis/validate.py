@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -27,11 +26,11 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from varbench._checks import check_choice, check_positive_int
-from varbench.analysis.result import AnalysisResult, Headline
+from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.progress import show_progress
+from varbench.analysis import validate_stats as vs
 from varbench.report import provenance, write_report
-from varbench.train import validate_figures as _figures  # noqa: F401 (registers figures)
-from varbench.train import validate_stats as vs
+from varbench.report.result import AnalysisResult, Headline
 from varbench.train.config import TrainConfig
 from varbench.train.loop import train
 from varbench.train.records import read_records
@@ -171,7 +170,7 @@ def run_validation(cfg: ValidateConfig, out: Path, *, progress: bool | None = No
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    show = sys.stderr.isatty() if progress is None else progress
+    show = show_progress(progress)
     jobs = [(t, s, G, seed) for t in cfg.tasks for s in cfg.schemes for G in cfg.Gs
             for seed in cfg.seeds]
     hack_jobs = [(r, seed) for r in cfg.hacking_rewards for seed in cfg.hacking_seeds

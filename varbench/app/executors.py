@@ -3,13 +3,13 @@
 A kind points at one library function by ``"module:function"``; the suite keys a case may set
 are that function's keyword parameters (read from its signature, so the schema cannot drift
 from the code), minus the ones the runner supplies itself (cache directory, progress). Every
-kind returns a list of :class:`~varbench.analysis.result.AnalysisResult` for the report.
+kind returns a list of :class:`~varbench.report.result.AnalysisResult` for the report.
 
 Kinds: ``proxy``, ``variance``, ``cancellation`` (the analyses; besides the function's keywords
 a case sets ``preset``/``checkpoint``, ``states`` (random, warm), ``task`` or ``tasks`` and
 ``knobs``, from which the runner builds the Policy and Task objects), ``train`` (one training
 run; keys are :class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training
-validation experiment; keys are :class:`~varbench.train.validate.ValidateConfig` fields plus
+validation experiment; keys are :class:`~varbench.analysis.validate.ValidateConfig` fields plus
 ``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's ``MODULE:FUNCTION``).
 """
 
@@ -75,7 +75,7 @@ class CaseKind:
         if self.name == "validate":
             from dataclasses import fields
 
-            from varbench.train.validate import ValidateConfig
+            from varbench.analysis.validate import ValidateConfig
 
             return {f.name: _setting(f.name, None) for f in fields(ValidateConfig)}
         sig = inspect.signature(self.function())
@@ -112,7 +112,7 @@ KINDS: dict[str, CaseKind] = {
                  "token gradient cancellation at shared steps",
                  (("tasks", ["arith", "toolsum"]), ("states", ["warm"]))),
         CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
-        CaseKind("validate", "varbench.train.validate:run_validation",
+        CaseKind("validate", "varbench.analysis.validate:run_validation",
                  "the training validation experiment (schemes x G x seeds, claims)"),
         CaseKind("check", "varbench.testing.check:check_estimator",
                  "regression checks of an advantage estimator"),
@@ -178,8 +178,8 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress)
 
 
 def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
-    from varbench.analysis.result import AnalysisResult, Headline
     from varbench.report import provenance
+    from varbench.report.result import AnalysisResult, Headline
     from varbench.train.config import TrainConfig
     from varbench.train.loop import train
 
@@ -208,8 +208,8 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) ->
 
 
 def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
-    from varbench.analysis.result import AnalysisResult, Headline
     from varbench.report import provenance
+    from varbench.report.result import AnalysisResult, Headline
     from varbench.testing.check import check_estimator
 
     estimator = params.pop("estimator")
@@ -235,7 +235,7 @@ def _finite(v: Any) -> bool:
 
 def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
     """run_validation writes its own report into work_dir; read its records back from there."""
-    from varbench.train.validate import ValidateConfig, run_validation
+    from varbench.analysis.validate import ValidateConfig, run_validation
 
     base = ValidateConfig.reduced_default() if params.pop("reduced", False) else ValidateConfig()
     changes = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v
@@ -251,7 +251,7 @@ def _read_report(out: Path, name: str) -> list:
 
     import pandas as pd
 
-    from varbench.analysis.result import AnalysisResult, Headline
+    from varbench.report.result import AnalysisResult, Headline
 
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     results = []

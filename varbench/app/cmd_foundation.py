@@ -102,7 +102,7 @@ def _sample(args: argparse.Namespace) -> int:
     prompts = task.prompts(args.prompts, split=args.split, seed=args.seed)
     t0 = time.perf_counter()
     batch = sample(policy, task, prompts, args.G, seed=args.seed, reward=reward,
-                   temperature=args.temperature, progress=True)
+                   temperature=args.temperature, progress=None)
     dt = time.perf_counter() - t0
     print(f"policy {policy.name}{' (warm start)' if args.warm else ''} | task {task.name} "
           f"{task.knobs} | reward {reward} | P={batch.P} G={batch.G} seed={args.seed}")
@@ -130,7 +130,7 @@ def _warmstart(args: argparse.Namespace) -> int:
     task = get_task(args.task, **_knobs(args.knob))
     t0 = time.perf_counter()
     policy = warm_start(args.preset, task, target=tuple(args.target), seed=args.seed,
-                        max_steps=args.max_steps, cache_dir=args.cache_dir, progress=True)
+                        max_steps=args.max_steps, cache_dir=args.cache_dir, progress=None)
     info = policy.meta.get("warmstart", {})
     print(f"warm start {args.preset} on {task.name} {task.knobs}: held-out sampled accuracy "
           f"{info.get('accuracy', float('nan')):.3f} after {info.get('steps')} steps "

@@ -14,10 +14,10 @@ import sys
 
 # Modules that register subcommands, in the order `varbench --help` lists them.
 _COMMAND_MODULES: list[str] = [
-    "varbench.runner.commands",
-    "varbench.train.commands",
-    "varbench.rollout.commands",
-    "varbench.analysis.commands",
+    "varbench.app.cmd_runner",
+    "varbench.app.cmd_train",
+    "varbench.app.cmd_foundation",
+    "varbench.app.cmd_analysis",
 ]
 
 

@@ -115,7 +115,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
 
-    from varbench.train.validate import ValidateConfig, run_validation
+    from varbench.analysis.validate import ValidateConfig, run_validation
 
     if args.threads < 1:
         raise ValueError(f"--threads={args.threads} is not valid; expected an integer >= 1")
@@ -145,7 +145,7 @@ def register(subparsers) -> None:
         description="The validation experiment (issue 6): schemes x G x seeds to a fixed "
         "sampled-token budget from one warm start; tables + summary in --out.",
     )
-    from varbench.train.validate import add_validate_flags
+    from varbench.analysis.validate import add_validate_flags
 
     add_validate_flags(v)
     v.set_defaults(func=_cmd_validate)

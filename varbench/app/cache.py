@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from varbench.analysis.result import AnalysisResult, Headline
-from varbench.runner.schema import Case
+from varbench._util.io import atomic_write, is_tmp_name, jsonable
+from varbench.app.suite import Case
+from varbench.report.result import AnalysisResult, Headline
 
 FORMAT = "varbench.case/1"
-_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
-
-
-def _jsonable(obj: Any) -> Any:
-    from varbench.report.writer import _jsonable as report_jsonable
-
-    return report_jsonable(obj)
 
 
 def result_to_dict(r: AnalysisResult) -> dict[str, Any]:
@@ -39,8 +32,8 @@ def result_to_dict(r: AnalysisResult) -> dict[str, Any]:
         "records": {k: json.loads(df.reset_index(drop=True).to_json(orient="table",
                                                                    index=False))
                     for k, df in r.records.items()},
-        "summary": _jsonable(r.summary), "headlines": [_jsonable(h.to_dict()) for h in r.headlines],
-        "config": _jsonable(r.config), "provenance": _jsonable(r.provenance),
+        "summary": jsonable(r.summary), "headlines": [jsonable(h.to_dict()) for h in r.headlines],
+        "config": jsonable(r.config), "provenance": jsonable(r.provenance),
         "notes": list(r.notes),
     }
 
@@ -74,7 +67,7 @@ class CaseCache:
 
     def store(self, case: Case, results: list[AnalysisResult], wall_time_s: float) -> Path:
         """Write ``case``'s results atomically (tmp file + fsync + os.replace)."""
-        payload = {"format": FORMAT, "key": case.key, "config": _jsonable(case.config()),
+        payload = {"format": FORMAT, "key": case.key, "config": jsonable(case.config()),
                    "wall_time_s": wall_time_s,
                    "results": [result_to_dict(r) for r in results]}
         text = json.dumps(payload, allow_nan=False)
@@ -84,25 +77,14 @@ class CaseCache:
         """Remove temporary files whose writer process is gone; returns what was removed."""
         gone = []
         for p in self.root.iterdir():
-            m = _TMP.match(p.name)
-            if m and not _alive(int(m["pid"])):
+            tmp = is_tmp_name(p.name)
+            if tmp is not None and not _alive(tmp[1]):
                 p.unlink(missing_ok=True)
                 gone.append(p)
         return gone
 
     def files(self) -> list[Path]:
         return sorted(p for p in self.root.glob("*.json") if not p.name.startswith("."))
-
-
-def atomic_write(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]:

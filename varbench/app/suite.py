@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from varbench.runner.kinds import KINDS
+from varbench.app.executors import KINDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -235,7 +235,7 @@ def _choices(key: str, kind: str) -> list[Any] | None:
 
         return presets()
     if key == "states":
-        from varbench.runner.kinds import STATES
+        from varbench.app.executors import STATES
 
         return list(STATES)
     return None

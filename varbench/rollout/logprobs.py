@@ -1,0 +1,27 @@
+"""Teacher-forced log-probs of a RolloutBatch's responses under a model (differentiable)."""
+
+from __future__ import annotations
+
+import torch
+
+from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
+from varbench.rollout.batch import RolloutBatch
+
+
+def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
+                      groups: torch.Tensor | None = None) -> torch.Tensor:
+    """``[p, G, T]`` log pi(y_t | prefix) of the responses of ``groups`` (default: all P).
+
+    One teacher-forced forward of the flat ``[p * G, L]`` rows (positions from the attention
+    mask, as when sampling); differentiable when grad mode is on; exactly 0 where ``mask`` is 0.
+    """
+    flat = batch.flat()
+    P, G, T = batch.tokens.shape
+    if groups is None:
+        groups = torch.arange(P, device=flat.input_ids.device)
+    rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)
+    ids = flat.input_ids[rows]
+    logits = forward_logits(model, ids, flat.attention_mask[rows]).logits
+    logp = token_logprobs(logits, ids)[:, flat.prompt_len:]  # [p * G, T]
+    return logp.reshape(len(groups), G, T) * batch.mask[groups].to(logp.dtype)
