@@ -23,9 +23,9 @@ def counting(monkeypatch):
     calls: list[str] = []
     real = kinds._EXECUTORS["check"]
 
-    def wrapped(kind, name, params, work, progress):
+    def wrapped(kind, name, params, work, progress, cache):
         calls.append(name)
-        return real(kind, name, params, work, progress)
+        return real(kind, name, params, work, progress, cache)
 
     monkeypatch.setitem(kinds._EXECUTORS, "check", wrapped)
     return calls
@@ -120,10 +120,10 @@ def test_interrupted_case_leaves_no_result(tmp_path, counting, monkeypatch):
     out = tmp_path / "out"
     real = kinds._EXECUTORS["check"]
 
-    def interrupt_on_topk(kind, name, params, work, progress):
+    def interrupt_on_topk(kind, name, params, work, progress, cache):
         if name == "topk":
             raise KeyboardInterrupt
-        return real(kind, name, params, work, progress)
+        return real(kind, name, params, work, progress, cache)
 
     monkeypatch.setitem(kinds._EXECUTORS, "check", interrupt_on_topk)
     with pytest.raises(KeyboardInterrupt):

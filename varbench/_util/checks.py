@@ -21,6 +21,10 @@ class UsageTypeError(UsageError, TypeError):
     """Bad input of the wrong type (also a ``TypeError``)."""
 
 
+class UsageFileNotFoundError(UsageError, FileNotFoundError):
+    """A file or directory the user named does not exist (also a ``FileNotFoundError``)."""
+
+
 def check_choice(arg: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise ValueError unless ``value`` is one of ``choices``."""
     choices = list(choices)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.checks import UsageError
 from varbench._util.io import atomic_write
 
 # Bump when the columns a cell stores change: old cells then miss instead of loading stale.
@@ -43,7 +44,7 @@ class CellCache:
         try:
             return pd.read_json(StringIO(self._path(name).read_text()), orient="table")
         except ValueError as err:
-            raise ValueError(
+            raise UsageError(
                 f"cache file {self._path(name)} is corrupt ({err}); delete it to recompute"
             ) from None
 

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
 from varbench.analysis.trie import shared_steps, token_net_weight
@@ -168,13 +168,13 @@ def cancellation(
         check_choice("transforms", t, TRANSFORMS)
     steps = sorted({int(k) for k in inner_steps})
     if steps and steps[0] < 0:
-        raise ValueError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
+        raise UsageError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
     if not tasks:
-        raise ValueError("tasks is empty; pass at least one Task")
+        raise UsageError("tasks is empty; pass at least one Task")
     pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))
     missing = [t.name for t in tasks if t.name not in pols]
     if missing:
-        raise ValueError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
+        raise UsageError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
     t0 = time.perf_counter()
     cfg = {"analysis": "cancellation",
            "policies": {k: {"name": v.name, "meta": v.meta} for k, v in pols.items()},

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.checks import check_positive_int
+from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
@@ -192,7 +192,7 @@ def proxy_correlation(
     if isinstance(policies, Policy):
         policies = {policies.name: policies}
     if not policies:
-        raise ValueError("policies is empty; pass a Policy or a {state: Policy} mapping")
+        raise UsageError("policies is empty; pass a Policy or a {state: Policy} mapping")
     t0 = time.perf_counter()
     cfg = {"analysis": "proxy", "task": task.name, "knobs": task.knobs, "n_prompts": n_prompts,
            "G": G, "reward": task.check_reward(reward), "seed": seed, "n_boot": n_boot,

@@ -26,6 +26,8 @@ import pandas as pd
 import torch
 from scipy import stats as sps
 
+from varbench._util.checks import UsageError
+
 CORRELATION_METHODS = ("pearson", "pearson_log", "spearman", "kendall")
 VARIANCE_STATS = (
     "variance",
@@ -63,7 +65,7 @@ def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
         return float(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
     if method == "kendall":
         return float(sps.kendalltau(x, y).statistic)
-    raise ValueError(f"method={method!r} is not valid; choose one of {list(CORRELATION_METHODS)}")
+    raise UsageError(f"method={method!r} is not valid; choose one of {list(CORRELATION_METHODS)}")
 
 
 def correlations(
@@ -86,16 +88,16 @@ def correlations(
     """
     for m in methods:
         if m not in CORRELATION_METHODS:
-            raise ValueError(
+            raise UsageError(
                 f"methods contains {m!r}; choose from {list(CORRELATION_METHODS)}"
             )
     if not 0 < level < 1:
-        raise ValueError(f"level={level!r} is not valid; expected a number in (0, 1)")
+        raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
     x = _as_np(x).astype(np.float64)
     y = _as_np(y).astype(np.float64)
     sid = _as_np(seq_ids)
     if not (x.shape == y.shape == sid.shape):
-        raise ValueError(
+        raise UsageError(
             f"x, y and seq_ids must have the same length, got {x.size}, {y.size}, {sid.size}"
         )
     # Group value indices by sequence so a draw of sequences maps to a gather of values.
@@ -201,18 +203,18 @@ def _jk_se(loo: torch.Tensor) -> float:
 
 def _check_estimates(estimates: torch.Tensor, ref: torch.Tensor | None) -> None:
     if not isinstance(estimates, torch.Tensor) or estimates.dim() != 2:
-        raise ValueError(
+        raise UsageError(
             "estimates must be a [M, D] tensor of group estimates, got "
             f"{getattr(estimates, 'shape', type(estimates).__name__)}"
         )
     if estimates.shape[0] < 3:
-        raise ValueError(
+        raise UsageError(
             f"estimates has M={estimates.shape[0]} groups; the jackknife needs M >= 3"
         )
     if not torch.isfinite(estimates).all():
-        raise ValueError("estimates contains NaN or inf")
+        raise UsageError("estimates contains NaN or inf")
     if ref is not None and ref.numel() != estimates.shape[1]:
-        raise ValueError(
+        raise UsageError(
             f"reference has {ref.numel()} entries, expected D={estimates.shape[1]} "
             "(the second dimension of estimates)"
         )
@@ -258,11 +260,11 @@ def paired_compare(
     deletes group m from both at once (so the shared sampling noise cancels).
     """
     if stat not in VARIANCE_STATS:
-        raise ValueError(f"stat={stat!r} is not valid; choose one of {list(VARIANCE_STATS)}")
+        raise UsageError(f"stat={stat!r} is not valid; choose one of {list(VARIANCE_STATS)}")
     _check_estimates(estimates_a, reference)
     _check_estimates(estimates_b, reference)
     if estimates_a.shape[0] != estimates_b.shape[0]:
-        raise ValueError(
+        raise UsageError(
             f"paired schemes need the same groups: M={estimates_a.shape[0]} vs "
             f"{estimates_b.shape[0]}"
         )

@@ -16,17 +16,16 @@ command skips finished runs, so an interrupted experiment continues where it sto
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.analysis import validate_stats as vs
 from varbench.report import provenance, write_report
@@ -87,52 +86,6 @@ class ValidateConfig:
                    budgets=dict(REDUCED_BUDGETS), eval_responses=256,
                    base={**cls().base, "eval_prompts": 64}, hacking_seeds=(0,),
                    variance_M=8, reduced=True)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ValidateConfig:
-        """The CLI's choice: reduced or full defaults, overridden by the flags given."""
-        cfg = cls.reduced_default() if args.reduced else cls()
-        changes: dict[str, Any] = {}
-        for name, conv in (("tasks", str), ("schemes", str), ("Gs", int), ("seeds", int)):
-            raw = getattr(args, name.lower(), None)
-            if raw:
-                changes[name] = tuple(conv(x) for x in raw.split(","))
-        budgets = dict(cfg.budgets)
-        for item in args.budget or []:
-            task, _, n = item.partition("=")
-            if not n.strip().isdigit() or int(n) < 1:
-                raise ValueError(f"--budget {item!r} is not valid; expected TASK=TOKENS, "
-                                 "e.g. sort=24000")
-            budgets[task] = int(n)
-        changes["budgets"] = budgets
-        if args.threshold_frac is not None:
-            changes["threshold_frac"] = args.threshold_frac
-        if args.no_prediction:
-            changes["prediction"] = False
-        cfg = replace(cfg, **changes)
-        for t in cfg.tasks:
-            if t not in cfg.budgets:
-                raise ValueError(f"--budget: no token budget for task {t!r}; add {t}=N")
-        return cfg
-
-
-def add_validate_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of ``varbench validate``."""
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--reduced", action="store_true",
-                   help="the minutes-long setting (2 schemes, G 4/32, 2 seeds, small budgets)")
-    p.add_argument("--tasks", help="comma list, e.g. sort,toolsum")
-    p.add_argument("--schemes", help="comma list of registered schemes")
-    p.add_argument("--gs", help="comma list of group sizes, e.g. 4,8,32")
-    p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2")
-    p.add_argument("--budget", action="append", metavar="TASK=TOKENS",
-                   help="sampled-token budget per run for a task (repeatable)")
-    p.add_argument("--threshold-frac", type=float, default=None,
-                   help="threshold = warm-start acc + FRAC x (1 - acc)")
-    p.add_argument("--no-prediction", action="store_true",
-                   help="skip the warm-start variance analysis (prediction check)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: tiny models gain nothing from more)")
 
 
 def _run_config(cfg: ValidateConfig, task: str, scheme: str, G: int, seed: int,
@@ -256,13 +209,13 @@ def _check(cfg: ValidateConfig) -> None:
     for t in cfg.tasks:
         check_choice("tasks", t, task_names())
         if t not in cfg.budgets:
-            raise ValueError(f"budgets: no token budget for task {t!r}; add {t}=N")
+            raise UsageError(f"budgets: no token budget for task {t!r}; add {t}=N")
     for s in (*cfg.schemes, cfg.hacking_scheme):
         check_choice("schemes", s, schemes())
     for G in cfg.Gs:
         check_positive_int("Gs", G)
     if not cfg.seeds:
-        raise ValueError("seeds is empty; give at least one seed")
+        raise UsageError("seeds is empty; give at least one seed")
 
 
 def _jsonable_cfg(cfg: ValidateConfig) -> dict:

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
@@ -212,7 +212,7 @@ def estimator_variance(
     V = int(policy.model.get_output_embeddings().weight.shape[0])
     enumerable = task.fixed_length and V**task.max_new_tokens <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
-        raise ValueError(
+        raise UsageError(
             f"reference='exact' needs a fixed-length task with V**T <= {_EXACT_LIMIT}; task "
             f"{task.name!r} (V={V}, T={task.max_new_tokens}) is not; use reference='sampled'"
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.checks import UsageError
 from varbench._util.io import atomic_write, is_tmp_name, jsonable
 from varbench.app.suite import Case
 from varbench.report.result import AnalysisResult, Headline
@@ -91,12 +92,12 @@ def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]
     """Read one case file; ValueError naming it when it is corrupt or not a case file."""
     payload = read_payload(path)
     if expect_key is not None and payload.get("key") != expect_key:
-        raise ValueError(f"case file {path} holds case {payload.get('key')!r}, "
+        raise UsageError(f"case file {path} holds case {payload.get('key')!r}, "
                          f"expected {expect_key!r}")
     try:
         return [result_from_dict(d) for d in payload["results"]]
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"case file {path} is corrupt ({type(err).__name__}: {err})") from None
+        raise UsageError(f"case file {path} is corrupt ({type(err).__name__}: {err})") from None
 
 
 def read_payload(path: Path) -> dict[str, Any]:
@@ -104,9 +105,9 @@ def read_payload(path: Path) -> dict[str, Any]:
     try:
         payload = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ValueError(f"case file {path} is corrupt or unreadable ({err})") from None
+        raise UsageError(f"case file {path} is corrupt or unreadable ({err})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"case file {path} is not a varbench case file (format {FORMAT})")
+        raise UsageError(f"case file {path} is not a varbench case file (format {FORMAT})")
     return payload
 
 

@@ -1,9 +1,12 @@
 """`varbench ...` command line: thin subcommands that parse, call the library and print.
 
-Each subcommand lives beside the code it drives, in a module exposing
+Each group of subcommands lives in a ``varbench.app.cmd_*`` module exposing
 ``register(subparsers) -> None``; the parser built there sets ``func=handler(args) -> int``.
-User errors (ValueError, TypeError, FileNotFoundError, KeyError from bad input) print one line
-and exit 2, without a traceback.
+
+Exit codes: 0 success; 1 a check or a comparison failed, or an internal error (its traceback
+is printed: that is a bug to report); 2 bad input (a :class:`~varbench._util.checks.UsageError`
+raised at the boundary: printed as one line naming the argument, the value and the choices);
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import importlib
 import sys
 
+from varbench._util.checks import UsageError
+
 # Modules that register subcommands, in the order `varbench --help` lists them.
 _COMMAND_MODULES: list[str] = [
     "varbench.app.cmd_runner",
@@ -19,10 +24,6 @@ _COMMAND_MODULES: list[str] = [
     "varbench.app.cmd_foundation",
     "varbench.app.cmd_analysis",
 ]
-
-
-class UsageError(Exception):
-    """Bad input on the command line: printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError, TypeError, FileNotFoundError, KeyError) as err:
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"varbench {args.command}: error: {msg}", file=sys.stderr)
+    except UsageError as err:
+        print(f"varbench {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"varbench {args.command}: interrupted", file=sys.stderr)

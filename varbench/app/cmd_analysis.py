@@ -1,8 +1,11 @@
 """CLI subcommands ``varbench proxy``, ``varbench variance``, ``varbench cancellation``.
 
-Thin: parse, build the policy states, call the analysis, write the report directory, print
-the headlines. Defaults are small so each command finishes in a few minutes on 2 CPU cores
-(the library defaults are larger: e.g. G in 2..32 for the variance analysis).
+Each subcommand is a one-case suite: its flags become the keys of a ``kind = "proxy"`` (etc.)
+case, validated by the suite schema and run by the same executor as a suite case
+(:mod:`varbench.app.executors`); then the report is written to ``--out`` and its headlines
+printed. Defaults are small so each command finishes in a few minutes on 2 CPU cores (the
+library defaults are larger: e.g. G in 2..32 for the variance analysis). Under ``torchrun`` the
+proxy and variance analyses shard their work over the ranks; rank 0 writes the report.
 """
 
 from __future__ import annotations
@@ -11,179 +14,75 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-_STATES = ("random", "warm")
-
-
-def _kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--knob {item!r} is not valid; expected KEY=VALUE, e.g. n=4")
-        k, v = item.split("=", 1)
-        low = v.strip().lower()
-        if low in ("true", "false"):
-            out[k.strip()] = low == "true"
-        else:
-            try:
-                out[k.strip()] = int(v)
-            except ValueError:
-                out[k.strip()] = v
-    return out
+from varbench.app.specs import STATES, parse_knobs
 
 
 def _common(p: argparse.ArgumentParser, *, out: str, states: list[str]) -> None:
     p.add_argument("--preset", default="tiny", help="embedded policy preset (default: tiny)")
     p.add_argument("--policy", default=None, metavar="DIR",
                    help="a local Hugging Face checkpoint directory instead of the preset "
-                        "(used as is: no random/warm states)")
-    p.add_argument("--states", nargs="+", default=states, choices=_STATES,
+                        "(used as is: no random/warm states), or a preset name")
+    p.add_argument("--states", nargs="+", default=states, choices=STATES,
                    help=f"preset states side by side (default: {' '.join(states)})")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="task knob, e.g. --knob n=3 (repeatable)")
+                   help="task knob, VALUE a TOML literal, e.g. --knob n=3 (repeatable)")
     p.add_argument("--reward", default=None, help="task reward (default: the task's first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help=f"report directory (default: {out})")
     p.add_argument("--no-cache", action="store_true",
                    help="do not cache finished cells under OUT/cells (no resume)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bars (default: on a terminal)")
+                   help="progress bars (default: on a terminal, off in CI)")
 
 
-def _states(args, task) -> dict[str, Any]:
-    """{state label: Policy}: a checkpoint as is, or the preset at random init / warm-started."""
-    from varbench.models import build_policy, load_policy
+def _policy_keys(args) -> dict[str, Any]:
+    from varbench.models import presets
 
-    if args.policy is not None:
-        return {Path(args.policy).name: load_policy(args.policy)}
-    out = {}
-    for s in dict.fromkeys(args.states):
-        if s == "random":
-            out["random init"] = build_policy(args.preset, seed=args.seed)
-        else:
-            from varbench.train.warmstart import warm_start
-
-            out["warm-started"] = warm_start(args.preset, task, seed=args.seed,
-                                             progress=bool(args.progress))
-    return out
+    if args.policy is None:
+        return {"preset": args.preset}
+    if args.policy in presets():
+        return {"preset": args.policy}
+    return {"preset": args.preset, "checkpoint": args.policy}
 
 
-def _finish(res, args) -> int:
-    from varbench.report import write_report
+def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
+    """The case table these flags describe (validated by the suite schema)."""
+    from varbench.app.suite import parse_case
 
-    out = write_report([res], args.out, title=f"varbench {res.kind}")
-    for h in res.headlines[:12]:
-        print(h.text)
-    if len(res.headlines) > 12:
-        print(f"... {len(res.headlines) - 12} more headlines in {out / 'report.md'}")
-    print(f"report: {out / 'report.html'}  ({out / 'summary.json'})")
-    return 0
+    body = {"name": kind, "kind": kind, **_policy_keys(args), "states": list(args.states),
+            "knobs": parse_knobs(args.knob), "reward": args.reward, "seed": args.seed, **keys}
+    return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
 
-def _cache(args) -> str | None:
-    return None if args.no_cache else str(Path(args.out) / "cells")
-
-
-def _under_torchrun(body):
-    """A handler ``body(args, rank, world)`` run in the process group torchrun describes.
-
-    Outside torchrun this is one process (rank 0 of 1). Inside, the analysis shards its work
-    over the ranks and gathers the records; only rank 0 writes the report and prints.
-    """
+def _run_case(kind: str, keys: dict[str, Any]):
+    """A handler running the case these flags describe inside torchrun's process group
+    (one process outside torchrun); rank 0 writes the report and prints."""
 
     def handler(args) -> int:
         from varbench._util.distributed import init_from_env, shutdown
+        from varbench.app.executors import KINDS
+        from varbench.report import write_report
 
-        rank, world = init_from_env()
+        case = _case(kind, args, {k: getattr(args, a) for k, a in keys.items()})
+        rank, _ = init_from_env()
         try:
-            return body(args, rank, world)
+            results = KINDS[kind].execute(case.name, case.params, Path(args.out),
+                                          args.progress, cache=not args.no_cache)
         finally:
             shutdown()
+        if rank != 0:
+            return 0
+        out = write_report(results, args.out, title=f"varbench {kind}")
+        for res in results:
+            tag = f"[{res.name}] " if len(results) > 1 else ""
+            for h in res.headlines[:12]:
+                print(f"{tag}{h.text}")
+            if len(res.headlines) > 12:
+                print(f"... {len(res.headlines) - 12} more headlines in {out / 'report.md'}")
+        print(f"report: {out / 'report.html'}  ({out / 'summary.json'})")
+        return 0
 
     return handler
-
-
-def _ranked_states(args, task, rank: int, world: int) -> dict[str, Any]:
-    """Policy states built on every rank; rank 0 warm-starts first so the others hit its cache."""
-    import torch.distributed as dist
-
-    if world > 1 and rank != 0:
-        dist.barrier()
-    states = _states(args, task)
-    if world > 1 and rank == 0:
-        dist.barrier()
-    if world > 1 and dist.get_backend() == "nccl":
-        # NCCL: one GPU per rank (init_from_env set it from LOCAL_RANK); compute there too.
-        import torch
-
-        for pol in states.values():
-            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
-    return states
-
-
-def _proxy(args, rank: int, world: int) -> int:
-    from varbench.analysis.proxy import proxy_correlation
-    from varbench.tasks import get_task
-
-    task = get_task(args.task, **_kv(args.knob))
-    res = proxy_correlation(_ranked_states(args, task, rank, world), task,
-                            n_prompts=args.prompts, G=args.G, reward=args.reward,
-                            seed=args.seed, n_boot=args.boot, cache_dir=_cache(args),
-                            progress=args.progress,
-                            config={"preset": args.preset, "policy_path": args.policy})
-    return _finish(res, args) if rank == 0 else 0
-
-
-def _variance(args, rank: int, world: int) -> int:
-
-    from varbench.analysis.variance import estimator_variance
-    from varbench.report.result import AnalysisResult
-    from varbench.tasks import get_task
-
-    task = get_task(args.task, **_kv(args.knob))
-    states = _ranked_states(args, task, rank, world)
-    results: list[AnalysisResult] = []
-    for state, pol in states.items():
-        res = estimator_variance(
-            pol, task, schemes=args.schemes, Gs=args.G, modes=args.modes, M=args.M,
-            n_prompts=args.prompts, reward=args.reward, reference=args.reference,
-            n_ref=args.n_ref, sketch_dim=None if args.sketch_dim == 0 else args.sketch_dim,
-            topk_k=args.topk_k, seed=args.seed, cache_dir=_cache(args),
-            progress=args.progress, config={"state": state, "preset": args.preset})
-        res.name = f"variance ({state})"
-        results.append(res)
-    if rank != 0:
-        return 0
-    if len(results) == 1:
-        return _finish(results[0], args)
-    from varbench.report import write_report
-
-    out = write_report(results, args.out, title="varbench variance")
-    for r in results:
-        for h in r.headlines[:6]:
-            print(f"[{r.name}] {h.text}")
-    print(f"report: {out / 'report.html'}  ({out / 'summary.json'})")
-    return 0
-
-
-_cmd_proxy = _under_torchrun(_proxy)  # exact norms sharded by sequence
-_cmd_variance = _under_torchrun(_variance)  # prompts sharded by rank
-
-
-def _cmd_cancellation(args) -> int:
-    from varbench.analysis.cancellation import cancellation
-    from varbench.tasks import get_task
-
-    tasks = [get_task(t) for t in args.tasks]
-    policies: dict[str, Any] = {}
-    for t in tasks:
-        st = _states(args, t)
-        policies[t.name] = next(iter(st.values()))
-    res = cancellation(policies, tasks, n_prompts=args.prompts, G=args.G, reward=args.reward,
-                       scheme=args.scheme, inner_steps=args.inner_steps,
-                       sketch_dim=None if args.sketch_dim == 0 else args.sketch_dim,
-                       seed=args.seed, cache_dir=_cache(args), progress=args.progress,
-                       config={"preset": args.preset, "state": args.states[0]})
-    return _finish(res, args)
 
 
 def register(subparsers) -> None:
@@ -200,7 +99,8 @@ def register(subparsers) -> None:
     p.add_argument("-G", type=int, default=6, help="responses per prompt (default 6)")
     p.add_argument("--boot", type=int, default=200, help="bootstrap draws (default 200)")
     _common(p, out="reports/proxy", states=["random", "warm"])
-    p.set_defaults(func=_cmd_proxy)
+    p.set_defaults(func=_run_case("proxy", {"task": "task", "n_prompts": "prompts", "G": "G",
+                                            "n_boot": "boot"}))
 
     v = subparsers.add_parser(
         "variance", help="estimator variance / bias / MSE per scheme x G (paired design)",
@@ -221,7 +121,10 @@ def register(subparsers) -> None:
     v.add_argument("--sketch-dim", type=int, default=1024, help="count-sketch dim (0: flat)")
     v.add_argument("--topk-k", type=int, default=1)
     _common(v, out="reports/variance", states=["warm"])
-    v.set_defaults(func=_cmd_variance)
+    v.set_defaults(func=_run_case("variance", {
+        "task": "task", "schemes": "schemes", "Gs": "G", "modes": "modes", "M": "M",
+        "n_prompts": "prompts", "reference": "reference", "n_ref": "n_ref",
+        "sketch_dim": "sketch_dim", "topk_k": "topk_k"}))
 
     c = subparsers.add_parser(
         "cancellation", help="shared-step token gradient cancellation diagnostics",
@@ -235,5 +138,6 @@ def register(subparsers) -> None:
     c.add_argument("--inner-steps", nargs="+", type=int, default=[0, 3])
     c.add_argument("--sketch-dim", type=int, default=256, help="gradient sketch dim (0: none)")
     _common(c, out="reports/cancellation", states=["warm"])
-    c.set_defaults(func=_cmd_cancellation)
-
+    c.set_defaults(func=_run_case("cancellation", {
+        "tasks": "tasks", "n_prompts": "prompts", "G": "G", "scheme": "scheme",
+        "inner_steps": "inner_steps", "sketch_dim": "sketch_dim"}))

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from varbench.models.io import resolve_policy
+from varbench._util.checks import UsageError
+from varbench.app.specs import parse_knobs, resolve_policy, resolve_task
 from varbench.models.presets import presets
 from varbench.tasks.base import get_task, task_names
 
@@ -26,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="heldout", choices=["train", "heldout"])
     p.add_argument("--reward", default=None, help="reward name (default: the task's first)")
-    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                   help="task knob, e.g. --knob n=4 (repeatable)")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--warm", action="store_true",
                    help="warm-start the preset on the task first (cached)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -36,32 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("warmstart", help="supervised warm start into a held-out accuracy band")
     p.add_argument("--task", default="sort", help=f"one of {task_names()}")
     p.add_argument("--preset", default="tiny", help=f"one of {presets()}")
-    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--target", type=float, nargs=2, default=(0.2, 0.6), metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--cache-dir", default=None, help="default $VARBENCH_CACHE or ~/.cache/varbench")
     p.add_argument("--out", default=None, help="also save the policy to this directory")
     p.set_defaults(func=_warmstart)
-
-
-def _knobs(items: list[str]) -> dict:
-    knobs = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--knob {item!r} is not valid; expected NAME=VALUE")
-        low = value.lower()
-        if low in ("true", "false"):
-            knobs[name] = low == "true"
-        else:
-            try:
-                knobs[name] = int(value)
-            except ValueError as err:
-                raise ValueError(
-                    f"--knob {item!r} is not valid; the value must be an integer or true/false"
-                ) from err
-    return knobs
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -89,16 +72,12 @@ def _builder_counts(rewards: torch.Tensor) -> tuple[dict[str, int], int]:
 
 def _sample(args: argparse.Namespace) -> int:
     from varbench.rollout.sampler import sample
-    from varbench.train.warmstart import warm_start
 
-    task = get_task(args.task, **_knobs(args.knob))
+    task = resolve_task(args.task, parse_knobs(args.knob))
     reward = task.check_reward(args.reward)
-    if args.warm:
-        if args.policy not in presets():
-            raise ValueError(f"--warm needs a preset policy {presets()}, got {args.policy!r}")
-        policy = warm_start(args.policy, task, seed=args.seed)
-    else:
-        policy = resolve_policy(args.policy)
+    if args.warm and args.policy not in presets():
+        raise UsageError(f"--warm needs a preset policy {presets()}, got {args.policy!r}")
+    policy = resolve_policy(args.policy, task=task, warm=args.warm, warm_seed=args.seed)
     prompts = task.prompts(args.prompts, split=args.split, seed=args.seed)
     t0 = time.perf_counter()
     batch = sample(policy, task, prompts, args.G, seed=args.seed, reward=reward,
@@ -127,7 +106,7 @@ def _warmstart(args: argparse.Namespace) -> int:
     from varbench.models.io import save_policy
     from varbench.train.warmstart import warm_start
 
-    task = get_task(args.task, **_knobs(args.knob))
+    task = resolve_task(args.task, parse_knobs(args.knob))
     t0 = time.perf_counter()
     policy = warm_start(args.preset, task, target=tuple(args.target), seed=args.seed,
                         max_steps=args.max_steps, cache_dir=args.cache_dir, progress=None)

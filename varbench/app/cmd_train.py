@@ -8,35 +8,21 @@ checkpoints, and ``--resume`` continues an interrupted run in the same ``--out``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
+from varbench._util.checks import UsageError
+from varbench.app.specs import parse_knobs
 from varbench.train.config import TrainConfig, field_docs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 _SHORT = {"G": "-G"}
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _parse_kv(text: str, what: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE a TOML literal (``n=4``, ``eps=1e-4``, ``name="x"``)."""
-    if "=" not in text:
-        raise ValueError(f"{what} {text!r} is not valid; expected KEY=VALUE, e.g. n=4")
-    key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is a string
-    return key.strip(), value
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +44,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
                            help=f"{docs.get(f.name, '')} (default: "
                            f"{getattr(defaults, f.name)})".replace("%", "%%"))
-    g.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="task knob, e.g. --task-option n=4 (repeatable)")
+    g.add_argument("--knob", "--task-option", dest="task_option", action="append", default=[],
+                   metavar="KEY=VALUE", help="task knob, VALUE a TOML literal, e.g. --knob n=4 "
+                   "(repeatable; --task-option is the old spelling)")
     g.add_argument("--scheme-option", action="append", default=[], metavar="KEY=VALUE",
                    help="scheme option, e.g. --scheme-option k=2 (repeatable)")
 
@@ -80,12 +67,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         value = getattr(args, f.name, None)
         if value is not None and f.name not in ("task_options", "scheme_options"):
             data[f.name] = value
-    for item in args.task_option:
-        k, v = _parse_kv(item, "--task-option")
-        data["task_options"][k] = v
-    for item in args.scheme_option:
-        k, v = _parse_kv(item, "--scheme-option")
-        data["scheme_options"][k] = v
+    data["task_options"].update(parse_knobs(args.task_option, flag="--knob"))
+    data["scheme_options"].update(parse_knobs(args.scheme_option, flag="--scheme-option"))
     return TrainConfig.from_dict(data, source="command line")
 
 
@@ -112,15 +95,63 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def validate_config(args: argparse.Namespace):
+    """The validation experiment's config: reduced or full defaults, overridden by the flags."""
+    from varbench.analysis.validate import ValidateConfig
+
+    cfg = ValidateConfig.reduced_default() if args.reduced else ValidateConfig()
+    changes: dict[str, Any] = {}
+    for name, conv in (("tasks", str), ("schemes", str), ("Gs", int), ("seeds", int)):
+        raw = getattr(args, name.lower(), None)
+        if raw:
+            changes[name] = tuple(conv(x) for x in raw.split(","))
+    budgets = dict(cfg.budgets)
+    for item in args.budget or []:
+        task, _, n = item.partition("=")
+        if not n.strip().isdigit() or int(n) < 1:
+            raise UsageError(f"--budget {item!r} is not valid; expected TASK=TOKENS, "
+                             "e.g. sort=24000")
+        budgets[task] = int(n)
+    changes["budgets"] = budgets
+    if args.threshold_frac is not None:
+        changes["threshold_frac"] = args.threshold_frac
+    if args.no_prediction:
+        changes["prediction"] = False
+    cfg = dataclasses.replace(cfg, **changes)
+    for t in cfg.tasks:
+        if t not in cfg.budgets:
+            raise UsageError(f"--budget: no token budget for task {t!r}; add {t}=N")
+    return cfg
+
+
+def _add_validate_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``varbench validate``."""
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--reduced", action="store_true",
+                   help="the minutes-long setting (2 schemes, G 4/32, 2 seeds, small budgets)")
+    p.add_argument("--tasks", help="comma list, e.g. sort,toolsum")
+    p.add_argument("--schemes", help="comma list of registered schemes")
+    p.add_argument("--gs", help="comma list of group sizes, e.g. 4,8,32")
+    p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2")
+    p.add_argument("--budget", action="append", metavar="TASK=TOKENS",
+                   help="sampled-token budget per run for a task (repeatable)")
+    p.add_argument("--threshold-frac", type=float, default=None,
+                   help="threshold = warm-start acc + FRAC x (1 - acc)")
+    p.add_argument("--no-prediction", action="store_true",
+                   help="skip the warm-start variance analysis (prediction check)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: tiny models gain nothing from more)")
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
 
-    from varbench.analysis.validate import ValidateConfig, run_validation
+    from varbench.analysis.validate import run_validation
 
     if args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is not valid; expected an integer >= 1")
+        raise UsageError(f"--threads={args.threads} is not valid; expected an integer >= 1")
     torch.set_num_threads(args.threads)
-    cfg = ValidateConfig.from_args(args)
+    cfg = validate_config(args)
     summary = run_validation(cfg, Path(args.out), progress=None)
     print(summary)
     print(f"report: {Path(args.out) / 'report.md'}")
@@ -145,7 +176,5 @@ def register(subparsers) -> None:
         description="The validation experiment (issue 6): schemes x G x seeds to a fixed "
         "sampled-token budget from one warm start; tables + summary in --out.",
     )
-    from varbench.analysis.validate import add_validate_flags
-
-    add_validate_flags(v)
+    _add_validate_flags(v)
     v.set_defaults(func=_cmd_validate)

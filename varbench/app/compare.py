@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.checks import UsageError, UsageFileNotFoundError
+
 
 def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None]]:
     """``{"analysis/key": (value, se)}`` from a report directory or a summary.json file."""
@@ -27,12 +29,13 @@ def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None
     if p.is_dir():
         p = p / "summary.json"
     if not p.is_file():
-        raise FileNotFoundError(f"{path}: no summary.json (give a report directory or the file)")
+        raise UsageFileNotFoundError(
+            f"{path}: no summary.json (give a report directory or the file)")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
         analyses = data["analyses"]
     except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{p} is not a varbench summary.json ({err})") from None
+        raise UsageError(f"{p} is not a varbench summary.json ({err})") from None
     out: dict[str, tuple[float | None, float | None]] = {}
     for a in analyses:
         for h in a.get("headlines", []):
@@ -61,7 +64,7 @@ def compare_reports(
     for name, v in (("tolerance", tolerance), ("rel_tolerance", rel_tolerance),
                     ("abs_tolerance", abs_tolerance)):
         if not (isinstance(v, (int, float)) and v >= 0):
-            raise ValueError(f"{name}={v!r} is not valid; expected a number >= 0")
+            raise UsageError(f"{name}={v!r} is not valid; expected a number >= 0")
     base, cur = load_figures(baseline), load_figures(new)
     rows = []
     for key in list(base) + [k for k in cur if k not in base]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from varbench._util.checks import UsageError
+
 # Parameters the runner fills in (or builds from settings); a suite cannot set them directly.
 RUNNER_PARAMS = ("cache_dir", "progress", "config", "policy", "policies", "task", "tasks")
 _P = inspect.Parameter
@@ -40,7 +42,6 @@ _MODEL_SETTINGS = {
     "checkpoint": _setting("checkpoint", None),  # a local HF checkpoint dir instead, used as is
     "knobs": _setting("knobs", None),  # task knobs, e.g. { n = 3 }
 }
-STATES = ("random", "warm")
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,11 @@ class CaseKind:
         try:
             mod = importlib.import_module(module)
         except ImportError as err:
-            raise ValueError(
+            raise UsageError(
                 f"case kind {self.name!r} is not available: cannot import {module} ({err})"
             ) from None
         if not hasattr(mod, attr):
-            raise ValueError(f"case kind {self.name!r} is not available: {module} has no {attr}")
+            raise UsageError(f"case kind {self.name!r} is not available: {module} has no {attr}")
         return getattr(mod, attr)
 
     def parameters(self) -> dict[str, inspect.Parameter]:
@@ -94,9 +95,13 @@ class CaseKind:
         return out
 
     def execute(self, name: str, params: dict[str, Any], work_dir: Path,
-                progress: bool | None) -> list:
-        """Run the case; returns AnalysisResult objects (work_dir: its private scratch space)."""
-        return _EXECUTORS[self.name](self, name, dict(params), work_dir, progress)
+                progress: bool | None, *, cache: bool = True) -> list:
+        """Run the case; returns AnalysisResult objects.
+
+        ``work_dir`` is the case's private scratch space (analysis cells under ``cells/``,
+        a training run under ``run/``); ``cache=False`` keeps no analysis cells (no resume).
+        """
+        return _EXECUTORS[self.name](self, name, dict(params), Path(work_dir), progress, cache)
 
 
 KINDS: dict[str, CaseKind] = {
@@ -120,27 +125,39 @@ KINDS: dict[str, CaseKind] = {
 }
 
 
-def _states(params: dict, task, progress) -> dict[str, Any]:
-    """{state label: Policy}: a checkpoint as is, or the preset at random init / warm-started."""
-    from varbench.models import build_policy, load_policy
+# How each analysis takes its policies: "states" = one call with {state: Policy} side by side,
+# "each" = one call (and one result) per state, "per_task" = one call with {task: Policy}.
+_POLICY_ARGS = {"proxy": "states", "variance": "each", "cancellation": "per_task"}
 
-    preset, seed = params.pop("preset"), params.get("seed", 0)
-    checkpoint, states = params.pop("checkpoint"), params.pop("states")
-    if checkpoint is not None:
-        return {Path(checkpoint).name: load_policy(checkpoint)}
-    out = {}
-    for s in dict.fromkeys(states):
-        if s == "random":
-            out["random init"] = build_policy(preset, seed=seed)
-        else:
-            from varbench.train.warmstart import warm_start
 
-            out["warm-started"] = warm_start(preset, task, seed=seed, progress=bool(progress))
+def _ranked_states(spec: str, states, task, seed: int, progress) -> dict[str, Any]:
+    """:func:`~varbench.app.specs.policy_states`, built on every rank of a torchrun group.
+
+    Rank 0 builds first (warm starts are cached), the others then read its cache. Under NCCL
+    each rank computes on its own GPU (``init_from_env`` set the current device).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from varbench._util.distributed import rank_world
+    from varbench.app.specs import policy_states
+
+    rank, world = rank_world()
+    if world > 1 and rank != 0:
+        dist.barrier()
+    out = policy_states(spec, states, task, seed=seed, progress=progress)
+    if world > 1 and rank == 0:
+        dist.barrier()
+    if world > 1 and dist.get_backend() == "nccl":
+        for pol in out.values():
+            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
     return out
 
 
-def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
-    from varbench.tasks import get_task
+def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
+              cache: bool) -> list:
+    """The one executor of the analysis kinds, for suite cases and subcommands alike."""
+    from varbench.app.specs import resolve_task
 
     fn = kind.function()
     full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
@@ -148,28 +165,29 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress)
     knobs = params.pop("knobs") or {}
     if params.get("sketch_dim") == 0:
         params["sketch_dim"] = None  # TOML has no null: 0 means "no sketch", as on the CLI
-    settings = {"preset": params["preset"], "checkpoint": params["checkpoint"],
-                "states": params["states"], "knobs": knobs}
-    run = {"cache_dir": str(work_dir / "cells"), "progress": progress, "config": settings}
-    if kind.name == "cancellation":
-        tasks = [get_task(t, **knobs) for t in params.pop("tasks")]
-        pols = {}
-        for t in tasks:
-            st = _states(dict(params), t, progress)
-            pols[t.name] = next(iter(st.values()))
-        for k in ("preset", "checkpoint", "states"):
-            params.pop(k)
+    preset, checkpoint = params.pop("preset"), params.pop("checkpoint")
+    states = params.pop("states")
+    spec = checkpoint if checkpoint is not None else preset
+    settings = {"preset": preset, "checkpoint": checkpoint, "states": states, "knobs": knobs}
+    run = {"cache_dir": str(work_dir / "cells") if cache else None, "progress": progress,
+           "config": settings}
+    seed = params.get("seed", 0)
+    how = _POLICY_ARGS[kind.name]
+    if how == "per_task":
+        tasks = [resolve_task(t, knobs) for t in params.pop("tasks")]
+        pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress).values()))
+                for t in tasks}
         results = [fn(pols, tasks, **params, **run)]
     else:
-        task = get_task(params.pop("task"), **knobs)
-        states = _states(params, task, progress)
-        if kind.name == "proxy":
-            results = [fn(states, task, **params, **run)]
+        task = resolve_task(params.pop("task"), knobs)
+        pols = _ranked_states(spec, states, task, seed, progress)
+        if how == "states":
+            results = [fn(pols, task, **params, **run)]
         else:
             results = []
-            for state, pol in states.items():
+            for state, pol in pols.items():
                 res = fn(pol, task, **params, **{**run, "config": {**settings, "state": state}})
-                res.name = f"{name} ({state})" if len(states) > 1 else name
+                res.name = f"{name} ({state})" if len(pols) > 1 else name
                 results.append(res)
             return results
     for r in results:
@@ -177,7 +195,8 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress)
     return results
 
 
-def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
+           cache: bool) -> list:
     from varbench.report import provenance
     from varbench.report.result import AnalysisResult, Headline
     from varbench.train.config import TrainConfig
@@ -207,7 +226,8 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) ->
                            config.to_dict(), prov)]
 
 
-def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
+           cache: bool) -> list:
     from varbench.report import provenance
     from varbench.report.result import AnalysisResult, Headline
     from varbench.testing.check import check_estimator
@@ -233,7 +253,8 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress) -> list:
+def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
+              cache: bool) -> list:
     """run_validation writes its own report into work_dir; read its records back from there."""
     from varbench.analysis.validate import ValidateConfig, run_validation
 

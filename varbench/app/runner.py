@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from varbench._util.checks import UsageError, UsageFileNotFoundError
 from varbench._util.io import atomic_write
 from varbench._util.progress import show_progress
 from varbench.app.cache import CaseCache, load_file, read_payload
@@ -45,9 +46,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in str(text).split("/"))
     except ValueError:
-        raise ValueError(f"--shard={text!r} is not valid; expected I/N, e.g. 1/4") from None
+        raise UsageError(f"--shard={text!r} is not valid; expected I/N, e.g. 1/4") from None
     if not 1 <= i <= n:
-        raise ValueError(f"--shard={text!r} is not valid; need 1 <= I <= N (shards are 1-based)")
+        raise UsageError(f"--shard={text!r} is not valid; need 1 <= I <= N (shards are 1-based)")
     return i, n
 
 
@@ -132,19 +133,19 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     their cases must cover the suite. Case files are copied atomically; nothing is recomputed.
     """
     if not dirs:
-        raise ValueError("merge needs at least one shard output directory")
+        raise UsageError("merge needs at least one shard output directory")
     manifests = []
     for d in dirs:
         path = Path(d) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"{d} has no {MANIFEST}: not a `varbench run` output")
+            raise UsageFileNotFoundError(f"{d} has no {MANIFEST}: not a `varbench run` output")
         try:
             manifests.append(json.loads(path.read_text(encoding="utf-8")))
         except ValueError as err:
-            raise ValueError(f"{path} is corrupt ({err})") from None
+            raise UsageError(f"{path} is corrupt ({err})") from None
     digests = {m["digest"] for m in manifests}
     if len(digests) != 1:
-        raise ValueError(f"shard outputs come from different suites (digests {sorted(digests)}); "
+        raise UsageError(f"shard outputs come from different suites (digests {sorted(digests)}); "
                          "merge only shards of one suite file and varbench version")
     head = manifests[0]
     out = Path(out_dir)
@@ -158,7 +159,7 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
                 found[key] = f
     missing = [k for k in head["cases"] if k not in found]
     if missing:
-        raise ValueError(f"merge is missing {len(missing)} case(s): {missing}; run the "
+        raise UsageError(f"merge is missing {len(missing)} case(s): {missing}; run the "
                          "remaining shards (or `varbench run` into one of the directories)")
     summary = RunSummary(out)
     for key, f in found.items():

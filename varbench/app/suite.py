@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench._util.imports import is_reference
 from varbench.app.executors import KINDS
 
 if sys.version_info >= (3, 11):
@@ -37,7 +39,6 @@ else:  # pragma: no cover - Python 3.10
 
 SUITE_KEYS = {"name": str, "title": str, "description": str, "seed": int}
 TOP_KEYS = ("suite", "defaults", "cases")
-_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*$")
 
 
@@ -81,7 +82,7 @@ class Suite:
         return hashlib.sha256("\n".join(c.key for c in self.cases).encode()).hexdigest()[:16]
 
 
-class SuiteError(ValueError):
+class SuiteError(UsageError):
     """An invalid suite file (message names the file and the key)."""
 
 
@@ -89,7 +90,7 @@ def load_suite(path: str | Path) -> Suite:
     """Read and validate a suite file; raises :class:`SuiteError` (a ValueError)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"suite file {str(path)!r} does not exist")
+        raise UsageFileNotFoundError(f"suite file {str(path)!r} does not exist")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
@@ -116,43 +117,16 @@ def parse_suite(data: dict[str, Any], path: Path) -> Suite:
     raw_cases = data.get("cases")
     if not isinstance(raw_cases, list) or not raw_cases:
         raise SuiteError(f"{path}: no cases; add at least one [[cases]] table with name and kind")
-    params_of = {}
+    params_of: dict[str, dict[str, inspect.Parameter]] = {}
     cases, seen = [], set()
     for i, raw in enumerate(raw_cases):
-        where = f"cases[{i}]"
-        if not isinstance(raw, dict):
-            raise SuiteError(f"{path}: {where} must be a table ([[cases]])")
-        name, kind = raw.get("name"), raw.get("kind")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise SuiteError(f"{path}: {where} key 'name' must be a string of letters, digits, "
-                             f"'_', '-', '.' (got {name!r})")
-        where = f"{where} ({name!r})"
-        if name in seen:
-            raise SuiteError(f"{path}: {where}: duplicate case name {name!r}")
-        seen.add(name)
-        if kind not in KINDS:
-            raise SuiteError(f"{path}: {where} key 'kind' = {kind!r} is not valid; "
-                             f"choose one of {sorted(KINDS)}")
-        if kind not in params_of:
-            params_of[kind] = _kind_params(path, kind)
-        valid = params_of[kind]
-        body = {k: v for k, v in raw.items() if k not in ("name", "kind")}
-        _keys(path, where, body, sorted(valid))
-        merged = {k: v for k, v in defaults.items() if k in valid}
-        merged.update(body)
-        if "seed" in valid and "seed" not in merged and "seed" in head:
-            merged["seed"] = head["seed"]
-        for key, value in merged.items():
-            _check_value(path, where, kind, key, value, valid[key])
-        missing = [k for k, p in valid.items()
-                   if p.default is inspect.Parameter.empty and k not in merged]
-        if missing:
-            raise SuiteError(f"{path}: {where}: kind {kind!r} needs key(s) {missing}")
-        if kind == "train":
-            from varbench.train.config import TrainConfig
-
-            TrainConfig.from_dict(merged, source=f"{path}: {where}")  # validates types
-        cases.append(Case(i, name, kind, merged))
+        case = parse_case(raw, index=i, where=str(path), defaults=defaults,
+                          seed=head.get("seed"), params_of=params_of)
+        if case.name in seen:
+            raise SuiteError(f"{path}: cases[{i}] ({case.name!r}): duplicate case name "
+                             f"{case.name!r}")
+        seen.add(case.name)
+        cases.append(case)
     unused = [k for k in defaults if not any(k in p for p in params_of.values())]
     if unused:
         allowed = sorted({k for p in params_of.values() for k in p})
@@ -162,7 +136,51 @@ def parse_suite(data: dict[str, Any], path: Path) -> Suite:
                  head.get("description", ""), head.get("seed", 0), tuple(cases))
 
 
-def _kind_params(path: Path, kind: str) -> dict[str, inspect.Parameter]:
+def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
+               defaults: dict[str, Any] | None = None, seed: int | None = None,
+               params_of: dict[str, dict[str, inspect.Parameter]] | None = None) -> Case:
+    """Validate one case table ``raw`` (name, kind and the kind's keys) into a :class:`Case`.
+
+    The suite loader and the analysis subcommands both build their cases here, so a flag and a
+    suite key are checked by the same rules. ``where`` names the source in errors (a file, or
+    "command line"); ``defaults`` apply where the kind accepts them; ``seed`` is the suite's.
+    """
+    defaults = defaults or {}
+    params_of = {} if params_of is None else params_of
+    at = f"cases[{index}]"
+    if not isinstance(raw, dict):
+        raise SuiteError(f"{where}: {at} must be a table ([[cases]])")
+    name, kind = raw.get("name"), raw.get("kind")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SuiteError(f"{where}: {at} key 'name' must be a string of letters, digits, "
+                         f"'_', '-', '.' (got {name!r})")
+    at = f"{at} ({name!r})"
+    if kind not in KINDS:
+        raise SuiteError(f"{where}: {at} key 'kind' = {kind!r} is not valid; "
+                         f"choose one of {sorted(KINDS)}")
+    if kind not in params_of:
+        params_of[kind] = _kind_params(where, kind)
+    valid = params_of[kind]
+    body = {k: v for k, v in raw.items() if k not in ("name", "kind")}
+    _keys(where, at, body, sorted(valid))
+    merged = {k: v for k, v in defaults.items() if k in valid}
+    merged.update(body)
+    if "seed" in valid and "seed" not in merged and seed is not None:
+        merged["seed"] = seed
+    for key, value in merged.items():
+        _check_value(where, at, kind, key, value, valid[key])
+    missing = [k for k, p in valid.items()
+               if p.default is inspect.Parameter.empty and k not in merged]
+    if missing:
+        raise SuiteError(f"{where}: {at}: kind {kind!r} needs key(s) {missing}")
+    if kind == "train":
+        from varbench.train.config import TrainConfig
+
+        TrainConfig.from_dict(merged, source=f"{where}: {at}")  # validates types
+    return Case(index, name, kind, merged)
+
+
+def _kind_params(path: Path | str, kind: str) -> dict[str, inspect.Parameter]:
     try:
         return KINDS[kind].parameters()
     except ValueError as err:
@@ -209,7 +227,7 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
     if key == "estimator":
         from varbench.estimators import schemes
 
-        if not isinstance(value, str) or not (_REF.match(value) or value in schemes()):
+        if not isinstance(value, str) or not (is_reference(value) or value in schemes()):
             raise SuiteError(f"{at} = {value!r} is not valid; give MODULE:FUNCTION (imported "
                              f"by name when the case runs) or a scheme in {schemes()}")
 
@@ -235,7 +253,7 @@ def _choices(key: str, kind: str) -> list[Any] | None:
 
         return presets()
     if key == "states":
-        from varbench.app.executors import STATES
+        from varbench.app.specs import STATES
 
         return list(STATES)
     return None

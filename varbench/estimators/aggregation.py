@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench._util.checks import check_choice
+from varbench._util.checks import UsageError, check_choice
 
 __all__ = ["AGGREGATION_MODES", "aggregation_weights"]
 
@@ -40,7 +40,7 @@ def aggregation_weights(
     """
     check_choice("mode", mode, AGGREGATION_MODES)
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
-        raise ValueError("mask must be a tensor [..., T] with at least one dimension")
+        raise UsageError("mask must be a tensor [..., T] with at least one dimension")
     if dtype is None:
         dtype = mask.dtype if mask.is_floating_point() else torch.get_default_dtype()
     m = (mask != 0).to(dtype)
@@ -49,7 +49,7 @@ def aggregation_weights(
     if mode == "token-mean":
         total = m.sum()
         if not bool(total > 0):
-            raise ValueError("mask has no valid token; token-mean would divide by zero")
+            raise UsageError("mask has no valid token; token-mean would divide by zero")
         return m / total
     if mode == "seq-mean-token-mean":
         length = m.sum(-1, keepdim=True)
@@ -58,5 +58,5 @@ def aggregation_weights(
         return m / n_seq
     L = T if max_len is None else max_len
     if isinstance(L, bool) or not isinstance(L, int) or L < 1:
-        raise ValueError(f"max_len={max_len!r} is not valid; expected an integer >= 1")
+        raise UsageError(f"max_len={max_len!r} is not valid; expected an integer >= 1")
     return m / (n_seq * L)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench._util.checks import check_choice
+from varbench._util.checks import UsageError, check_choice
 
 __all__ = ["KL_KINDS", "kl_penalty"]
 
@@ -34,13 +34,13 @@ def kl_penalty(
     """
     check_choice("kind", kind, KL_KINDS)
     if logp.shape != logp_ref.shape:
-        raise ValueError(
+        raise UsageError(
             f"logp has shape {list(logp.shape)} but logp_ref has {list(logp_ref.shape)}"
         )
     x = logp - logp_ref
     if mask is not None:
         if mask.shape != logp.shape:
-            raise ValueError(f"mask has shape {list(mask.shape)}, expected {list(logp.shape)}")
+            raise UsageError(f"mask has shape {list(mask.shape)}, expected {list(logp.shape)}")
         # Zero x first so inf log-probs under mask 0 give no NaN in value or gradient.
         x = torch.where(mask != 0, x, 0)
     if kind == "k1":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._util.checks import check_choice
+from varbench._util.checks import UsageError, check_choice
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.kl import kl_penalty
 
@@ -40,9 +40,9 @@ def _check_clip(clip: tuple[float, float]) -> tuple[float, float]:
     try:
         lo, hi = (float(c) for c in clip)
     except (TypeError, ValueError):
-        raise ValueError(f"clip={clip!r} is not valid; expected (eps_low, eps_high)") from None
+        raise UsageError(f"clip={clip!r} is not valid; expected (eps_low, eps_high)") from None
     if not (0 <= lo < 1 and hi >= 0):
-        raise ValueError(f"clip={clip!r} is not valid; expected 0 <= eps_low < 1, eps_high >= 0")
+        raise UsageError(f"clip={clip!r} is not valid; expected 0 <= eps_low < 1, eps_high >= 0")
     return lo, hi
 
 
@@ -61,7 +61,7 @@ def _terms(
     for name, x in (("logp_old", logp_old), ("adv", adv), ("mask", mask)):
         if not isinstance(x, torch.Tensor) or x.shape != logp.shape:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} has shape {shape}, expected logp's {list(logp.shape)}")
+            raise UsageError(f"{name} has shape {shape}, expected logp's {list(logp.shape)}")
     lo, hi = _check_clip(clip)
     m = mask != 0
     omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype)

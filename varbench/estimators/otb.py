@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from varbench._util.checks import UsageError
 from varbench.estimators.registry import (
     SchemeOptions,
     _build_options,
@@ -59,7 +60,7 @@ def _masked_w(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     elif opts.logprobs is not None and opts.sum_pi_sq is not None:
         w = proxy_from_logprobs(opts.logprobs, opts.sum_pi_sq)
     else:
-        raise ValueError(
+        raise UsageError(
             "otb needs token_weights=[P,G,T], or logprobs= and sum_pi_sq= (the proxy), "
             "or cumulative_weights=[P,G,T]"
         )
@@ -72,7 +73,7 @@ def _masked_w(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
 def _cumulative(mask: torch.Tensor, mf: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     if opts.cumulative_weights is not None:
         if opts.importance_weights is not None:
-            raise ValueError(
+            raise UsageError(
                 "importance_weights scale per-token w; pass token_weights (or logprobs and "
                 "sum_pi_sq) instead of cumulative_weights when using them"
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from varbench._util.checks import UsageError
 from varbench.estimators.registry import (
     SchemeOptions,
     outcome_rewards,
@@ -152,9 +153,9 @@ def passk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> tor
     R = outcome_rewards(rewards, mask)
     N = R.shape[1]
     if opts.k > N:
-        raise ValueError(f"k={opts.k} is not valid for passk with G={N}; expected 1 <= k <= G")
+        raise UsageError(f"k={opts.k} is not valid for passk with G={N}; expected 1 <= k <= G")
     if not bool(((R == 0) | (R == 1)).all()):
-        raise ValueError("passk needs binary rewards in {0, 1}; got other values")
+        raise UsageError("passk needs binary rewards in {0, 1}; got other values")
     n_fail = (R == 0).sum(1, keepdim=True)  # [P, 1]
     rbar = 1 - _binom_ratio(n_fail, N, opts.k)
     sigma = torch.sqrt(rbar * (1 - rbar))

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from varbench._util.checks import UsageError
+
 __all__ = ["min_replace", "adv_orthogonal"]
 
 
 def _valid(weights: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor) or weights.dim() < 2:
-        raise ValueError("weights must be a tensor [P, G, ...] (group axis 1)")
+        raise UsageError("weights must be a tensor [P, G, ...] (group axis 1)")
     if mask is None:
         return torch.ones_like(weights, dtype=torch.bool)
     if mask.shape != weights.shape:
-        raise ValueError(f"mask has shape {list(mask.shape)}, expected {list(weights.shape)}")
+        raise UsageError(f"mask has shape {list(mask.shape)}, expected {list(weights.shape)}")
     return mask != 0
 
 
@@ -52,7 +54,7 @@ def adv_orthogonal(
     """
     m = _valid(weights, mask)
     if adv.shape != weights.shape:
-        raise ValueError(f"adv has shape {list(adv.shape)}, expected {list(weights.shape)}")
+        raise UsageError(f"adv has shape {list(adv.shape)}, expected {list(weights.shape)}")
     v = torch.where(m, weights.detach(), 0)
     a = torch.where(m, adv.detach(), 0)
     aa = (a * a).sum(1, keepdim=True)

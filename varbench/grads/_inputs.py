@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from varbench._util.checks import check_shape
+from varbench._util.checks import UsageError, UsageTypeError, check_shape
 
 
 def check_inputs(
@@ -23,7 +23,7 @@ def check_inputs(
     """
     check_shape("input_ids", input_ids, [None, None])
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        raise UsageTypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     B, L = input_ids.shape
     check_shape("response_mask", response_mask, [B, L])
     if attention_mask is None:
@@ -32,13 +32,13 @@ def check_inputs(
     response_mask = response_mask.to(input_ids.device)
     attention_mask = attention_mask.to(input_ids.device).long()
     if L < 2:
-        raise ValueError(f"input_ids has length L={L}; need L >= 2 to have a predicted token")
+        raise UsageError(f"input_ids has length L={L}; need L >= 2 to have a predicted token")
     if not torch.all((response_mask == 0) | (response_mask == 1)):
-        raise ValueError("response_mask must contain only 0 and 1")
+        raise UsageError("response_mask must contain only 0 and 1")
     if torch.any(response_mask[:, 0] != 0):
-        raise ValueError("response_mask[:, 0] must be 0: nothing predicts the first token")
+        raise UsageError("response_mask[:, 0] must be 0: nothing predicts the first token")
     if torch.any((response_mask != 0) & (attention_mask == 0)):
-        raise ValueError("response_mask is 1 where attention_mask is 0 (a padded position)")
+        raise UsageError("response_mask is 1 where attention_mask is 0 (a padded position)")
     return input_ids.long(), response_mask, attention_mask
 
 
@@ -73,7 +73,7 @@ def prepare_model(
     want_dtype = dtype or p.dtype
     want_device = torch.device(device) if device is not None else p.device
     if dtype is not None and not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        raise UsageTypeError(f"dtype must be a floating dtype, got {dtype}")
     if p.dtype == want_dtype and p.device == want_device:
         return model
     return copy.deepcopy(model).to(device=want_device, dtype=want_dtype)

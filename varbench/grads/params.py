@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from varbench._util.checks import UsageError, UsageTypeError
+
 ParamFilter = str | Sequence[torch.nn.Module] | Sequence[str] | None
 GroupSpec = bool | Callable[[str], str]
 
@@ -37,18 +39,18 @@ def select_params(
         known = dict(named)
         missing = [x for x in params if x not in known]
         if missing:
-            raise ValueError(f"params names {missing} are not trainable parameters of the model")
+            raise UsageError(f"params names {missing} are not trainable parameters of the model")
         chosen = [(n, p) for n, p in named if n in set(params)]
     elif isinstance(params, Sequence) and all(isinstance(x, torch.nn.Module) for x in params):
         ids = {id(p) for m in params for p in m.parameters()}
         chosen = [(n, p) for n, p in named if id(p) in ids]
     else:
-        raise TypeError(
+        raise UsageTypeError(
             f"params must be None, a regex string, a list of names or a list of modules; "
             f"got {type(params).__name__}"
         )
     if not chosen:
-        raise ValueError(f"params={params!r} selects no trainable parameter")
+        raise UsageError(f"params={params!r} selects no trainable parameter")
     return chosen
 
 
@@ -94,7 +96,7 @@ def group_index(
     elif callable(groups):
         fn = groups
     else:
-        raise TypeError(f"groups must be a bool or a callable name -> group, got {groups!r}")
+        raise UsageTypeError(f"groups must be a bool or a callable name -> group, got {groups!r}")
     group_names: list[str] = []
     index = []
     for n in names:

@@ -19,6 +19,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from varbench._util.checks import UsageTypeError
+
 ATTN_NAME = "varbench_keep_dtype"
 
 
@@ -106,7 +108,7 @@ def exact_float64(model: torch.nn.Module) -> torch.nn.Module:
                 setattr(parent, child_name, KeepDtypeRMSNorm(child.weight, eps))
     config = getattr(new, "config", None)
     if config is None:
-        raise TypeError(
+        raise UsageTypeError(
             f"exact_float64 needs a transformers model with .config, got {type(model).__name__}"
         )
     if hasattr(new, "set_attn_implementation"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from varbench._util.checks import UsageError
 from varbench.grads._inputs import check_inputs, eval_mode
 from varbench.models.forward import forward_logits
 from varbench.models.logits import pi_stats, proxy_from_logprobs, stat_dtype
@@ -58,7 +59,7 @@ def forward_stats(
     if hidden_norms:
         head = model.get_output_embeddings()
         if head is None:
-            raise ValueError("hidden_norms=True needs model.get_output_embeddings(); got None")
+            raise UsageError("hidden_norms=True needs model.get_output_embeddings(); got None")
         handle = head.register_forward_hook(lambda m, args, out: captured.append(args[0]))
     try:
         # forward-only statistics: no autograd graph (it would cost memory and time for nothing)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call, vjp, vmap
 
+from varbench._util.checks import UsageTypeError
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.exact import TokenGradNorms, last_response_value
 from varbench.models.forward import forward_logits
@@ -28,7 +29,7 @@ def default_tail_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     last block's ``post_attention_layernorm`` and MLP linears, final ``norm``, untied head."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
     if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(
+        raise UsageTypeError(
             f"cannot find the tail of {type(model).__name__}; pass modules={{name: module}}"
         )
     last = base.layers[-1]

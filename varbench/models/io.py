@@ -18,6 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from varbench._util.checks import UsageError
 from varbench.models.presets import Policy, presets
 
 
@@ -56,7 +57,7 @@ def _validate_weights(path: Path) -> None:
     """Open every weight file once so corruption is reported with the file's name."""
     files = _weight_files(path)
     if not files:
-        raise ValueError(
+        raise UsageError(
             f"policy path {str(path)!r} holds no weights (*.safetensors or pytorch_model*.bin)"
         )
     for f in files:
@@ -68,7 +69,7 @@ def _validate_weights(path: Path) -> None:
             else:
                 torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure here means the file is bad
-            raise ValueError(f"corrupt or truncated checkpoint file {str(f)!r}: {err}") from err
+            raise UsageError(f"corrupt or truncated checkpoint file {str(f)!r}: {err}") from err
 
 
 def load_policy(
@@ -85,7 +86,7 @@ def load_policy(
     """
     p = Path(path).expanduser()
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise ValueError(
+        raise UsageError(
             f"policy={str(path)!r} is not valid; choose a preset {presets()} or a local "
             "checkpoint directory containing config.json"
         )
@@ -94,14 +95,14 @@ def load_policy(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), **kwargs)
     except Exception as err:  # noqa: BLE001
-        raise ValueError(f"cannot load the tokenizer from {str(p)!r}: {err}") from err
+        raise UsageError(f"cannot load the tokenizer from {str(p)!r}: {err}") from err
     try:
         with _quiet_hf():
             model = AutoModelForCausalLM.from_pretrained(
                 str(p), dtype=dtype if dtype is not None else "auto", **kwargs
             )
     except Exception as err:  # noqa: BLE001
-        raise ValueError(f"cannot load the model from {str(p)!r}: {err}") from err
+        raise UsageError(f"cannot load the model from {str(p)!r}: {err}") from err
     if tokenizer.pad_token_id is None:
         # Batched sampling needs a pad id; reusing eos (the usual convention) changes nothing
         # because padded positions are masked out.
@@ -116,7 +117,7 @@ def load_policy(
         try:
             meta = json.loads(mf.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"corrupt metadata file {str(mf)!r}: {err}") from err
+            raise UsageError(f"corrupt metadata file {str(mf)!r}: {err}") from err
     return Policy(model=model, tokenizer=tokenizer, name=str(path), meta=meta)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from varbench._util.checks import check_choice
+from varbench._util.checks import UsageTypeError, check_choice
 from varbench.models.tokenizer import build_tokenizer
 
 _PRESETS: dict[str, dict] = {
@@ -87,7 +87,7 @@ def build_policy(
     cfg = preset_config(preset, tie_embeddings=tie_embeddings,
                         attn_implementation=attn_implementation)
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        raise UsageTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     # HF initialisers draw from the global RNG: fork it so a build never perturbs the caller.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from varbench._util.checks import UsageError
+
 SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 # Task markup: one token per tag so tiny models need not spell them out.
 MARKUP: tuple[str, ...] = (
@@ -56,7 +58,7 @@ def check_tokenizer_covers(tokenizer, alphabet: str | tuple[str, ...], *, what: 
         if not ids or (unk is not None and unk in ids) or back != s:
             missing.append(s)
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer cannot represent {missing!r} needed by {what}; "
             "use a tokenizer whose vocabulary covers the task's alphabet"
         )

@@ -24,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.checks import UsageError
 from varbench._util.io import atomic_write, jsonable
 from varbench.report.figures import FIGURES
 
@@ -67,7 +68,7 @@ def write_report(
     replaced atomically.
     """
     if not results:
-        raise ValueError("results is empty; pass at least one AnalysisResult")
+        raise UsageError("results is empty; pass at least one AnalysisResult")
     out = Path(out_dir)
     (out / "tables").mkdir(parents=True, exist_ok=True)
     (out / "figures").mkdir(parents=True, exist_ok=True)

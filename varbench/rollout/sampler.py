@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from varbench._util.checks import check_positive_int
+from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.models.forward import position_ids_from_mask
 from varbench.models.logits import pi_stats, stat_dtype
@@ -49,21 +49,22 @@ from varbench.tasks.base import Prompt, Task
 
 def _check_args(policy, task, prompts, G, temperature, top_k, top_p) -> None:
     if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a varbench Policy, got {type(policy).__name__}")
+        raise UsageTypeError(f"policy must be a varbench Policy, got {type(policy).__name__}")
     if not isinstance(task, Task):
-        raise TypeError(f"task must be a varbench Task, got {type(task).__name__}")
+        raise UsageTypeError(f"task must be a varbench Task, got {type(task).__name__}")
     check_positive_int("G", G)
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"prompts must be a non-empty list of Prompt, got {prompts!r}")
+        raise UsageError(f"prompts must be a non-empty list of Prompt, got {prompts!r}")
     bad = [p for p in prompts if not isinstance(p, Prompt)]
     if bad:
-        raise TypeError(f"prompts must hold varbench Prompt objects, got {type(bad[0]).__name__}")
+        raise UsageTypeError(
+            f"prompts must hold varbench Prompt objects, got {type(bad[0]).__name__}")
     if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature={temperature!r} is not valid; expected a number > 0")
+        raise UsageError(f"temperature={temperature!r} is not valid; expected a number > 0")
     if top_k is not None:
         check_positive_int("top_k", top_k)
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r} is not valid; expected a number in (0, 1]")
+        raise UsageError(f"top_p={top_p!r} is not valid; expected a number in (0, 1]")
 
 
 def _filtered(z: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
@@ -146,7 +147,7 @@ def sample(
     prompt_ids, prompt_mask = encode_prompts(tok, prompts)
     longest = int(prompt_mask.sum(-1).max())
     if longest + T > policy.context_length:
-        raise ValueError(
+        raise UsageError(
             f"prompt of {longest} tokens + max_new_tokens={T} exceeds the context of "
             f"{policy.context_length} tokens of policy {policy.name!r}"
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from varbench._util.checks import UsageError
 from varbench.tasks.base import DIGITS, Prompt, Task, register_task
 
 
@@ -33,9 +34,9 @@ class ArithTask(Task):
     def _validate(self) -> None:
         d = self.knobs["digits"]
         if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 9:
-            raise ValueError(f"arith knob digits={d!r} is not valid; expected an integer 1..9")
+            raise UsageError(f"arith knob digits={d!r} is not valid; expected an integer 1..9")
         if not isinstance(self.knobs["reverse"], bool):
-            raise ValueError(f"arith knob reverse={self.knobs['reverse']!r} is not valid; "
+            raise UsageError(f"arith knob reverse={self.knobs['reverse']!r} is not valid; "
                              "expected true or false")
 
     @property

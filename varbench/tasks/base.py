@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from varbench._util.checks import check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice, check_positive_int
 
 SPLITS = ("train", "heldout")
 DIGITS = "0123456789"
@@ -53,7 +53,7 @@ class Task:
     def __init__(self, **knobs: Any) -> None:
         unknown = sorted(set(knobs) - set(self.knob_defaults))
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"task {self.name!r} has no knob {unknown[0]!r}; valid knobs: "
                 f"{sorted(self.knob_defaults)}"
             )
@@ -107,7 +107,7 @@ class Task:
 
     def env_step(self, prompt: Prompt, transcript: str) -> str | None:
         """Multi-turn only: tool output to append after ``transcript``, or None to end."""
-        raise ValueError(f"task {self.name!r} is single-turn; it has no environment step")
+        raise UsageError(f"task {self.name!r} is single-turn; it has no environment step")
 
     def enumerate_responses(self, prompt: Prompt, vocab_size: int) -> torch.Tensor:
         """Every response token sequence of a fixed-length task: LongTensor [V**T, T].
@@ -118,11 +118,11 @@ class Task:
         skip_special_tokens=True))``). Refuses spaces above 2 million sequences.
         """
         if not self.fixed_length:
-            raise ValueError(f"task {self.name!r} has variable-length responses; cannot enumerate")
+            raise UsageError(f"task {self.name!r} has variable-length responses; cannot enumerate")
         check_positive_int("vocab_size", vocab_size)
         T = self.max_new_tokens
         if vocab_size**T > 2_000_000:
-            raise ValueError(
+            raise UsageError(
                 f"enumerating vocab_size**T = {vocab_size}**{T} responses is too many; "
                 "use a smaller n for the task"
             )
@@ -145,7 +145,7 @@ class Task:
             # Order by hash so the held-out set is a fixed pseudo-random slice of the space.
             allp.sort(key=lambda d: hashlib.sha256(repr(d).encode()).digest())
             if len(allp) < 2:
-                raise ValueError(
+                raise UsageError(
                     f"task {self.name!r} with knobs {self.knobs} has {len(allp)} problem(s); "
                     "need at least 2 for disjoint train / heldout splits"
                 )
@@ -197,7 +197,7 @@ _REGISTRY: dict[str, type[Task]] = {}
 def register_task(cls: type[Task]) -> type[Task]:
     """Class decorator adding ``cls`` to the task registry under ``cls.name``."""
     if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"task name {cls.name!r} is empty or already registered")
+        raise UsageError(f"task name {cls.name!r} is empty or already registered")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -22,6 +22,7 @@ import math
 import random
 from collections import Counter
 
+from varbench._util.checks import UsageError
 from varbench.tasks.base import DIGITS, Prompt, Task, register_task
 
 
@@ -44,11 +45,11 @@ class SortTask(Task):
     def _validate(self) -> None:
         n, m = self.knobs["n"], self.knobs["max_value"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"sort knob n={n!r} is not valid; expected an integer >= 1")
+            raise UsageError(f"sort knob n={n!r} is not valid; expected an integer >= 1")
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 9:
-            raise ValueError(f"sort knob max_value={m!r} is not valid; expected 0..9")
+            raise UsageError(f"sort knob max_value={m!r} is not valid; expected 0..9")
         if self.knobs["distinct"] and n > m + 1:
-            raise ValueError(
+            raise UsageError(
                 f"sort knobs n={n}, max_value={m}, distinct=True: cannot draw {n} distinct "
                 f"numbers from 0..{m}"
             )

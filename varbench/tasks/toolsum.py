@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from varbench._util.checks import UsageError
 from varbench.tasks.base import DIGITS, Prompt, Task, _parse_int, register_task
 
 CALL, END_CALL, OUT, END_OUT, ANS = "<call>", "</call>", "<out>", "</out>", "<ans>"
@@ -33,9 +34,9 @@ class ToolSumTask(Task):
     def _validate(self) -> None:
         k, m = self.knobs["k"], self.knobs["max_value"]
         if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 20:
-            raise ValueError(f"toolsum knob k={k!r} is not valid; expected an integer 2..20")
+            raise UsageError(f"toolsum knob k={k!r} is not valid; expected an integer 2..20")
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 99:
-            raise ValueError(f"toolsum knob max_value={m!r} is not valid; expected 1..99")
+            raise UsageError(f"toolsum knob max_value={m!r} is not valid; expected 1..99")
 
     def _draw(self, rng: random.Random) -> tuple[int, ...]:
         return tuple(rng.randint(0, self.knobs["max_value"]) for _ in range(self.knobs["k"]))

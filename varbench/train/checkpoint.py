@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from varbench._util.checks import UsageError
 from varbench._util.io import atomic_dir, atomic_write
 
 _PREFIX = "step_"
@@ -91,12 +92,12 @@ def load_checkpoint(
         load_model(model, str(path / "model.safetensors"), strict=True)
         tensors = load_file(str(path / "optimizer.safetensors"))
     except (OSError, json.JSONDecodeError, RuntimeError, ValueError, SafetensorError) as err:
-        raise ValueError(f"checkpoint {str(path)!r} is unreadable or corrupt: {err}") from None
+        raise UsageError(f"checkpoint {str(path)!r} is unreadable or corrupt: {err}") from None
     optimizer.load_state_dict(_unflatten_optimizer(tensors, meta["optimizer"]))
     for name, gen in generators.items():
         key = f"rng/{name}"
         if key not in tensors:
-            raise ValueError(f"checkpoint {str(path)!r} has no generator state {name!r}")
+            raise UsageError(f"checkpoint {str(path)!r} has no generator state {name!r}")
         gen.set_state(tensors[key])
     torch.set_rng_state(tensors["rng/torch_global"])
     return int(meta["step"]), meta["state"]

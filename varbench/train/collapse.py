@@ -18,6 +18,8 @@ import math
 import statistics
 from typing import Any
 
+from varbench._util.checks import UsageError
+
 
 class CollapseDetector:
     """Streaming collapse flags; call :meth:`update` once per training step."""
@@ -31,9 +33,9 @@ class CollapseDetector:
         min_history: int = 5,
     ) -> None:
         if not surge_factor > 0:
-            raise ValueError(f"surge_factor={surge_factor!r} is not valid; expected > 0")
+            raise UsageError(f"surge_factor={surge_factor!r} is not valid; expected > 0")
         if window < 1 or min_history < 1:
-            raise ValueError(f"window={window!r}, min_history={min_history!r}: expected >= 1")
+            raise UsageError(f"window={window!r}, min_history={min_history!r}: expected >= 1")
         self.surge_factor = float(surge_factor)
         self.window = int(window)
         self.entropy_floor = float(entropy_floor)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from varbench._util.checks import UsageError, UsageFileNotFoundError, UsageTypeError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -159,12 +161,13 @@ class TrainConfig:
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
         """Build from a mapping of field names; ``source`` names the origin in error messages."""
         if not isinstance(data, Mapping):
-            raise TypeError(f"{source}: expected a table of settings, got {type(data).__name__}")
+            raise UsageTypeError(
+                f"{source}: expected a table of settings, got {type(data).__name__}")
         names = {f.name: f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in names:
-                raise ValueError(
+                raise UsageError(
                     f"{source}: unknown key {key!r}; valid keys are {sorted(names)}"
                 )
             kwargs[key] = _coerce(source, key, value, names[key])
@@ -178,14 +181,14 @@ class TrainConfig:
         """Load from a TOML file (optionally from one ``[section]`` of it)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+            raise UsageFileNotFoundError(f"config file {str(path)!r} does not exist")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path}: not valid TOML: {err}") from None
+            raise UsageError(f"{path}: not valid TOML: {err}") from None
         if section is not None:
             if section not in data:
-                raise ValueError(
+                raise UsageError(
                     f"{path}: no section [{section}]; sections present: {sorted(data)}"
                 )
             data = data[section]
@@ -216,30 +219,30 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     where = f"{source}: key {key!r}"
     if kind == "bool":
         if not isinstance(value, bool):
-            raise TypeError(f"{where} must be true or false, got {value!r}")
+            raise UsageTypeError(f"{where} must be true or false, got {value!r}")
     elif kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{where} must be an integer, got {value!r}")
+            raise UsageTypeError(f"{where} must be an integer, got {value!r}")
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{where} must be a number, got {value!r}")
+            raise UsageTypeError(f"{where} must be a number, got {value!r}")
         value = float(value)
     elif kind == "str":
         if not isinstance(value, str):
-            raise TypeError(f"{where} must be a string, got {value!r}")
+            raise UsageTypeError(f"{where} must be a string, got {value!r}")
     elif kind == "str | None":
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{where} must be a string, got {value!r}")
+            raise UsageTypeError(f"{where} must be a string, got {value!r}")
     elif kind.startswith("Mapping"):
         if not isinstance(value, Mapping):
-            raise TypeError(f"{where} must be a table, e.g. [{key}], got {value!r}")
+            raise UsageTypeError(f"{where} must be a table, e.g. [{key}], got {value!r}")
         value = dict(value)
     return value
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+        raise UsageError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
 def _validate(c: TrainConfig) -> None:
@@ -247,31 +250,31 @@ def _validate(c: TrainConfig) -> None:
                  "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window"):
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} is not valid; expected an integer >= 1")
+            raise UsageError(f"{name}={v!r} is not valid; expected an integer >= 1")
     for name in ("token_budget", "checkpoint_every", "warmup_steps", "seed", "warm_start_seed",
                  "eval_seed"):
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}={v!r} is not valid; expected an integer >= 0")
+            raise UsageError(f"{name}={v!r} is not valid; expected an integer >= 0")
     if c.minibatches > c.prompts_per_step:
-        raise ValueError(
+        raise UsageError(
             f"minibatches={c.minibatches} is not valid; a minibatch holds whole groups, so it "
             f"must be <= prompts_per_step={c.prompts_per_step}"
         )
     for name in ("clip_low", "clip_high", "kl_coef", "weight_decay", "grad_clip"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
-            raise ValueError(f"{name}={v!r} is not valid; expected a number >= 0")
+            raise UsageError(f"{name}={v!r} is not valid; expected a number >= 0")
     if c.clip_low >= 1:
-        raise ValueError(f"clip_low={c.clip_low!r} is not valid; expected 0 <= clip_low < 1")
+        raise UsageError(f"clip_low={c.clip_low!r} is not valid; expected 0 <= clip_low < 1")
     for name in ("lr", "temperature", "adam_eps", "surge_factor"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ValueError(f"{name}={v!r} is not valid; expected a number > 0")
+            raise UsageError(f"{name}={v!r} is not valid; expected a number > 0")
     for name in ("adam_beta1", "adam_beta2", "entropy_floor"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise ValueError(f"{name}={v!r} is not valid; expected 0 <= {name} < 1")
+            raise UsageError(f"{name}={v!r} is not valid; expected 0 <= {name} < 1")
     _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
     _choice("ratio", c.ratio, RATIO_KINDS)
     _choice("kl_kind", c.kl_kind, KL_KINDS)
@@ -279,7 +282,7 @@ def _validate(c: TrainConfig) -> None:
     _choice("dtype", c.dtype, DTYPES)
     for name in ("task", "policy", "scheme", "agg", "device"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
-            raise TypeError(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
+            raise UsageTypeError(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
     for name in ("task_options", "scheme_options"):
         if not isinstance(getattr(c, name), Mapping):
-            raise TypeError(f"{name} must be a mapping, got {getattr(c, name)!r}")
+            raise UsageTypeError(f"{name} must be a mapping, got {getattr(c, name)!r}")

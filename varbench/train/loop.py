@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from varbench._util.checks import UsageError
 from varbench._util.progress import show_progress
 from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
@@ -117,9 +118,9 @@ def train(
     setup.check_config(config)
     run_dir = Path(run_dir) if run_dir is not None else None
     if resume and run_dir is None:
-        raise ValueError("resume=True needs run_dir (where the checkpoints are)")
+        raise UsageError("resume=True needs run_dir (where the checkpoints are)")
     if config.checkpoint_every and run_dir is None:
-        raise ValueError("checkpoint_every > 0 needs run_dir (where to write checkpoints)")
+        raise UsageError("checkpoint_every > 0 needs run_dir (where to write checkpoints)")
 
     # ---------------------------------------------------------------- setup
     task, reward = setup.build_task(config)
@@ -316,7 +317,7 @@ def _check_same_run(config: TrainConfig, saved: dict, ckpt: Path) -> None:
     diff = sorted(k for k in set(now) | set(saved)
                   if k not in free and now.get(k) != saved.get(k))
     if diff:
-        raise ValueError(
+        raise UsageError(
             f"cannot resume from {str(ckpt)!r}: its run had a different config for {diff} "
             f"(checkpoint: {[saved.get(k) for k in diff]}, now: {[now.get(k) for k in diff]}); "
             f"only {sorted(free)} may change on --resume")

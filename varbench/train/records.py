@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from varbench._util.checks import UsageFileNotFoundError
 from varbench._util.io import atomic_write
 
 # The fixed column set, in file order. Row 0 is the starting policy (evaluation only).
@@ -122,7 +123,7 @@ def read_records(path: str | Path) -> pd.DataFrame:
     """Load a records CSV as a DataFrame (floats; empty cells NaN; ``step`` int)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"records file {str(path)!r} does not exist")
+        raise UsageFileNotFoundError(f"records file {str(path)!r} does not exist")
     rows = _read_rows(path)
     df = pd.DataFrame(rows, columns=list(FIELDS))
     df = df.replace("", float("nan")).astype(float)

@@ -6,14 +6,11 @@ Kept out of ``loop.py`` so that the loop reads top to bottom as the algorithm.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from varbench._util.checks import check_choice
+from varbench._util.checks import UsageError, UsageTypeError, check_choice
 from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
-from varbench.models import Policy, load_policy, presets
-from varbench.models import build_policy as build_preset
+from varbench.models import Policy
 from varbench.rollout import RolloutBatch, sample
 from varbench.tasks import Prompt, Task, get_task
 from varbench.train.config import TrainConfig
@@ -24,7 +21,7 @@ EXACT = "exact"  # the exact-match reward every task defines (held-out accuracy)
 def check_config(config: TrainConfig) -> None:
     """Validate the names a config takes from registries (scheme, aggregation mode, task)."""
     if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        raise UsageTypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     check_choice("scheme", config.scheme, schemes())
     check_choice("agg", config.agg, AGGREGATION_MODES)
 
@@ -34,7 +31,7 @@ def build_task(config: TrainConfig) -> tuple[Task, str]:
     task = get_task(config.task, **dict(config.task_options))
     reward = task.check_reward(config.reward)
     if EXACT not in task.rewards:
-        raise ValueError(
+        raise UsageError(
             f"task {config.task!r} has no {EXACT!r} reward (its rewards: {list(task.rewards)}); "
             "held-out accuracy needs an exact-match reward"
         )
@@ -42,20 +39,14 @@ def build_task(config: TrainConfig) -> tuple[Task, str]:
 
 
 def build_policy(config: TrainConfig, task: Task) -> Policy:
-    """The policy ``config.policy`` names: a preset (warm-started on ``task`` unless
-    ``warm_start`` is false) or a local checkpoint directory."""
-    if config.policy in presets():
-        if config.warm_start:
-            from varbench.train.warmstart import warm_start
+    """The policy ``config.policy`` names (a preset is warm-started on ``task`` unless
+    ``warm_start`` is false; a checkpoint directory is used as it is)."""
+    from varbench.train.policies import build_policy as build
+    from varbench.train.policies import is_checkpoint_dir
 
-            return warm_start(config.policy, task, seed=config.warm_start_seed,
-                              progress=None)
-        return build_preset(config.policy, seed=config.seed)
-    if Path(config.policy).is_dir():
-        return load_policy(config.policy)
-    raise ValueError(
-        f"policy={config.policy!r} is neither a preset {presets()} nor a checkpoint directory"
-    )
+    warm = config.warm_start and not is_checkpoint_dir(config.policy)
+    return build(config.policy, task=task, warm=warm, seed=config.seed,
+                 warm_seed=config.warm_start_seed)
 
 
 def score(task: Task, batch: RolloutBatch, prompts: list[Prompt], reward: str

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from varbench._util.checks import check_positive_int
+from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.io import atomic_dir
 from varbench._util.progress import show_progress
 from varbench.models.forward import forward_logits
@@ -65,7 +65,7 @@ def demo_tokens(task: Task, tokenizer, prompt: Prompt) -> tuple[list[int], list[
             mask += [1] * len(seg_ids)
             reply = task.env_step(prompt, done)
             if reply is None or not rest.startswith(reply):
-                raise ValueError(
+                raise UsageError(
                     f"demonstration of task {task.name!r} disagrees with its environment after "
                     f"{done!r}: env replied {reply!r}"
                 )
@@ -157,10 +157,10 @@ def warm_start(
     if isinstance(task, str):
         task = get_task(task)
     if preset not in presets():
-        raise ValueError(f"preset={preset!r} is not valid; choose one of {presets()}")
+        raise UsageError(f"preset={preset!r} is not valid; choose one of {presets()}")
     lo, hi = (float(x) for x in target)
     if not 0.0 <= lo < hi <= 1.0:
-        raise ValueError(
+        raise UsageError(
             f"target={target!r} is not valid; expected (lo, hi) with 0 <= lo < hi <= 1"
         )
     for arg, v in (("max_steps", max_steps), ("batch_size", batch_size),
@@ -176,7 +176,7 @@ def warm_start(
         try:
             policy = load_policy(entry)
             if policy.meta.get("warmstart", {}).get("config") != cfg:
-                raise ValueError(f"metadata in {str(entry / 'varbench_meta.json')!r} "
+                raise UsageError(f"metadata in {str(entry / 'varbench_meta.json')!r} "
                                  "does not match the requested config")
             return policy
         except ValueError as err:

@@ -1,0 +1,128 @@
+"""Specs a user types, resolved in one place: policies, tasks, dtypes, devices, ``KEY=VALUE``.
+
+Every command and every suite case goes through these functions, so ``--knob n=3`` means the
+same thing to ``sample``, ``train``, ``proxy`` and a suite's ``knobs = { n = 3 }``.
+
+- ``--knob KEY=VALUE``: VALUE is a TOML literal (``n=3`` an integer, ``eps=1e-4`` a float,
+  ``flag=true`` a boolean, ``items=[1, 2]`` a list, ``name="x"`` a string); a bare word that is
+  not a TOML literal is a string (``verifier=number``).
+- policy: a preset name or a local checkpoint directory, optionally warm-started (presets only).
+- task: a registered task name.
+- dtype: ``auto`` (the checkpoint's own) or a floating torch dtype name; device: ``cpu``,
+  ``cuda``, ``cuda:N``, ``mps``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from varbench._util.checks import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def parse_knob(text: str, *, flag: str = "--knob") -> tuple[str, Any]:
+    """``"KEY=VALUE"`` -> ``(KEY, value)`` with VALUE read as a TOML literal (else a string)."""
+    key, sep, raw = str(text).partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"{flag} {text!r} is not valid; expected KEY=VALUE, e.g. n=4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string
+    return key, value
+
+
+def parse_knobs(items: Iterable[str] | None, *, flag: str = "--knob") -> dict[str, Any]:
+    """Repeated ``KEY=VALUE`` flags as a dict (a later KEY wins)."""
+    return dict(parse_knob(item, flag=flag) for item in (items or ()))
+
+
+def resolve_task(spec: str, knobs: Mapping[str, Any] | None = None):
+    """The Task ``spec`` names (a registered task name), with its knobs applied."""
+    from varbench.tasks import get_task
+
+    return get_task(spec, **dict(knobs or {}))
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | None:
+    """``"auto"``/None -> None (keep the stored dtype); otherwise the torch dtype."""
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPES:
+        raise UsageError(f"--dtype={name!r} is not valid; choose one of {list(DTYPES)}")
+    return getattr(torch, name)
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The torch device ``name`` names (default: :func:`default_device`), checked to exist."""
+    name = default_device() if name in (None, "auto") else name
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"--device={name!r} is not valid; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device={name!r}: no CUDA device is visible here; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device={name!r}: only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device={name!r}: MPS is not available here; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device={name!r} is not valid; use cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def resolve_policy(spec: str, *, task=None, warm: bool = False, seed: int = 0,
+                   warm_seed: int | None = None, dtype: str | torch.dtype | None = None,
+                   device: str | torch.device | None = None, trust_remote_code: bool = False,
+                   progress: bool | None = None):
+    """The Policy ``spec`` names: a preset (random init from ``seed``, or warm-started on
+    ``task``) or a local checkpoint directory; see :func:`varbench.train.policies.build_policy`.
+    """
+    from varbench.train.policies import build_policy
+
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
+    return build_policy(spec, task=task, warm=warm, seed=seed, warm_seed=warm_seed, dtype=dtype,
+                        device=device, trust_remote_code=trust_remote_code, progress=progress)
+
+
+STATES = ("random", "warm")
+STATE_LABELS = {"random": "random init", "warm": "warm-started"}
+
+
+def policy_states(spec: str, states: Iterable[str], task, *, seed: int = 0,
+                  progress: bool | None = None) -> dict[str, Any]:
+    """``{state label: Policy}``: a checkpoint directory as it is (labelled by its name), or
+    the preset at each requested state ("random": random init, "warm": warm-started on
+    ``task``)."""
+    from pathlib import Path
+
+    from varbench.train.policies import is_checkpoint_dir
+
+    if is_checkpoint_dir(spec):
+        return {Path(spec).name: resolve_policy(spec)}
+    out = {}
+    for s in dict.fromkeys(states):
+        if s not in STATES:
+            raise UsageError(f"states={s!r} is not valid; choose one of {list(STATES)}")
+        out[STATE_LABELS[s]] = resolve_policy(spec, task=task, warm=s == "warm", seed=seed,
+                                              progress=progress)
+    return out

@@ -1,0 +1,301 @@
+"""Per-token gradient vectors, computed ONCE, contracted with any number of coefficient sets.
+
+The one sketch and the one "vectors once, many coefficient sets" path of varbench (used by the
+variance analysis, the cancellation analysis and :mod:`varbench.grads.group`):
+
+- :class:`CountSketch` ``S: R^D -> R^K``, seeded; the only random sketch of gradient vectors.
+- :func:`token_vectors`: per-token gradients of every response token of a RolloutBatch from the
+  exact harness (``varbench.grads.exact.iter_token_grads``), one chunk of ``[C, numel]`` rows at
+  a time, each chunk reduced immediately to its exact ``||g_t||^2`` (the exact OTB weight) and to
+  ``v_t = S g_t`` (or the flat ``g_t`` with ``sketch_dim=None``: exact, D floats per token).
+- :func:`combine`: ``g_hat_p = sum_{i,t} c_{p,i,t} v_{p,i,t}`` for one or many coefficient sets
+  (advantage scheme x aggregation mode x ...): adding a set costs an einsum, not a backward.
+
+Since S is linear, ``combine(token_vectors(..., sketch=S).vec, c) = S g_hat`` exactly (up to
+rounding), with ``g_hat`` the exact group gradient of
+:func:`varbench.grads.group.group_gradients` (the slow one-backward-per-group reference).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from varbench._util.checks import UsageError, UsageTypeError, check_positive_int, check_shape
+from varbench.grads._inputs import check_inputs
+from varbench.grads.exact import DEFAULT_CHUNK, iter_token_grads
+from varbench.grads.params import ParamFilter, select_params
+
+
+@dataclass
+class TokenVectors:
+    """``vec [P, G, T, K]`` per-token gradient vectors (sketched or flat) and exact
+    ``token_sq [P, G, T]`` = ||g_t||^2; both 0 where the batch mask is 0. ``dim`` is K,
+    ``n_params`` is D, ``sketch`` says "countsketch(K=.., seed=..)" or "flat"."""
+
+    vec: torch.Tensor
+    token_sq: torch.Tensor
+    dim: int
+    n_params: int
+    sketch: str
+
+
+class CountSketch:
+    """A fixed, seeded CountSketch ``S: R^D -> R^K`` of a list of parameter tensors.
+
+    Coordinate i of the flat gradient (``select_params`` order, ``D = sum(numels)``) goes to bucket
+    ``h(i)`` with sign ``s(i)``: ``(S x)_j = sum_{i: h(i) = j} s(i) x_i``, where the ``h(i)`` are
+    iid uniform on ``{0, .., K-1}`` and the ``s(i)`` iid uniform on ``{-1, +1}``, independent.
+    For any fixed x, y (expectation over the random S)::
+
+        E[<Sx, Sy>]   = <x, y>
+        Var[<Sx, Sy>] = (||x||^2 ||y||^2 + <x, y>^2 - 2 sum_i x_i^2 y_i^2) / K
+        Var[||Sx||^2] = (2 / K) (||x||^4 - sum_i x_i^4)
+
+    (so the relative std of ``||Sx||^2`` is at most ``sqrt(2/K)``, that of a Gaussian JL sketch
+    of the same K; derivation: ``<Sx, Sy> - <x, y> = sum_{i != l} s_i s_l [h_i = h_l] x_i y_l``,
+    whose only non-vanishing second moments pair (i, l) with itself or with (l, i), each with
+    ``P(h_i = h_l) = 1/K``). Traces, norms and inner products of estimates are therefore preserved
+    in expectation over S.
+
+    State: the buckets of every parameter, then the signs of every parameter, drawn in that
+    order by a CPU ``torch.Generator`` seeded with ``seed`` (the same S on every device and in
+    every run), then moved ONCE to ``device`` at construction. Memory: an int64 bucket and a
+    float32 sign per coordinate (plus one sign copy per further dtype applied, made once on
+    ``device``). Applying S costs one ``index_add_`` per parameter, O(D) per vector; inputs must
+    be on ``device`` (nothing is copied per call).
+    """
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        dim: int,
+        seed: int = 0,
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        check_positive_int("dim", dim)
+        if isinstance(seed, bool):
+            raise UsageTypeError(f"seed must be an int, got {seed!r}")
+        try:
+            seed = operator.index(seed)
+        except TypeError:
+            raise UsageTypeError(f"seed must be an int, got {type(seed).__name__}") from None
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        numels = [int(n) for n in numels]
+        buckets = [torch.randint(0, dim, (n,), generator=g, device="cpu") for n in numels]
+        signs = [
+            torch.randint(0, 2, (n,), generator=g, device="cpu").float() * 2 - 1 for n in numels
+        ]
+        self._init(buckets, signs, dim, f"countsketch(K={dim}, seed={seed})", device)
+        self.seed: int | None = seed
+
+    @classmethod
+    def from_hashes(
+        cls,
+        buckets: Sequence[torch.Tensor],
+        signs: Sequence[torch.Tensor],
+        dim: int,
+        *,
+        device: str | torch.device | None = None,
+    ) -> CountSketch:
+        """The CountSketch with the given hash: ``buckets[i]`` (ints in ``[0, dim)``) and
+        ``signs[i]`` (+-1) for parameter i (e.g. to enumerate every S of a tiny D)."""
+        check_positive_int("dim", dim)
+        if len(buckets) != len(signs):
+            raise UsageError(f"{len(buckets)} bucket tensors but {len(signs)} sign tensors")
+        b_list, s_list = [], []
+        for i, (b, s) in enumerate(zip(buckets, signs, strict=True)):
+            check_shape(f"buckets[{i}]", b, [None])
+            check_shape(f"signs[{i}]", s, [b.numel()])
+            if b.dtype.is_floating_point or torch.any((b < 0) | (b >= dim)):
+                raise UsageError(f"buckets[{i}] must hold integers in [0, {dim})")
+            if not torch.all((s == 1) | (s == -1)):
+                raise UsageError(f"signs[{i}] must hold only +1 and -1")
+            b_list.append(b.long())
+            s_list.append(s.float())
+        sk = cls.__new__(cls)
+        sk._init(b_list, s_list, dim, f"countsketch(K={dim}, explicit hashes)", device)
+        sk.seed = None
+        return sk
+
+    @classmethod
+    def for_params(
+        cls,
+        params: Sequence[torch.Tensor],
+        dim: int,
+        seed: int = 0,
+        *,
+        device: str | torch.device | None = None,
+    ) -> CountSketch:
+        """The sketch of ``params`` (their numels; state on their device unless ``device``)."""
+        params = list(params)
+        if not params:
+            raise UsageError("params is empty")
+        return cls([p.numel() for p in params], dim, seed,
+                   device=params[0].device if device is None else device)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        dim: int,
+        seed: int = 0,
+        *,
+        params: ParamFilter = None,
+        device: str | torch.device | None = None,
+    ) -> CountSketch:
+        """The sketch of ``model``'s selected parameters (:func:`select_params` order), with its
+        state on the parameters' device (or ``device``: pass the ``device`` you give to
+        ``sequence_grads`` / ``group_gradients`` / ``token_sketches`` when they copy the model)."""
+        return cls.for_params([p for _, p in select_params(model, params)], dim, seed,
+                              device=device)
+
+    def _init(self, buckets, signs, dim, desc, device) -> None:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        self.dim = int(dim)
+        self.numels = tuple(int(b.numel()) for b in buckets)
+        self.n_params = sum(self.numels)
+        self.description = desc
+        self.buckets = [b.to(dev) for b in buckets]  # moved once, here
+        self.device = self.buckets[0].device if self.buckets else dev
+        self._signs = {torch.float32: [s.to(self.device) for s in signs]}
+
+    def __repr__(self) -> str:
+        return f"CountSketch({self.description}, D={self.n_params}, device={self.device})"
+
+    @property
+    def signs(self) -> list[torch.Tensor]:
+        """Per-parameter float32 signs (+-1) on ``device``."""
+        return self._signs[torch.float32]
+
+    def _signs_in(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype not in self._signs:  # +-1 is exact in every floating dtype; made once
+            self._signs[dtype] = [s.to(dtype) for s in self._signs[torch.float32]]
+        return self._signs[dtype]
+
+    def check_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise unless this sketch was built for exactly these parameters' sizes and device."""
+        numels = tuple(p.numel() for p in params)
+        if numels != self.numels:
+            raise UsageError(
+                f"the sketch was built for {len(self.numels)} parameters ({self.n_params} "
+                f"numbers), these are {len(numels)} ({sum(numels)}): build it with "
+                "CountSketch.for_model(model, dim, seed, params=...) with the same params"
+            )
+        if params and params[0].device != self.device:
+            raise UsageError(
+                f"the sketch's state is on {self.device}, the parameters on {params[0].device}: "
+                "build it on the parameters' device (CountSketch.for_model(..., device=...))"
+            )
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[..., numel_i]`` per parameter -> ``[..., K]``: ``S`` of the concatenation."""
+        if len(grads) != len(self.numels):
+            raise UsageError(f"expected {len(self.numels)} gradient tensors, got {len(grads)}")
+        g0 = grads[0]
+        if g0.device != self.device:
+            raise UsageError(
+                f"the sketch's state is on {self.device}, the input on {g0.device}: build the "
+                "sketch on the input's device (CountSketch.for_model(..., device=...))"
+            )
+        if not g0.dtype.is_floating_point:
+            raise UsageTypeError(f"inputs must be floating point, got {g0.dtype}")
+        out = torch.zeros(*g0.shape[:-1], self.dim, dtype=g0.dtype, device=self.device)
+        for i, (g, b, s) in enumerate(
+            zip(grads, self.buckets, self._signs_in(g0.dtype), strict=True)
+        ):
+            check_shape(f"grads[{i}]", g, [*g0.shape[:-1], self.numels[i]])
+            if g.dtype != g0.dtype or g.device != g0.device:
+                raise UsageError("all gradient tensors must share one dtype and device")
+            out.index_add_(-1, b, g * s)
+        return out
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., D] -> [..., K]``: ``S x`` for each row of a flat (``select_params`` order) x."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.n_params:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise UsageError(f"x has shape {shape}, expected [..., {self.n_params}]")
+        return self(torch.split(x, list(self.numels), dim=-1))
+
+
+def token_vectors(
+    model: torch.nn.Module,
+    batch,
+    *,
+    sketch_dim: int | None = 1024,
+    sketch_seed: int = 0,
+    sketch: CountSketch | None = None,
+    params: ParamFilter = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+    out_device: str | torch.device = "cpu",
+) -> TokenVectors:
+    """Per-token gradient vectors of every response token of ``batch`` (a RolloutBatch).
+
+    The sketch: ``sketch`` when given (a :class:`CountSketch` built for these ``params`` on the
+    model's device; ``sketch_dim``/``sketch_seed`` are then ignored), else
+    ``CountSketch(numels, sketch_dim, sketch_seed)`` on the model's device, or flat gradients
+    when ``sketch_dim`` is None or ``>= D``. Results are stored on ``out_device`` (default the
+    host: ``P*G*T*K`` floats); the model runs where its parameters are.
+    Cost: the exact harness's per-token backward (about one backward per token over its prefix).
+    """
+    flat = batch.flat()
+    ids, rmask, amask = check_inputs(flat.input_ids, flat.response_mask, flat.attention_mask)
+    plist = [p for _, p in select_params(model, params)]
+    dev = plist[0].device
+    ids, rmask, amask = ids.to(dev), rmask.to(dev), amask.to(dev)
+    numels = [p.numel() for p in plist]
+    D = sum(numels)
+    if sketch is not None:
+        if not isinstance(sketch, CountSketch):
+            raise UsageTypeError(
+                f"sketch must be a CountSketch or None, got {type(sketch).__name__}"
+            )
+        sketch.check_params(plist)
+        sk, K = sketch, sketch.dim
+    elif sketch_dim is None or sketch_dim >= D:
+        sk, K = None, D
+    else:
+        sk = CountSketch(numels, int(sketch_dim), sketch_seed, device=dev)
+        K = sk.dim
+    out_device = torch.device(out_device)
+    B, L = ids.shape
+    dtype = plist[0].dtype
+    vec = torch.zeros(B, L, K, dtype=dtype, device=out_device)
+    tsq = torch.zeros(B, L, dtype=dtype, device=out_device)
+    for b, cols, grads in iter_token_grads(model, ids, rmask, amask, plist, chunk_size,
+                                           progress=progress):
+        at = cols.to(out_device)
+        tsq[b, at] = sum(g.pow(2).sum(1) for g in grads).to(out_device)
+        vec[b, at] = (torch.cat(grads, 1) if sk is None else sk(grads)).to(out_device)
+    return TokenVectors(
+        vec=batch.to_groups(vec),
+        token_sq=batch.to_groups(tsq),
+        dim=K,
+        n_params=D,
+        sketch="flat" if sk is None else sk.description,
+    )
+
+
+def combine(vectors: torch.Tensor | TokenVectors, coeffs: torch.Tensor) -> torch.Tensor:
+    """``sum_{i,t} c_{p,i,t} v_{p,i,t}``: ``[P, G, T, K]`` per-token vectors (or a
+    :class:`TokenVectors`) and ``[P, G, T]`` coefficients -> ``[P, K]``; ``[S, P, G, T]`` (S
+    coefficient sets) -> ``[S, P, K]``.
+
+    Contracts in the vectors' dtype on the vectors' device (the coefficients are cast and
+    moved; the large vector tensor is never copied). Coefficients off the mask multiply zero
+    vectors, so they do not matter.
+    """
+    vec = vectors.vec if isinstance(vectors, TokenVectors) else vectors
+    check_shape("vectors", vec, [None, None, None, None])
+    P, G, T, _ = vec.shape
+    c = coeffs.to(device=vec.device, dtype=vec.dtype)
+    if coeffs.dim() == 3:
+        check_shape("coeffs", coeffs, [P, G, T])
+        return torch.einsum("pgtk,pgt->pk", vec, c)
+    check_shape("coeffs", coeffs, [None, P, G, T])
+    return torch.einsum("pgtk,spgt->spk", vec, c)
