@@ -11,6 +11,7 @@ run: setup
 
 test: setup
 	$(PY) -m ruff check varbench tests benchmarks
+	.venv/bin/lint-imports
 	$(PY) -m pytest -m "not slow" -q
 
 test-slow: setup
@@ -18,6 +19,7 @@ test-slow: setup
 
 lint: setup
 	$(PY) -m ruff check varbench tests benchmarks
+	.venv/bin/lint-imports
 
 clean:
 	rm -rf .venv .pytest_cache reports/quickstart

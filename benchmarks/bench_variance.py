@@ -27,9 +27,9 @@ import torch
 
 from varbench.analysis.stats import variance_stats
 from varbench.analysis.variance import group_advantages, group_estimates
-from varbench.analysis.vectors import token_vectors
 from varbench.estimators.coefficients import token_coefficients
 from varbench.grads.group import group_gradients
+from varbench.grads.vectors import token_vectors
 from varbench.models import build_policy
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task

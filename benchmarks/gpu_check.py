@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from varbench.grads import (
-    Sketch,
+    CountSketch,
     exact_float64,
     forward_stats,
     sequence_grads,
@@ -83,11 +83,12 @@ def main() -> int:
             tail_ref.prefix_sq,
             rtol,
         )
-        s = Sketch(4, seed=1)
+        s_dev = CountSketch.for_model(model, 4, seed=1, device=dev)
+        s_ref = CountSketch.for_model(m64, 4, seed=1)  # the same S: its state is drawn on the CPU
         check(
             f"sequence sketch {dev} {tag}",
-            sequence_grads(model, ids, rm, am, sketch=s, device=dev),
-            sequence_grads(m64, ids, rm, am, sketch=s),
+            sequence_grads(model, ids, rm, am, sketch=s_dev, device=dev),
+            sequence_grads(m64, ids, rm, am, sketch=s_ref),
             rtol,
         )
         sk = sketched_token_norms(model, ids, rm, am, k=8, seed=3, device=dev)

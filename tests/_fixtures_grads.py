@@ -79,3 +79,35 @@ def _trained(tied: bool, steps: int, seed: int):
         loss.backward()
         opt.step()
     return model
+
+
+def rollout_batch(P: int = 2, G: int = 3, T: int = 6, Lp: int = 4, seed: int = 0):
+    """A small RolloutBatch ``[P, G, T]``: a left-padded prompt, a shorter response and an
+    environment token (attended, not in the loss) inside a response."""
+    from varbench.rollout.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, V, (P, Lp), generator=g)
+    pmask = torch.ones(P, Lp, dtype=torch.long)
+    pmask[1, :2] = 0
+    prompt = prompt * pmask
+    tokens = torch.randint(1, V, (P, G, T), generator=g)
+    mask = torch.ones(P, G, T)
+    env = torch.zeros(P, G, T)
+    mask[0, 1, 4:] = 0  # shorter response
+    tokens[0, 1, 4:] = 0
+    mask[1, 2, 2] = 0  # an environment token
+    env[1, 2, 2] = 1
+    z = torch.zeros(P, G, T)
+    return RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=pmask,
+        tokens=tokens,
+        mask=mask,
+        env_mask=env,
+        logprobs=z,
+        sum_pi_sq=z,
+        entropy=z,
+        rewards=torch.zeros(P, G),
+        lengths=mask.sum(-1).long(),
+    )

@@ -70,3 +70,40 @@ def brute_sequence_grads(model, input_ids, response_mask, attention_mask=None):
             )
         )
     return torch.stack(rows)
+
+
+def dense_count_sketch(sketch, dtype=torch.float64):
+    """The ``[K, D]`` matrix of a CountSketch, one entry at a time: ``S[h(i), i] = s(i)``."""
+    S = torch.zeros(sketch.dim, sketch.n_params, dtype=dtype)
+    i = 0
+    for b, s in zip(sketch.buckets, sketch.signs, strict=True):
+        for j in range(b.numel()):
+            S[int(b[j]), i] = float(s[j])
+            i += 1
+    return S
+
+
+def brute_group_gradients(model, batch, coeffs):
+    """``[P, D]`` group gradients ``sum_{i,t} c_{p,i,t} grad log p_{p,i,t}``: one backward of the
+    weighted log-prob sum per SEQUENCE (log-probs written out inline), summed over each group."""
+    flat = batch.flat()
+    c = torch.zeros(batch.P * batch.G, flat.input_ids.shape[1], dtype=torch.float64)
+    c[:, flat.prompt_len :] = (coeffs * batch.mask).reshape(batch.P * batch.G, batch.T)
+    plist = [p for p in model.parameters() if p.requires_grad]
+    model.eval()
+    rows = []
+    for b in range(flat.input_ids.shape[0]):
+        ids, am = flat.input_ids[b : b + 1], flat.attention_mask[b : b + 1]
+        logits = forward_logits(model, ids, am).logits[0]
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        loss = (lp * c[b, 1:].to(lp.dtype)).sum()
+        grads = torch.autograd.grad(loss, plist, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    torch.zeros(p.numel(), dtype=lp.dtype) if g is None else g.reshape(-1)
+                    for g, p in zip(grads, plist, strict=True)
+                ]
+            )
+        )
+    return torch.stack(rows).reshape(batch.P, batch.G, -1).sum(1)

@@ -1,4 +1,6 @@
-"""Tests of the variance analysis: shared-vector estimates vs autograd, sketch, resume, bias."""
+"""Tests of the variance analysis: shared-vector estimates vs autograd, resume, bias.
+
+The count sketch and token_vectors themselves are tested in test_grads_vectors.py."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import torch
 import varbench.analysis.variance as varmod
 from varbench.analysis.stats import variance_stats
 from varbench.analysis.variance import estimator_variance, group_advantages, group_estimates
-from varbench.analysis.vectors import CountSketch, token_vectors
 from varbench.estimators.loss import policy_loss
+from varbench.grads.vectors import token_vectors
 from varbench.models import build_policy, forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
@@ -59,31 +61,6 @@ def test_group_estimates_match_autograd(micro64, arith_batch, flat_vectors):
                 # Stock attention/RMSNorm compute in float32 inside the float64 model, which
                 # caps agreement near 1e-7.
                 torch.testing.assert_close(est[m], want, rtol=1e-5, atol=1e-7)
-
-
-def test_token_vectors_exact_norms(arith_batch, flat_vectors):
-    tv = flat_vectors
-    torch.testing.assert_close(tv.token_sq, tv.vec.pow(2).sum(-1), rtol=1e-10, atol=1e-12)
-    assert tv.sketch == "flat" and tv.dim == tv.n_params
-    assert (tv.vec[arith_batch.mask == 0] == 0).all()
-
-
-def test_count_sketch_preserves_inner_products_in_expectation():
-    g = torch.Generator().manual_seed(0)
-    x = [torch.randn(1, 50, generator=g, dtype=torch.float64),
-         torch.randn(1, 30, generator=g, dtype=torch.float64)]
-    y = [xi + torch.randn(xi.shape, generator=g, dtype=torch.float64) for xi in x]
-    exact = sum(float((a * b).sum()) for a, b in zip(x, y, strict=True))
-    vals = []
-    for seed in range(400):
-        sk = CountSketch([50, 30], 16, seed)
-        vals.append(float((sk(x) * sk(y)).sum()))
-    vals = torch.tensor(vals)
-    se = float(vals.std() / 20)
-    # Seeded, deterministic; 4 SE: false-failure rate ~6e-5 for a fresh set of seeds.
-    assert abs(float(vals.mean()) - exact) < 4 * se
-    sk = CountSketch([50, 30], 16, 3)
-    torch.testing.assert_close(sk([2 * x[0], 2 * x[1]]), 2 * sk(x))  # linear
 
 
 def test_rloo_is_scaled_centered_on_shared_groups(arith_batch, flat_vectors):

@@ -1,18 +1,22 @@
-"""Sketched norms (forward-mode probes), JL sketches, sequence and group gradients."""
+"""Sketched norms (forward-mode Gaussian probes); count-sketched sequence and group gradients."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _fixtures_grads import V, batch, tiny_llama, trained_llama
-from reference_grads import brute_sequence_grads, brute_token_grads
+from _fixtures_grads import batch, rollout_batch, tiny_llama, trained_llama
+from reference_grads import (
+    brute_group_gradients,
+    brute_sequence_grads,
+    brute_token_grads,
+    dense_count_sketch,
+)
 from scipy.stats import chi2
 
-from varbench.grads import exact_float64, token_grad_norms
+from varbench.grads import CountSketch, exact_float64, token_grad_norms
 from varbench.grads.group import combine, group_gradients, token_sketches
-from varbench.grads.sequence import Sketch, sequence_grads
-from varbench.grads.sketch import sketched_token_norms
-from varbench.rollout.batch import RolloutBatch
+from varbench.grads.sequence import sequence_grads
+from varbench.grads.sketch import GaussianProbes, sketched_token_norms
 
 RTOL = 1e-8
 ALPHA = 1e-6  # total false-failure rate of each statistical test (Bonferroni over entries)
@@ -45,16 +49,23 @@ def test_sketched_norms_are_unbiased():
     assert torch.all(est.token_sq[~on] == 0) and torch.all(est.prefix_sq[~on] == 0)
 
 
-def test_sketch_preserves_norms_in_expectation():
-    x = torch.randn(300, dtype=torch.float64)
-    k, seeds = 8, 200
-    tot = sum(Sketch(k, s).apply(x).pow(2).sum() for s in range(seeds))
-    # sum over seeds of k ||Sx||^2 / ||x||^2 ~ chi2_{k * seeds}
-    stat = float(tot * k / x.pow(2).sum())
-    assert chi2.ppf(ALPHA / 2, k * seeds) < stat < chi2.ppf(1 - ALPHA / 2, k * seeds)
-    torch.testing.assert_close(Sketch(k, 3).apply(x), Sketch(k, 3).apply(x), rtol=0, atol=0)
+def test_gaussian_probes_are_seeded_and_not_a_sketch():
+    """The Gaussian survives only as forward-mode probe directions (sketched_token_norms needs
+    iid probes); it is not accepted where a sketch of gradient vectors is."""
+    p = GaussianProbes(8, 3)
+    assert not hasattr(p, "apply")
+    a, b = p.direction(2, 50, torch.float64, "cpu"), p.direction(2, 50, torch.float64, "cpu")
+    assert torch.equal(a, b) and not torch.equal(a, p.direction(3, 50, torch.float64, "cpu"))
     with pytest.raises(ValueError, match="k=0"):
-        Sketch(0)
+        GaussianProbes(0)
+    model = tiny_llama()
+    ids, rm, am = batch()
+    with pytest.raises(TypeError, match="CountSketch"):
+        sequence_grads(model, ids, rm, am, sketch=p)
+    with pytest.raises(TypeError, match="CountSketch"):
+        group_gradients(model, rollout_batch(), torch.zeros(2, 3, 6), sketch=p)
+    with pytest.raises(TypeError, match="CountSketch"):
+        token_sketches(model, rollout_batch(), p)
 
 
 def test_sequence_grads_match_brute_force_and_prefix():
@@ -65,43 +76,18 @@ def test_sequence_grads_match_brute_force_and_prefix():
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-14)
     norms = token_grad_norms(model, ids, rm, am, progress=False)
     torch.testing.assert_close(got.pow(2).sum(-1), norms.sequence_sq, rtol=RTOL, atol=0)
-    s = Sketch(5, seed=7)
-    torch.testing.assert_close(
-        sequence_grads(model, ids, rm, am, sketch=s), s.apply(ref), rtol=RTOL, atol=1e-13
-    )
-
-
-def _rollout(P=2, G=3, T=6, Lp=4, seed=0) -> RolloutBatch:
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(1, V, (P, Lp), generator=g)
-    pmask = torch.ones(P, Lp, dtype=torch.long)
-    pmask[1, :2] = 0
-    prompt = prompt * pmask
-    tokens = torch.randint(1, V, (P, G, T), generator=g)
-    mask = torch.ones(P, G, T)
-    env = torch.zeros(P, G, T)
-    mask[0, 1, 4:] = 0  # shorter response
-    tokens[0, 1, 4:] = 0
-    mask[1, 2, 2] = 0  # an environment token
-    env[1, 2, 2] = 1
-    z = torch.zeros(P, G, T)
-    return RolloutBatch(
-        prompt_ids=prompt,
-        prompt_mask=pmask,
-        tokens=tokens,
-        mask=mask,
-        env_mask=env,
-        logprobs=z,
-        sum_pi_sq=z,
-        entropy=z,
-        rewards=torch.zeros(P, G),
-        lengths=mask.sum(-1).long(),
-    )
+    s = CountSketch.for_model(model, 5, seed=7)
+    got_s = sequence_grads(model, ids, rm, am, sketch=s)
+    torch.testing.assert_close(got_s, ref @ dense_count_sketch(s).T, rtol=RTOL, atol=1e-13)
+    torch.testing.assert_close(got_s, s.apply(ref), rtol=RTOL, atol=1e-13)
+    # a sketch of other parameters is refused, not silently misapplied
+    with pytest.raises(ValueError, match="built for"):
+        sequence_grads(model, ids, rm, am, sketch=CountSketch.for_model(model, 5, params="mlp"))
 
 
 def test_group_gradients_match_brute_force():
     model = exact_float64(trained_llama())
-    rb = _rollout()
+    rb = rollout_batch()
     coeffs = torch.randn(
         rb.P, rb.G, rb.T, generator=torch.Generator().manual_seed(1), dtype=torch.float64
     )
@@ -112,10 +98,14 @@ def test_group_gradients_match_brute_force():
     c[:, flat.prompt_len :] = (coeffs * rb.mask).reshape(rb.P * rb.G, rb.T)
     ref = torch.einsum("blp,bl->bp", g, c).reshape(rb.P, rb.G, -1).sum(1)
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-13)
-    s = Sketch(6, seed=2)
+    # and a second brute force: one backward per sequence
+    torch.testing.assert_close(got, brute_group_gradients(model, rb, coeffs), rtol=RTOL,
+                               atol=1e-13)
+    s = CountSketch.for_model(model, 6, seed=2)
+    S = dense_count_sketch(s)
     sk = group_gradients(model, rb, coeffs, sketch=s)
-    torch.testing.assert_close(sk, s.apply(ref), rtol=RTOL, atol=1e-12)
-    # cached per-token sketches, reused for several coefficient sets, give the same sketch
+    torch.testing.assert_close(sk, ref @ S.T, rtol=RTOL, atol=1e-12)
+    # per-token sketches (token_vectors), reused for several coefficient sets, give the same
     tsk = token_sketches(model, rb, s)
     assert tsk.shape == (rb.P, rb.G, rb.T, 6)
     torch.testing.assert_close(combine(tsk, coeffs), sk, rtol=RTOL, atol=1e-12)
@@ -125,11 +115,27 @@ def test_group_gradients_match_brute_force():
     torch.testing.assert_close(
         out[2], group_gradients(model, rb, many[2], sketch=s), rtol=RTOL, atol=1e-12
     )
+    # unsketched per-token vectors: combine gives the flat group gradient
+    torch.testing.assert_close(combine(token_sketches(model, rb, None), coeffs), got,
+                               rtol=RTOL, atol=1e-13)
+
+
+def test_sketch_follows_the_model_copy():
+    """``dtype=`` runs on a float64 copy: a sketch built for the caller's model applies there
+    (same sizes and device; the signs are cast once per dtype)."""
+    model = trained_llama()
+    rb = rollout_batch()
+    coeffs = torch.randn(rb.P, rb.G, rb.T, generator=torch.Generator().manual_seed(2))
+    s = CountSketch.for_model(model, 4, seed=9)
+    got = group_gradients(model, rb, coeffs, sketch=s, dtype=torch.float64)
+    assert got.dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
+    full = group_gradients(model, rb, coeffs, dtype=torch.float64)
+    torch.testing.assert_close(got, full @ dense_count_sketch(s).T, rtol=RTOL, atol=1e-12)
 
 
 def test_group_gradients_bad_input():
     model = tiny_llama()
-    rb = _rollout()
+    rb = rollout_batch()
     with pytest.raises(ValueError, match="coeffs has shape"):
         group_gradients(model, rb, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="NaN"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from varbench._util.version import VERSION as __version__
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

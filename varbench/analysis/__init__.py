@@ -10,7 +10,7 @@ from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.stats import correlations, paired_compare, variance_stats
 from varbench.analysis.trie import prefix_node_ids, shared_steps, token_net_weight
 from varbench.analysis.variance import DEFAULT_SCHEMES, estimator_variance
-from varbench.analysis.vectors import TokenVectors, token_vectors
+from varbench.grads.vectors import TokenVectors, token_vectors
 from varbench.report.result import AnalysisResult, Headline
 
 __all__ = [

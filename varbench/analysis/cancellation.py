@@ -29,11 +29,11 @@ from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
 from varbench.analysis.trie import shared_steps, token_net_weight
-from varbench.analysis.vectors import token_vectors
 from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import TRANSFORMS, sample_weights
 from varbench.estimators.loss import RATIO_KINDS, policy_loss
 from varbench.estimators.registry import advantages
+from varbench.grads.vectors import token_vectors
 from varbench.models.presets import Policy
 from varbench.report.headline import fmt, with_se
 from varbench.report.provenance import provenance

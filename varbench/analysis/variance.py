@@ -48,11 +48,11 @@ from varbench.analysis._common import CellCache, concat
 from varbench.analysis.oracle import enumerate_distribution
 from varbench.analysis.stats import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.analysis.variance_report import variance_headlines
-from varbench.analysis.vectors import token_vectors
 from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.registry import advantages
 from varbench.estimators.registry import schemes as registered_schemes
+from varbench.grads.vectors import combine, token_vectors
 from varbench.models.presets import Policy
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
@@ -94,8 +94,9 @@ def group_estimates(vec: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, lo
                             mode, max_len=max_len)[0]
         for m in range(adv.shape[0])
     ])
-    # Contract in the vectors' dtype (no per-scheme copy of the large [M, G, T, K] tensor).
-    return torch.einsum("mgtk,mgt->mk", vec, coef.to(vec.dtype)).to(torch.float64)
+    # The one contraction (varbench.grads.vectors.combine): in the vectors' dtype, no
+    # per-scheme copy of the large [M, G, T, K] tensor.
+    return combine(vec, coef).to(torch.float64)
 
 
 def _mode_scale(mode: str, mean_len: float, max_len: int) -> float:
@@ -114,7 +115,7 @@ def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, pro
         if batch.tokens.shape[1] == 0:
             return None, 0.0, "exact (J = 0: every response scores 0)"
         tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
-        g = torch.einsum("pgtk,pgt->k", tv.vec.double(), coef.double())
+        g = combine(tv.vec.double(), coef.double())[0]  # one prompt: P = 1
         return g, 0.0, f"exact enumeration of {dist.responses.shape[0]} responses"
     batch = sample(policy, task, [prompt], n_ref, seed=p_seed + 7919, reward=reward)
     tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)

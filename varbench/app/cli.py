@@ -28,7 +28,7 @@ _COMMAND_MODULES: list[str] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every subcommand registered."""
-    from varbench import __version__
+    from varbench._util.version import VERSION as __version__
 
     parser = argparse.ArgumentParser(
         prog="varbench",

@@ -106,12 +106,11 @@ def validate_config(args: argparse.Namespace):
         if raw:
             changes[name] = tuple(conv(x) for x in raw.split(","))
     budgets = dict(cfg.budgets)
-    for item in args.budget or []:
-        task, _, n = item.partition("=")
-        if not n.strip().isdigit() or int(n) < 1:
-            raise UsageError(f"--budget {item!r} is not valid; expected TASK=TOKENS, "
-                             "e.g. sort=24000")
-        budgets[task] = int(n)
+    for task, n in parse_knobs(args.budget, flag="--budget").items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"--budget {task}={n!r} is not valid; expected TASK=TOKENS with "
+                             "TOKENS an integer >= 1, e.g. sort=24000")
+        budgets[task] = n
     changes["budgets"] = budgets
     if args.threshold_frac is not None:
         changes["threshold_frac"] = args.threshold_frac

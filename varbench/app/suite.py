@@ -53,7 +53,7 @@ class Case:
 
     def config(self) -> dict[str, Any]:
         """What identifies the case's result (with the varbench version: the cache key)."""
-        from varbench import __version__
+        from varbench._util.version import VERSION as __version__
 
         return {"name": self.name, "kind": self.kind, "params": self.params,
                 "varbench_version": __version__}

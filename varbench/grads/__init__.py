@@ -1,10 +1,11 @@
 """varbench.grads: the gradient harness (SCIENCE.md sections 2.3, 5 and 6).
 
 Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / prefix norms
-(``exact`` with the ghost-norm engine in ``ghost``), per-sequence gradients and the seeded JL
-sketch (``sequence``), tail-exact norms from one backward (``tail``), forward-mode sketched
-norms (``sketch``), group-gradient estimates (``group``), parameter filters and groups
-(``params``), float64-throughout models (``precision``).
+(``exact`` with the ghost-norm engine in ``ghost``), the one seeded sketch (``CountSketch``) and
+the one "per-token vectors once, many coefficient sets" path (``token_vectors`` + ``combine``,
+in ``vectors``), per-sequence gradients (``sequence``), tail-exact norms from one backward
+(``tail``), forward-mode sketched norms (``sketch``), group-gradient estimates (``group``),
+parameter filters and groups (``params``), float64-throughout models (``precision``).
 """
 
 # the logits formulas live below rollout and grads; re-exported here for convenience
@@ -12,17 +13,19 @@ from varbench.grads.exact import TokenGradNorms, token_grad_norms
 from varbench.grads.group import combine, group_gradients, token_sketches
 from varbench.grads.params import default_group, select_params
 from varbench.grads.precision import exact_float64
-from varbench.grads.sequence import Sketch, sequence_grads
+from varbench.grads.sequence import sequence_grads
 from varbench.grads.sketch import SketchedNorms, sketched_token_norms
 from varbench.grads.stats import ForwardStats, forward_stats
 from varbench.grads.tail import default_tail_modules, tail_token_norms
+from varbench.grads.vectors import CountSketch, TokenVectors, token_vectors
 from varbench.models.logits import logit_proxy, sum_pi_sq, token_logprobs
 
 __all__ = [
+    "CountSketch",
     "ForwardStats",
-    "Sketch",
     "SketchedNorms",
     "TokenGradNorms",
+    "TokenVectors",
     "combine",
     "default_group",
     "default_tail_modules",
@@ -38,4 +41,5 @@ __all__ = [
     "token_grad_norms",
     "token_logprobs",
     "token_sketches",
+    "token_vectors",
 ]

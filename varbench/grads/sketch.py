@@ -5,8 +5,8 @@ every token at once, and ``cumsum(u)_t = G_t . v`` for every prefix. With ``v ~ 
 ``E[u_t^2] = ||g_t||^2`` and ``E[(G_t . v)^2] = ||G_t||^2``: averaging over k probes is unbiased,
 with ``Var = 2 ||g||^4 / k`` (relative std ``sqrt(2/k)``) per entry. Cost: k JVPs (each about
 2-3 forwards), independent of T: the route for models too large for the exact path.
-The directions are :class:`varbench.grads.sequence.Sketch` columns, so ``u / sqrt(k)`` is the
-JL sketch ``S g_t`` (see :func:`varbench.grads.group.token_sketches`).
+The directions are independent Gaussian probes (:class:`GaussianProbes`), not varbench's count
+sketch: the estimator's chi-square law and its error bar need iid probes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,40 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, jvp, vmap
 
-from varbench._util.checks import check_positive_int
+from varbench._util.checks import UsageTypeError, check_positive_int
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.precision import functional_attention
-from varbench.grads.sequence import Sketch
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs
+
+
+@dataclass(frozen=True)
+class GaussianProbes:
+    """k seeded iid ``N(0, I)`` probe directions over the parameters, for forward-mode JVPs only.
+
+    Why Gaussian (and not the CountSketch): :func:`varbench.grads.sketch.sketched_token_norms`
+    averages ``u_j^2 = (g . v_j)^2`` over k INDEPENDENT, identically distributed probes, so that
+    (a) ``k * estimate / ||g||^2 ~ chi2_k`` exactly, ``Var = 2 ||g||^4 / k`` per entry, and (b)
+    the sample std of the k per-probe values over sqrt(k) is a valid error bar. The k buckets of
+    a CountSketch are neither independent nor identically scaled probes, so neither holds for
+    them. Direction j is generated from ``seed * 1_000_003 + j`` alone (float64 normals on the
+    CPU, then cast and moved), never stored whole.
+    """
+
+    k: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("k", self.k)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise UsageTypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+    def direction(self, j: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Probe j: ``[n]`` iid N(0, 1), a function of (seed, j, n) only."""
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + j)
+        v = torch.randn(n, generator=g, dtype=torch.float64, device="cpu")
+        return v.to(dtype=dtype, device=device)
 
 
 class _LogProbs(torch.nn.Module):
@@ -41,14 +68,14 @@ def jvp_token_probes(
     input_ids: torch.Tensor,
     response_mask: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    sketch: Sketch,
+    probes: GaussianProbes,
     *,
     params: ParamFilter = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     probe_chunk: int = 32,
 ) -> torch.Tensor:
-    """``[k, B, L]`` probes ``u_j[b, t] = g_{b,t} . v_j`` (v_j = sketch column j; 0 off mask).
+    """``[k, B, L]`` probes ``u_j[b, t] = g_{b,t} . v_j`` (v_j = probe direction j; 0 off mask).
 
     ``probe_chunk`` probes run as one vmapped JVP (memory ~ probe_chunk x activations)."""
     check_positive_int("probe_chunk", probe_chunk)
@@ -73,9 +100,9 @@ def jvp_token_probes(
 
     out = []
     with eval_mode(model), functional_attention(model), torch.no_grad():
-        for j0 in range(0, sketch.k, probe_chunk):
-            js = range(j0, min(j0 + probe_chunk, sketch.k))
-            v = torch.stack([sketch.direction(j, sum(sizes), dt, dev) for j in js])  # [c, n]
+        for j0 in range(0, probes.k, probe_chunk):
+            js = range(j0, min(j0 + probe_chunk, probes.k))
+            v = torch.stack([probes.direction(j, sum(sizes), dt, dev) for j in js])  # [c, n]
             tangents = {
                 k: t.reshape(len(js), *primals[k].shape)
                 for k, t in zip(primals, torch.split(v, sizes, dim=1), strict=True)
@@ -121,7 +148,7 @@ def sketched_token_norms(
         input_ids,
         response_mask,
         attention_mask,
-        Sketch(k, seed),
+        GaussianProbes(k, seed),
         params=params,
         dtype=dtype,
         device=device,

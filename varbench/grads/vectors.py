@@ -66,7 +66,9 @@ class CountSketch:
     every run), then moved ONCE to ``device`` at construction. Memory: an int64 bucket and a
     float32 sign per coordinate (plus one sign copy per further dtype applied, made once on
     ``device``). Applying S costs one ``index_add_`` per parameter, O(D) per vector; inputs must
-    be on ``device`` (nothing is copied per call).
+    be on ``device`` (nothing is copied per call). On the CPU the bucket sums are accumulated in
+    a fixed order (bitwise reproducible); CUDA's ``index_add_`` uses atomics (reproducible to
+    rounding only).
     """
 
     def __init__(
@@ -281,17 +283,18 @@ def token_vectors(
     )
 
 
-def combine(vectors: torch.Tensor | TokenVectors, coeffs: torch.Tensor) -> torch.Tensor:
-    """``sum_{i,t} c_{p,i,t} v_{p,i,t}``: ``[P, G, T, K]`` per-token vectors (or a
-    :class:`TokenVectors`) and ``[P, G, T]`` coefficients -> ``[P, K]``; ``[S, P, G, T]`` (S
-    coefficient sets) -> ``[S, P, K]``.
+def combine(sketches: torch.Tensor | TokenVectors, coeffs: torch.Tensor) -> torch.Tensor:
+    """``sum_{i,t} c_{p,i,t} v_{p,i,t}``: ``[P, G, T, K]`` per-token vectors ``sketches``
+    (sketched or flat, e.g. ``token_vectors(...).vec``, or the :class:`TokenVectors` itself)
+    and ``[P, G, T]`` coefficients -> ``[P, K]``; ``[S, P, G, T]`` (S coefficient sets) ->
+    ``[S, P, K]``.
 
     Contracts in the vectors' dtype on the vectors' device (the coefficients are cast and
     moved; the large vector tensor is never copied). Coefficients off the mask multiply zero
     vectors, so they do not matter.
     """
-    vec = vectors.vec if isinstance(vectors, TokenVectors) else vectors
-    check_shape("vectors", vec, [None, None, None, None])
+    vec = sketches.vec if isinstance(sketches, TokenVectors) else sketches
+    check_shape("sketches", vec, [None, None, None, None])
     P, G, T, _ = vec.shape
     c = coeffs.to(device=vec.device, dtype=vec.dtype)
     if coeffs.dim() == 3:

@@ -37,7 +37,7 @@ def provenance(
     wall_time_s: float | None = None,
 ) -> dict[str, Any]:
     """A provenance dict: varbench/torch/transformers versions, commit, device, seeds, config."""
-    from varbench import __version__
+    from varbench._util.version import VERSION as __version__
 
     try:
         import transformers
