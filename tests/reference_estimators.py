@@ -1,6 +1,6 @@
 """Slow, literal Python-loop references for varbench.estimators (float64 Python floats).
 
-Each function follows SCIENCE.md word for word, one group / response / token at a time, with no
+Each function follows docs/science.md word for word, one group / response / token at a time, with no
 vectorisation and no shared code with the library, so an equivalence test compares two
 independent readings of the formulas.
 """
@@ -80,7 +80,7 @@ def _group_adv(scheme, R, lengths, opts):
 
 
 def passk_bruteforce(R, k):
-    """pass@k advantages of one group by enumerating k-subsets (SCIENCE/issue definition)."""
+    """pass@k advantages of one group by enumerating k-subsets (docs/science.md section 2.1)."""
     G = len(R)
     subsets = list(itertools.combinations(range(G), k))
     rbar = _mean([max(R[j] for j in s) for s in subsets])
@@ -95,7 +95,7 @@ def passk_bruteforce(R, k):
 
 
 def _otb_weights(P, G, T, m, opts):
-    """Cumulative W[p][i][t] (0 where masked), literal SCIENCE 2.2."""
+    """Cumulative W[p][i][t] (0 where masked), literal docs/science.md section 2.2."""
     if opts.get("cumulative_weights") is not None:
         cw = opts["cumulative_weights"].double().tolist()
         return [[[cw[p][i][t] if m[p][i][t] else 0.0 for t in range(T)] for i in range(G)]
@@ -181,7 +181,7 @@ def ref_advantages(scheme, rewards, mask, **opts):
 
 
 def ref_aggregation_weights(mask, mode, max_len=None):
-    """omega per SCIENCE.md 3, one token at a time -> float64 tensor like mask."""
+    """omega per docs/science.md section 3, one token at a time -> float64 tensor like mask."""
     P, G, T = mask.shape
     m = (mask != 0).tolist()
     B = P * G

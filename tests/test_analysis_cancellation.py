@@ -1,4 +1,5 @@
-"""Known answers of the cancellation analysis (SCIENCE.md 4) with the estimators' coefficients."""
+"""Known answers of the cancellation analysis (docs/science.md §4) with the estimators'
+coefficients."""
 
 from __future__ import annotations
 

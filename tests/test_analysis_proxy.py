@@ -43,7 +43,7 @@ def test_records_side_by_side(result):
 
 def test_records_are_consistent(result):
     tok = result.records["tokens"]
-    # Untied head: exact head norm = w_t * ||h||^2 (SCIENCE.md 2.3) -> alignment of the records.
+    # Untied head: exact head norm = w_t * ||h||^2 (docs/science.md §2.3): records are aligned.
     np.testing.assert_allclose(tok["head_sq"], tok["w_t"] * tok["h_sq"], rtol=1e-4)
     # Cumulative columns are cumulative sums of per-token ones within each sequence.
     by_seq = tok.groupby(["state", "seq"])

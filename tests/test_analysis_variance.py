@@ -123,7 +123,7 @@ def test_bad_input(tmp_path):
 
 @pytest.mark.slow
 def test_unbiasedness_against_exact_reference(micro64):
-    """rloo is unbiased; centered has E[g_hat] = (G-1)/G g* (SCIENCE.md 2.1)."""
+    """rloo is unbiased; centered has E[g_hat] = (G-1)/G g* (docs/science.md section 2.1)."""
     task = get_task("sort", n=2, max_value=1)
     res = estimator_variance(micro64, task, schemes=["rloo", "centered"], Gs=(4,), M=150,
                              n_prompts=1, reward="positional", sketch_dim=None, seed=3)

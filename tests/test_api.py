@@ -1,4 +1,4 @@
-"""The public surface of DESIGN.md resolves from the package root."""
+"""The public surface (varbench.__all__) resolves from the package root."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""Aggregation weights, policy_loss, token_coefficients (vs autograd), KL, transforms, adapters."""
+"""Aggregation weights, policy_loss, token_coefficients (vs autograd), KL, transforms."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from _fixtures_estimators import random_case
@@ -199,65 +198,3 @@ def test_transforms_golden_and_detached():
     assert E.adv_orthogonal(v, torch.zeros(1, 3)).tolist() == [[1.0, 2.0, 4.0]]
     mask = torch.tensor([[1, 1, 0]])
     assert E.min_replace(v, mask).tolist() == [[1.0, 1.0, 0.0]]
-
-
-# ---- adapters ------------------------------------------------------------------------------
-
-
-def verl_style_grpo(token_level_rewards, response_mask, index, epsilon=1e-6):
-    """A verl-shaped GRPO written group by group (as verl's compute_grpo_outcome_advantage)."""
-    scores = token_level_rewards.sum(-1)
-    out = torch.zeros_like(scores)
-    for g in np.unique(index):
-        rows = np.nonzero(index == g)[0]
-        s = scores[rows]
-        out[rows] = (s - s.mean()) / (s.std() + epsilon) if len(rows) > 1 else s
-    adv = out.unsqueeze(-1) * response_mask
-    return adv, adv
-
-
-def test_from_flat_registers_verl_function():
-    name = E.from_flat(verl_style_grpo, "test_verl_grpo", extra_options=("epsilon",))
-    try:
-        rewards, mask, _ = random_case(3, 4, 5, 0, multi_turn=True)
-        got = E.advantages(name, rewards, mask, epsilon=1e-6)
-        torch.testing.assert_close(got, E.advantages("normalized", rewards, mask))
-    finally:
-        E.unregister_scheme(name)
-
-
-@pytest.mark.parametrize("scheme", ["centered", "otb", "rloo"])
-def test_to_flat_round_trip(scheme):
-    rewards, mask, opts = random_case(3, 4, 5, 1, multi_turn=True)
-    kw = {"token_weights": opts["token_weights"]} if scheme == "otb" else {}
-    flat = E.to_flat(scheme)
-    name = E.from_flat(flat, f"test_rt_{scheme}", pass_options={"token_weights": "token_weights"})
-    try:
-        torch.testing.assert_close(
-            E.advantages(name, rewards, mask, **kw), E.advantages(scheme, rewards, mask, **kw)
-        )
-    finally:
-        E.unregister_scheme(name)
-
-
-def test_to_flat_shuffled_and_unequal_groups():
-    # Rows of 3 groups (sizes 2, 3, 3) shuffled; string ids. Per group result = centered.
-    gen = torch.Generator().manual_seed(0)
-    ids = np.array(["a", "b", "c", "b", "a", "c", "b", "c"])
-    R = torch.randn(8, generator=gen, dtype=torch.float64)
-    mask = torch.ones(8, 3, dtype=torch.float64)
-    tok = torch.zeros(8, 3, dtype=torch.float64)
-    tok[:, -1] = R
-    adv, ret = E.to_flat("centered")(tok, mask, ids)
-    for g in "abc":
-        rows = np.nonzero(ids == g)[0]
-        want = (R[rows] - R[rows].mean()).unsqueeze(-1).expand(-1, 3)
-        torch.testing.assert_close(adv[rows], want)
-    assert ret is adv
-    with pytest.raises(ValueError, match="equal group sizes.*\\[2, 3\\]"):
-        E.to_flat("reinforce_pp_baseline")(tok, mask, ids)
-    with pytest.raises(ValueError, match="index has shape"):
-        E.to_flat("centered")(tok, mask, ids[:3])
-    with pytest.raises(TypeError, match="unknown option 'config'"):
-        E.to_flat("centered")(tok, mask, ids, config=None)
-    E.to_flat("centered", ignore_unknown=True)(tok, mask, ids, config=None)

@@ -1,4 +1,4 @@
-"""Forward statistics and proxy identities (SCIENCE.md 2.3)."""
+"""Forward statistics and proxy identities (docs/science.md section 2.3)."""
 
 from __future__ import annotations
 

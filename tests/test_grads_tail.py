@@ -32,7 +32,7 @@ def test_tail_matches_exact_restricted_to_tail(tied, padding):
 
 
 def test_head_identity_w_times_h_sq():
-    """Untied head: ||grad_W log p(y_t)||^2 == w_t * ||h_t||^2 (SCIENCE.md 2.3)."""
+    """Untied head: ||grad_W log p(y_t)||^2 == w_t * ||h_t||^2 (docs/science.md section 2.3)."""
     model = exact_float64(trained_llama(tied=False))
     ids, rm, am = batch("left")
     got = tail_token_norms(model, ids, rm, am, modules={"lm_head": model.lm_head})

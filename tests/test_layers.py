@@ -67,3 +67,28 @@ def test_the_scan_sees_a_private_import(tmp_path, monkeypatch):
     finally:
         probe.unlink()
     assert found == ["varbench.models._layers_probe imports varbench.grads._inputs"]
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    """Docstrings, docs and notebooks cite docs/science.md, never a file beside the checkout."""
+    import re
+    import subprocess
+
+    top = ROOT.parent
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=top, capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(p.relative_to(top)) for p in top.rglob("*") if p.is_file()]
+    outside = re.compile(r"\.\./shared|SCIENCE\.md|DESIGN\.md|shared/SCIENCE|shared/DESIGN")
+    bad = []
+    for f in files:
+        if not f.endswith((".py", ".md", ".toml", ".ipynb", ".cfg", ".txt")):
+            continue
+        path = top / f
+        if not path.is_file() or path.name == "test_layers.py":
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if outside.search(line):
+                bad.append(f"{f}:{n}: {line.strip()[:80]}")
+    assert bad == []

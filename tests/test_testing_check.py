@@ -7,9 +7,11 @@ import math
 import _fixtures_testing as fx
 import pytest
 import torch
+from _fixtures_estimators import SHAPE_VARIANTS, shapes_scheme
 
+from varbench.estimators.registry import run_scheme
 from varbench.testing import EstimatorInputError, check_estimator
-from varbench.testing.adapt import detect_shape, load
+from varbench.testing.adapt import load
 from varbench.testing.bias import mean_zero_pvalue
 
 FAST = {"num_steps": 1500, "baselines": ()}
@@ -32,14 +34,14 @@ def test_centered_passes_with_rescaling_only():
     raw = _row(res, "bias (raw)")
     assert not raw["passed"] and not raw["required"]  # measured: biased by the factor 3/4
     scale = _row(res, "scale along g*")
-    assert abs(scale["value"] - 0.75) < 4 * scale["se"]  # (G-1)/G, SCIENCE.md 2.1
+    assert abs(scale["value"] - 0.75) < 4 * scale["se"]  # (G-1)/G, docs/science.md section 2.1
     assert not check_estimator("centered", require_unbiased=True, **FAST).passed
 
 
 def test_user_function_same_numbers_as_registered_scheme():
     a = check_estimator(fx.centered_by_hand, **FAST)
     b = check_estimator("centered", **FAST)
-    assert a.shape == "varbench"
+    assert a.shape == "keywords"
     for check in ("bias (raw)", "bias (rescaled)", "scale along g*"):
         assert _row(a, check)["value"] == pytest.approx(_row(b, check)["value"], rel=1e-5)
 
@@ -111,7 +113,7 @@ def test_variance_rows_against_baselines():
 @pytest.mark.parametrize(
     ("ref", "message"),
     [
-        ("no_such_module_xyz:fn", "module not found"),
+        ("no_such_module_xyz:fn", "module not found: 'no_such_module_xyz'"),
         ("_fixtures_testing:missing", "has no attribute"),
         ("_fixtures_testing:not_a_function", "not a function"),
         ("_fixtures_testing:one_argument", "wrong signature"),
@@ -130,12 +132,50 @@ def test_bad_options():
         check_estimator("rloo", G=0)
 
 
-def test_detect_shape_by_names_and_counts():
-    assert detect_shape(fx.verl_rloo) == "verl"
-    assert detect_shape(fx.centered_by_hand) == "varbench"
-    assert detect_shape(lambda a, b, c: (a, a)) == "verl"
-    assert detect_shape(lambda r, m: r) == "varbench"
+@pytest.mark.parametrize("variant", list(SHAPE_VARIANTS))
+def test_every_shape_checks_like_the_canonical_implementation(variant):
+    """Through check_estimator's loader, each shape returns the canonical advantages exactly
+    (float64; the raw output, not masked afterwards), and the check table is identical."""
+    fn = SHAPE_VARIANTS[variant]
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.arange(5) < torch.randint(1, 6, (3, 4, 1), generator=gen)).double()
+    rewards = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    lp = -torch.rand(3, 4, 5, generator=gen, dtype=torch.float64) * mask
+    sp = torch.rand(3, 4, 5, generator=gen, dtype=torch.float64) * mask
+    got = load(fn, {"scale": 0.5}).call(rewards, mask, logprobs=lp, sum_pi_sq=sp)
+    want = run_scheme(shapes_scheme, rewards, mask, {"scale": 0.5, "logprobs": lp,
+                                                     "sum_pi_sq": sp}, extra_options=("scale",))
+    assert torch.equal(got, want)
+    opts = dict(num_steps=300, baselines=("centered",), estimator_options={"scale": 0.5})
+    res, ref = check_estimator(fn, **opts), check_estimator(shapes_scheme, **opts)
+    assert res.shape == variant.split("_")[0].replace("kwargs", "keywords")
+    cols = ["check", "passed", "value", "se", "p_value"]
+    assert res.table[cols].equals(ref.table[cols]), str(res)
+
+
+def test_an_option_the_estimator_cannot_take_is_named_before_running():
+    with pytest.raises(EstimatorInputError, match=r"option k=2 cannot be passed.*'k'"):
+        check_estimator(SHAPE_VARIANTS["keywords"], estimator_options={"k": 2})
+    with pytest.raises(EstimatorInputError, match="declared extra option.*'temperature'"):
+        check_estimator(SHAPE_VARIANTS["keywords"], estimator_options={"temperature": 1})
+    with pytest.raises(EstimatorInputError, match=r"estimator_options=\['temperature'\]"):
+        check_estimator("centered", estimator_options={"temperature": 1})
+    with pytest.raises(EstimatorInputError, match=r"unbiased_std=False cannot be passed"):
+        load(_no_options, {"unbiased_std": False})
+    load(fx.verl_rloo, {"epsilon": 1e-3})  # verl_rloo names epsilon (and takes **kw)
+
+
+def _no_options(rewards, mask):
+    return rewards.unsqueeze(-1) * mask
+
+
+def test_load_reports_the_shape_of_each_input():
+    # Shape detection itself is tested with the adapter (tests/test_estimators_adapters.py).
+    assert load(fx.verl_rloo).shape == "verl"
+    assert load(fx.centered_by_hand).shape == "keywords"
+    assert load(lambda r, m, o: r.unsqueeze(-1) * m).shape == "scheme"
     assert load("topk", {"k": 2}).shape == "scheme"
+    assert load("_fixtures_testing:centered_by_hand").name == "_fixtures_testing:centered_by_hand"
 
 
 def test_mean_zero_test_false_alarm_rate_and_power():

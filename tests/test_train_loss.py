@@ -1,4 +1,4 @@
-"""The trainer's loss against SCIENCE.md section 7 written out by hand, and the KL estimators
+"""The trainer's loss against docs/science.md section 7 written out by hand, and the KL estimators
 against closed forms on small categorical distributions."""
 
 from __future__ import annotations

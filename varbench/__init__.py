@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     # estimators
     "advantages": "varbench.estimators",
     "register_scheme": "varbench.estimators",
+    "as_scheme": "varbench.estimators",
     "unregister_scheme": "varbench.estimators",
     "schemes": "varbench.estimators",
     "SchemeOptions": "varbench.estimators",

@@ -4,13 +4,13 @@
 # The optimal token baseline (OTB) weights every token by the squared norm of its score
 # function, `||grad log pi(y_t | prefix)||^2`. Exactly, that costs about one backward pass per
 # token. The *Logit-Gradient Proxy* `w_t = 1 - 2 pi(y_t) + sum_v pi(v)^2` is the same norm taken
-# at the logits only, so it comes free with the forward pass (SCIENCE.md §2.3). Whether it is
+# at the logits only, so it comes free with the forward pass (docs/science.md section 2.3). Whether it is
 # good enough to stand in for the exact norm is a claim to measure, not assume.
 #
 # This notebook samples responses from the `tiny` preset on `sort`, once at random
 # initialisation and once after the cached supervised warm start, and compares the proxy (and its
 # running sum `W_t`) with exact per-token and prefix norms from varbench's gradient harness.
-# Two traps, both from SCIENCE.md: at random init the policy is nearly uniform, so `w_t` is
+# Two traps, both from docs/science.md: at random init the policy is nearly uniform, so `w_t` is
 # nearly constant and its correlation means little; and running sums grow with position, so a
 # pooled correlation of `W_t` with the prefix norm is inflated — read it within a position.
 
@@ -99,7 +99,7 @@ cor[(cor["scope"] != "position") & (cor["method"] == "spearman")][
 # ## Per-token proxy against the exact squared norm
 #
 # Each point is one token; colour is its position in the response. `head_sq` is the exact norm
-# restricted to the (untied) output head, which SCIENCE.md predicts to be `w_t * ||h_t||^2`.
+# restricted to the (untied) output head, which docs/science.md section 2.3 predicts to be `w_t * ||h_t||^2`.
 
 # %%
 states = list(policies)

@@ -3,7 +3,7 @@
 #
 # Every group estimator `g_hat = sum_i sum_t omega A_{i,t} grad log pi(y_{i,t})` aims at the same
 # policy gradient; schemes differ in the baseline they subtract and so in how noisy (and how
-# biased) one group's estimate is. SCIENCE.md §5 defines what a variance report shows: total
+# biased) one group's estimate is. docs/science.md section 5 defines what a variance report shows: total
 # variance of `g_hat` across independent groups, bias and cosine against a reference gradient
 # `g*`, MSE, and the variance at equal token budget (variance x tokens), the axis on which
 # "a small group with a good baseline matches a big group" is judged.

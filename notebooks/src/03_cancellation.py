@@ -7,7 +7,7 @@
 # advantage. With centered advantages and a weight that is the same for every member
 # (an *exchangeable* objective), a step that the whole group shares cancels exactly; per-sequence
 # length normalisation, clipping after a few PPO steps and GSPO's sequence ratio break that, and
-# Min-Replace / Adv-Orthogonal restore it (SCIENCE.md §4). Uncancelled shared steps are a drift
+# Min-Replace / Adv-Orthogonal restore it (docs/science.md section 4). Uncancelled shared steps are a drift
 # that no reward asked for.
 #
 # We measure this with warm-started `tiny` policies on `arith` (responses such as `12<eos>` and

@@ -4,11 +4,11 @@
 # Variance reports are a prediction: a scheme and group size with lower variance per sampled
 # token should reach a given held-out accuracy with fewer sampled tokens. This notebook checks
 # that prediction on a small scale. It trains the warm-started `tiny` policy on `sort` with the
-# GRPO/PPO loop of SCIENCE.md §7 for several scheme x G cells at the **same budget of sampled
+# GRPO/PPO loop of docs/science.md section 7 for several scheme x G cells at the **same budget of sampled
 # tokens**, judges each run on fixed held-out prompts (never the training loss), and sets the
 # realised tokens-to-threshold beside the warm start's variance x tokens for the same cells.
 #
-# The headline claim behind it (SCIENCE.md §8) is that OTB with a small group matches large
+# The headline claim behind it (docs/science.md section 8) is that OTB with a small group matches large
 # group baselines with far fewer sampled tokens. A notebook-sized run cannot settle that; it
 # shows the workflow and how wide the uncertainty is. `varbench validate` runs the full grid.
 

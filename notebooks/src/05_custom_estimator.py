@@ -2,11 +2,13 @@
 # # 05 · Writing and checking your own advantage estimator
 #
 # A new advantage estimator is a function `fn(rewards[P, G], mask[P, G, T], **options) ->
-# A[P, G, T]`. Two things can go wrong that a training curve hides for a long time: it can
-# break the tensor contract (leak values into padding, depend on the order of the group), and
+# A[P, G, T]` (varbench also takes the scheme shape `fn(rewards, mask, opts)` and verl's
+# `fn(token_level_rewards, response_mask, index, **kw)`, told apart by signature). Two
+# things can go wrong that a training curve hides for a long time: it can break the tensor
+# contract (leak values into padding, depend on the order of the group), and
 # it can change the *direction* of the policy gradient, so that training optimises something
 # other than the reward. A baseline that does not depend on the sampled response leaves the
-# expected gradient unchanged (SCIENCE.md §2); anything else has to be measured.
+# expected gradient unchanged (docs/science.md section 2); anything else has to be measured.
 #
 # `varbench.testing.check_estimator` does both: contract checks, then the bias of the resulting
 # policy-gradient estimate against the exact gradient of a small enumerable task (raw, and after
@@ -122,15 +124,13 @@ plt.show()
 # %% [md]
 # ## Register the sound one and use it like a built-in scheme
 #
-# Registered schemes take `(rewards, mask, opts)`; a small wrapper adapts the keyword form.
-# Once registered, the name works everywhere a scheme name does: `advantages`, the variance
-# analysis, `TrainConfig(scheme=...)` and suites.
+# `register_scheme` takes the keyword form as it is (the same adapter `check_estimator` used
+# above): each option the function names, or all of them for `**options`, is passed as a
+# keyword. Once registered, the name works everywhere a scheme name does: `advantages`, the
+# variance analysis, `TrainConfig(scheme=...)` and suites.
 
 # %%
-@register_scheme("loo_median")
-def _loo_median_scheme(rewards, mask, opts):
-    return loo_median(rewards, mask)
-
+register_scheme("loo_median")(loo_median)
 
 print("registered:", schemes())
 task = get_task("sort", n=3)

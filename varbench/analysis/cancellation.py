@@ -1,4 +1,4 @@
-"""Token gradient cancellation (issue 5.3, SCIENCE.md 4) on sampled groups.
+"""Token gradient cancellation (docs/science.md section 4) on sampled groups.
 
     res = cancellation(policy, [get_task("arith"), get_task("toolsum")])
     res.records["configs"]   # task, config, full_residual_rel (+ se), shared_residual_rel, ...

@@ -5,7 +5,7 @@ For a fixed-length task (``sort`` with few numbers) every response ``y`` in ``V*
 ``pi(y) = prod_t pi(y_t | prompt, y_<t)`` from one teacher-forced forward per chunk. Then
 
     J   = sum_y pi(y) R(y)                       (exact expected reward)
-    g*  = sum_y pi(y) R(y) grad log pi(y)        (exact policy gradient, SCIENCE.md 2)
+    g*  = sum_y pi(y) R(y) grad log pi(y)        (exact policy gradient, docs/science.md section 2)
 
 ``g*`` is returned as a *coefficient set* on a RolloutBatch of the responses with
 ``pi(y) R(y) != 0`` (coefficient ``pi(y) R(y)`` on each of their tokens), so the caller computes

@@ -140,7 +140,8 @@ def calibration_records(tok: pd.DataFrame, *, n_bins: int = 10) -> pd.DataFrame:
 
 
 def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFrame:
-    """Mean |B_proxy - B_exact| and |A_proxy - A_exact| over valid tokens (OTB, SCIENCE 2.2)."""
+    """Mean |B_proxy - B_exact| and |A_proxy - A_exact| over valid tokens (OTB,
+    docs/science.md §2.2)."""
     mask = batch.mask != 0
     exact_w = torch.zeros(batch.tokens.shape, dtype=torch.float64)
     exact_w[mask] = torch.tensor(tok["token_sq"].to_numpy())  # rows follow mask order

@@ -5,7 +5,7 @@ Two families, both pure functions of tensors / arrays (no models):
 - ``correlations``: Pearson (raw and log), Spearman and Kendall correlations of paired per-token
   (or per-sequence) values with percentile bootstrap CIs that resample *sequences* (every token of
   a drawn sequence comes along), because tokens of one sequence are not independent.
-- ``variance_stats`` / ``paired_compare``: the SCIENCE.md section 5 statistics of M independent
+- ``variance_stats`` / ``paired_compare``: the docs/science.md section 5 statistics of M independent
   group estimates ``X [M, D]`` against a reference gradient ``g* [D]``, each with a delete-one
   jackknife standard error over the M groups. Everything is computed from the Gram matrix
   ``X X^T`` and ``X g*``, so D may be large (a flat gradient) or small (a sketch) at the same cost.
@@ -230,7 +230,7 @@ def variance_stats(
 
     ``estimates`` [M, D]: one gradient estimate (flat or sketched) per independent group.
     ``reference`` [D]: g*, or None (bias, MSE and cosine are then NaN). ``tokens`` [M]: tokens
-    sampled by each group (for ``variance_x_tokens``; 1 if None). Statistics (SCIENCE.md 5):
+    sampled by each group (for ``variance_x_tokens``; 1 if None). Statistics (docs/science.md §5):
     ``variance`` = 1/(M-1) sum ||g_m - g_bar||^2; ``bias`` = ||g_bar - g*||; ``bias2_debiased`` =
     ||g_bar - g*||^2 - V/M; ``mse`` = mean ||g_m - g*||^2; ``cosine`` = mean cos(g_m, g*);
     ``snr`` = ||g_bar||^2 / V; ``variance_x_tokens`` = V * mean tokens; ``signal_norm2`` =

@@ -5,7 +5,7 @@ A *step* of response i at position t is the pair (context h, token a) with h = p
 tokens (and token kinds: policy / environment) agree at every position <= t. Shared steps are
 exactly the nodes of the group's prefix trie visited by >= 2 responses; at a shared step every
 member has the same ``grad log pi(a | h)``, so its net gradient is ``(sum_i c_i A_i) g``
-(SCIENCE.md section 4).
+(docs/science.md section 4).
 
 Diagnostics per shared step S (``c`` = aggregation weight x ratio/clip factor, WITHOUT the
 advantage; ``A`` = advantage):

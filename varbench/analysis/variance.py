@@ -1,4 +1,4 @@
-"""Estimator variance (issue 5.2, SCIENCE.md 5): variance, bias, MSE, cosine, SNR per scheme x G.
+"""Estimator variance (docs/science.md section 5): variance, bias, MSE, cosine, SNR per scheme x G.
 
     res = estimator_variance(policy, get_task("sort"), Gs=(2, 4, 8))
     res.records["cells"]    # scheme, G, mode, variance, variance_se, bias, ..., per prompt mean

@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="regression-test advantage estimators (exit 0 pass, "
                        "1 fail, 2 bad input)")
     p.add_argument("estimators", nargs="+", metavar="MODULE:FUNCTION",
-                   help="a function (varbench- or verl-shaped) or a registered scheme name")
+                   help="a function (scheme-, keyword- or verl-shaped) or a registered scheme "
+                   "name")
     p.add_argument("-G", type=int, default=4, help="group size (default 4)")
     p.add_argument("--steps", type=int, default=3000, help="sampled steps for the bias test")
     p.add_argument("--seed", type=int, default=0)

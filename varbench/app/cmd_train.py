@@ -161,7 +161,7 @@ def register(subparsers) -> None:
     """Add ``train`` and ``validate`` to the ``varbench`` CLI."""
     p = subparsers.add_parser(
         "train", help="train a policy with a GRPO/PPO loop and record every step",
-        description="Train a policy (SCIENCE.md section 7). Flags override --config.",
+        description="Train a policy (docs/science.md section 7). Flags override --config.",
     )
     p.add_argument("--config", metavar="TOML", help="TrainConfig as TOML (field = value)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (records, ckpts)")

@@ -1,6 +1,8 @@
 """varbench.estimators: advantage schemes (registry), aggregation modes, the clipped policy
 loss and its exact per-token coefficients, exchangeability transforms, KL penalties, and
-adapters to verl's flat estimator shape. Formulas: SCIENCE.md sections 2-4 and 7.
+the estimator-shape adapters (``as_scheme``: keyword- and verl-shaped functions behind the one
+scheme signature ``fn(rewards, mask, opts)``; ``to_flat``/``from_flat``: verl's flat layout).
+Formulas: docs/science.md sections 2-4 and 7.
 """
 
 # Import order fixes the order of schemes(): the group schemes first, then otb.
@@ -8,7 +10,13 @@ from varbench.estimators import schemes as _schemes  # noqa: F401  (registers th
 
 # isort: split
 from varbench.estimators import otb as _otb  # noqa: F401  (registers otb, otb_loo)
-from varbench.estimators.adapters import from_flat, outcome_to_token_rewards, to_flat
+from varbench.estimators.adapters import (
+    as_scheme,
+    from_flat,
+    outcome_to_token_rewards,
+    scheme_shape,
+    to_flat,
+)
 from varbench.estimators.aggregation import AGGREGATION_MODES, aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.kl import KL_KINDS, kl_penalty
@@ -33,6 +41,7 @@ __all__ = [
     "SchemeOptions",
     "adv_orthogonal",
     "advantages",
+    "as_scheme",
     "aggregation_weights",
     "cumulative_weights",
     "from_flat",
@@ -46,6 +55,7 @@ __all__ = [
     "register_scheme",
     "reward_to_go",
     "scheme_info",
+    "scheme_shape",
     "schemes",
     "to_flat",
     "token_coefficients",

@@ -1,4 +1,4 @@
-"""Loss aggregation modes (SCIENCE.md 3): the per-token weight omega_{i,t} of each mode.
+"""Loss aggregation modes (docs/science.md §3): the per-token weight omega_{i,t} of each mode.
 
 | mode                      | omega_{i,t}            |
 |---------------------------|------------------------|
@@ -36,7 +36,7 @@ def aggregation_weights(
     constant L of ``seq-mean-token-sum-norm`` (default: T, the mask's last dimension). ``dtype``
     defaults to the mask's dtype when floating, else float32. Caveat: only token-mean and
     seq-mean-token-sum(-norm) give a response weight independent of its own length; the
-    ``1/|o_i|`` of seq-mean-token-mean breaks exchangeability (SCIENCE.md 4).
+    ``1/|o_i|`` of seq-mean-token-mean breaks exchangeability (docs/science.md section 4).
     """
     check_choice("mode", mode, AGGREGATION_MODES)
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1:

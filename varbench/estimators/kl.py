@@ -1,4 +1,4 @@
-"""KL penalty estimators (SCIENCE.md 7), per token, from log-probs of the sampled tokens.
+"""KL penalty estimators (docs/science.md §7), per token, from log-probs of the sampled tokens.
 
 With ``x = logp - logp_ref`` for a token sampled from pi:
 

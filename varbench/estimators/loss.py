@@ -1,4 +1,4 @@
-"""The clipped policy-gradient loss (SCIENCE.md 7) with token or GSPO sequence ratios.
+"""The clipped policy-gradient loss (docs/science.md section 7) with token or GSPO sequence ratios.
 
     r_{i,t} = exp(logp_{i,t} - logp_old_{i,t})                          ratio="token"  (PPO)
     r_{i,t} = s_i = exp(sum_t m (logp - logp_old) / |o_i|)              ratio="sequence" (GSPO)
@@ -98,7 +98,7 @@ def policy_loss(
     removes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``approx_kl`` (k3 estimate of
     KL(pi_old || pi) from the tokens sampled by pi_old).
     Caveat: asymmetric clipping and ``ratio="sequence"`` make the per-token coefficient differ
-    between responses sharing a step (SCIENCE.md 4).
+    between responses sharing a step (docs/science.md section 4).
     """
     t = _terms(logp, logp_old, adv, mask, mode, clip, ratio, max_len)
     unclipped = -t.adv * t.ratio

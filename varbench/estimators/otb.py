@@ -1,4 +1,4 @@
-"""Optimal Token Baseline (SCIENCE.md 2.2): ``otb``, ``otb_loo`` and the baseline accessor.
+"""Optimal Token Baseline (docs/science.md §2.2): ``otb``, ``otb_loo`` and the baseline accessor.
 
     W_t^i = sum_{j<=t} w_j^i m_j^i          G_t^i = sum_{k>=t} r_k^i m_k^i
     B_t   = sum_i G_t^i W_t^i m_t^i / (sum_i W_t^i m_t^i + baseline_eps)

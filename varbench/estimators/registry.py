@@ -1,33 +1,42 @@
 """The advantage-scheme registry and the one entry point ``advantages(scheme, rewards, mask)``.
 
-Every scheme has the same signature ``fn(rewards, mask, opts) -> Tensor[P, G, T]``:
+Every registered scheme is called with one signature, ``fn(rewards, mask, opts) -> Tensor[P, G,
+T]`` (the *scheme shape*):
 
 - ``rewards``: float ``[P, G]`` outcome rewards or ``[P, G, T]`` token rewards (as given);
   use :func:`outcome_rewards` / :func:`reward_to_go` to read them in either shape;
 - ``mask``: bool ``[P, G, T]``, True where the token counts;
 - ``opts``: a :class:`SchemeOptions`, the keyword options of :func:`advantages`.
 
+:func:`register_scheme` also takes a keyword-shaped ``fn(rewards, mask, **options)`` or a
+verl-shaped ``fn(token_level_rewards, response_mask, index, **kw)``: it stores
+:func:`varbench.estimators.adapters.as_scheme` of the function, so every consumer (advantages,
+check_estimator, suites, the trainer) still calls the one signature.
+
 Options policy: every scheme receives the full ``SchemeOptions`` and ignores fields it does not
 use (so a caller never branches on the scheme name); an option name that is neither a
 ``SchemeOptions`` field nor declared by the scheme at registration (``extra_options``) raises
-TypeError listing the valid names. Boundary checks (shapes, NaN/inf rewards, empty masks)
-happen here once, so schemes are pure formulas.
+:class:`~varbench._util.checks.UsageTypeError` listing the valid names. Boundary checks (shapes,
+NaN/inf rewards, empty masks) happen here once (:func:`run_scheme`), so schemes are pure
+formulas. Bad input raises :class:`~varbench._util.checks.UsageError` (a ValueError) or
+``UsageTypeError`` (also a TypeError).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from varbench._util.checks import check_shape
+from varbench._util.checks import UsageError, UsageTypeError, check_shape
 
 __all__ = [
     "SchemeOptions",
     "SchemeFn",
     "advantages",
+    "run_scheme",
     "register_scheme",
     "unregister_scheme",
     "schemes",
@@ -71,18 +80,42 @@ class SchemeOptions:
     """reinforce_pp_baseline: added to the batch variance before the square root."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Options a user scheme declared with ``register_scheme(name, extra_options=...)``."""
+    given: frozenset[str] | None = field(default=None, repr=False, compare=False)
+    """Names of the options the caller passed (:func:`advantages` fills it in). Built directly
+    with ``given=None``, it holds the fields whose value differs from the default, and the
+    ``extra`` keys. Adapted keyword/verl functions receive given options even where they have
+    their own default (see :func:`varbench.estimators.adapters.as_scheme`)."""
+
+    def __post_init__(self) -> None:
+        if self.given is None:
+            set_ = {f for f in OPTION_NAMES if not _is_default(f, getattr(self, f))}
+            object.__setattr__(self, "given", frozenset(set_ | set(self.extra)))
+        else:
+            object.__setattr__(self, "given", frozenset(self.given))
 
 
 SchemeFn = Callable[[torch.Tensor, torch.Tensor, SchemeOptions], torch.Tensor]
-_TENSOR_OPTIONS = (
+TENSOR_OPTIONS = (
     "token_weights", "logprobs", "sum_pi_sq", "cumulative_weights", "importance_weights"
 )
-_OPTION_NAMES = tuple(f.name for f in fields(SchemeOptions) if f.name != "extra")
+"""The per-token statistics among the options (``[P, G, T]`` tensors, default None)."""
+OPTION_NAMES = tuple(f.name for f in fields(SchemeOptions) if f.name not in ("extra", "given"))
+"""The option fields of :class:`SchemeOptions` (every keyword :func:`advantages` knows)."""
+OPTION_DEFAULTS = {f.name: f.default for f in fields(SchemeOptions) if f.name in OPTION_NAMES}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` is option ``name``'s default (a tensor option: whether it is None)."""
+    default = OPTION_DEFAULTS[name]
+    if default is None or isinstance(value, torch.Tensor):
+        return value is None
+    return type(value) is type(default) and value == default
 
 
 @dataclass(frozen=True)
 class _Entry:
-    fn: SchemeFn
+    fn: SchemeFn  # the scheme-shaped callable every consumer calls
+    source: Callable  # what the user registered (for re-registration and messages)
     extra_options: tuple[str, ...]
     batch_coupled: bool  # True: the result of a group depends on other groups of the batch
     output_masked: bool  # True: the scheme already returns exact zeros under mask 0
@@ -98,7 +131,13 @@ def register_scheme(
     batch_coupled: bool = False,
     output_masked: bool = False,
 ) -> Callable[[SchemeFn], SchemeFn]:
-    """Decorator registering ``fn(rewards, mask, opts) -> Tensor[P, G, T]`` under ``name``.
+    """Decorator registering an advantage function under ``name``; returns ``fn`` unchanged.
+
+    ``fn`` may have any of the three shapes of :func:`~varbench.estimators.adapters.as_scheme`
+    (told apart by its signature): the scheme shape ``fn(rewards, mask, opts) -> Tensor[P, G,
+    T]``, the keyword shape ``fn(rewards, mask, **options)`` or verl's ``fn(token_level_rewards,
+    response_mask, index, **kw) -> (advantages, returns)``. The registry stores
+    ``as_scheme(fn)``, so :func:`advantages` and :func:`scheme_info` see the scheme shape.
 
     ``extra_options`` names keyword options beyond :class:`SchemeOptions` that the scheme reads
     from ``opts.extra``. ``batch_coupled=True`` marks schemes whose groups interact (e.g. batch
@@ -106,25 +145,39 @@ def register_scheme(
     promises finite values and exact zeros where mask is False, so :func:`advantages` skips its
     final masking pass (a speed option; the default masks every output). Re-registering the same
     function (same module and qualified name) replaces it; a different function raises.
+    A signature that fits no shape, a required keyword that is no option, or an extra option the
+    function cannot take raises :class:`~varbench._util.checks.UsageTypeError` here.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"scheme name must be a non-empty string, got {name!r}")
+        raise UsageTypeError(f"name={name!r} is not valid; a scheme name is a non-empty string")
+    if isinstance(extra_options, str):
+        raise UsageTypeError(f"extra_options={extra_options!r} is not valid; give a list of names")
     extra = tuple(extra_options)
-    clash = [o for o in extra if o in _OPTION_NAMES]
+    clash = [o for o in extra if o in OPTION_NAMES]
     if clash:
-        raise ValueError(f"extra_options {clash} clash with built-in options {list(_OPTION_NAMES)}")
+        raise UsageError(
+            f"extra_options={clash} is not valid: clashes with the built-in options "
+            f"{list(OPTION_NAMES)}"
+        )
 
-    def deco(fn: SchemeFn) -> SchemeFn:
+    def deco(fn: Callable) -> Callable:
+        from varbench.estimators.adapters import as_scheme  # adapters imports this module
+
+        scheme = as_scheme(fn, extra_options=extra)
         old = _REGISTRY.get(name)
-        if old is not None and not _same_function(old.fn, fn):
-            raise ValueError(
-                f"scheme {name!r} is already registered to {old.fn.__module__}."
-                f"{old.fn.__qualname__}; unregister_scheme({name!r}) first or pick another name"
+        if old is not None and not _same_function(old.source, fn):
+            raise UsageError(
+                f"scheme {name!r} is already registered to {_describe(old.source)}; "
+                f"unregister_scheme({name!r}) first or pick another name"
             )
-        _REGISTRY[name] = _Entry(fn, extra, batch_coupled, output_masked)
+        _REGISTRY[name] = _Entry(scheme, fn, extra, batch_coupled, output_masked)
         return fn
 
     return deco
+
+
+def _describe(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _same_function(a: Callable, b: Callable) -> bool:
@@ -137,7 +190,7 @@ def _same_function(a: Callable, b: Callable) -> bool:
 
 
 def unregister_scheme(name: str) -> None:
-    """Remove a registered scheme (KeyError-free: ValueError listing the known names)."""
+    """Remove a registered scheme (KeyError-free: UsageError listing the known names)."""
     _lookup(name)
     del _REGISTRY[name]
 
@@ -148,14 +201,15 @@ def schemes() -> list[str]:
 
 
 def scheme_info(name: str) -> tuple[SchemeFn, tuple[str, ...], bool]:
-    """``(fn, extra_options, batch_coupled)`` of a registered scheme."""
+    """``(fn, extra_options, batch_coupled)`` of a registered scheme; ``fn`` has the scheme
+    shape ``fn(rewards, mask, opts)`` whatever shape was registered."""
     e = _lookup(name)
     return e.fn, e.extra_options, e.batch_coupled
 
 
 def _lookup(name: str) -> _Entry:
     if name not in _REGISTRY:
-        raise ValueError(f"scheme={name!r} is not registered; choose one of {schemes()}")
+        raise UsageError(f"scheme={name!r} is not registered; choose one of {schemes()}")
     return _REGISTRY[name]
 
 
@@ -185,22 +239,48 @@ def advantages(
     :class:`SchemeOptions` (documented there) plus any the scheme declared. Output dtype is the
     rewards' floating dtype (float32 for integer rewards); float64 in, float64 out.
 
-    Raises ValueError naming the argument for: unknown scheme/option, shape mismatches,
-    non-binary or all-zero masks, and NaN/inf rewards (naming the first bad group p).
+    Raises :class:`~varbench._util.checks.UsageError` (a ValueError; ``UsageTypeError`` for an
+    unknown option or a non-tensor input) naming the argument for: unknown scheme/option, shape
+    mismatches, non-binary or all-zero masks, and NaN/inf rewards (naming the first bad group p).
     """
     entry = _lookup(scheme)
+    return run_scheme(
+        entry.fn, rewards, mask, options, extra_options=entry.extra_options,
+        label=f"scheme {scheme!r}", mask_output=not entry.output_masked,
+    )
+
+
+def run_scheme(
+    fn: SchemeFn,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    options: Mapping[str, Any] | None = None,
+    *,
+    extra_options: Iterable[str] = (),
+    label: str = "scheme",
+    mask_output: bool = True,
+    check_output: bool = True,
+) -> torch.Tensor:
+    """Call the scheme-shaped ``fn`` behind :func:`advantages`'s boundary checks.
+
+    Checks ``rewards``/``mask`` and the keyword ``options`` (fields of :class:`SchemeOptions`
+    plus ``extra_options``) exactly as :func:`advantages` does, calls ``fn(rewards, bool mask,
+    opts)``, then (``check_output``) checks the ``[P, G, T]`` shape and (``mask_output``) zeroes
+    the positions where mask is 0. ``check_estimator`` turns both off to see the raw output.
+    """
     rewards, m = _check_rewards_mask(rewards, mask)
-    opts = _build_options(scheme, entry, options, rewards.dtype, m.shape)
-    out = entry.fn(rewards, m, opts)
-    check_shape(f"advantages returned by scheme {scheme!r}", out, list(m.shape))
-    return out if entry.output_masked else torch.where(m, out, 0)
+    opts = _build_options(label, tuple(extra_options), dict(options or {}), rewards.dtype, m.shape)
+    out = fn(rewards, m, opts)
+    if check_output:
+        check_shape(f"advantages returned by {label}", out, list(m.shape))
+    return torch.where(m, out, 0) if mask_output else out
 
 
 def _check_rewards_mask(rewards: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        raise UsageTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+        raise UsageTypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     check_shape("mask", mask, [None, None, None])
     P, G, T = mask.shape
     if rewards.dim() == 2:
@@ -217,7 +297,7 @@ def _check_rewards_mask(rewards: Any, mask: Any) -> tuple[torch.Tensor, torch.Te
         finite = torch.isfinite(r)
         if not bool(finite.all()):
             bad = (~finite).reshape(P, -1).any(-1).nonzero()[:, 0].tolist()
-            raise ValueError(
+            raise UsageError(
                 f"rewards contain NaN or inf in group(s) p={bad[:10]} (first group {bad[0]}); "
                 "score every response with a finite reward"
             )
@@ -231,7 +311,7 @@ _NOT_BINARY = "mask must contain only 0 and 1 (or be bool); got other values"
 
 
 def _binary_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Bool ``[P, G, T]`` of a 0/1 ``mask``; ValueError for any other value or no valid token.
+    """Bool ``[P, G, T]`` of a 0/1 ``mask``; UsageError for any other value or no valid token.
 
     Float masks: ``aminmax`` proves every value lies in [0, 1] (NaN propagates and fails it;
     -0.0 counts as 0). Inside [0, 1] the int8 cast truncates, so it equals the bool cast exactly
@@ -247,11 +327,11 @@ def _binary_mask(mask: torch.Tensor) -> torch.Tensor:
     elif mask.dtype in _FAST_FLOAT or mask.dtype in _FAST_INT:
         lo, hi = torch.aminmax(mask)
         if not (bool(lo >= 0) and bool(hi <= 1)):
-            raise ValueError(_NOT_BINARY)
+            raise UsageError(_NOT_BINARY)
         if mask.dtype in _FAST_FLOAT:
             trunc = mask.to(torch.int8)
             if int(torch.count_nonzero(trunc)) != int(torch.count_nonzero(mask)):
-                raise ValueError(_NOT_BINARY)
+                raise UsageError(_NOT_BINARY)
             m = trunc.view(torch.bool)  # holds only 0/1 bytes, a valid bool tensor
         else:
             m = mask.to(torch.bool)  # an integer in [0, 1] is 0 or 1
@@ -261,10 +341,10 @@ def _binary_mask(mask: torch.Tensor) -> torch.Tensor:
         mf = m.to(mask.dtype)
         # mask == (mask != 0) elementwise holds iff every value is 0 or 1 (NaN fails it too).
         if not torch.equal(mask, mf):
-            raise ValueError(_NOT_BINARY)
+            raise UsageError(_NOT_BINARY)
         empty = not bool(m.view(torch.uint8).max())
     if empty:
-        raise ValueError(f"mask of shape {[P, G, T]} has no valid token (all zeros)")
+        raise UsageError(f"mask of shape {[P, G, T]} has no valid token (all zeros)")
     return m
 
 
@@ -277,25 +357,26 @@ def valid_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _build_options(
-    scheme: str, entry: _Entry, options: dict[str, Any], dtype: torch.dtype, shape: torch.Size
+    label: str, extra_options: tuple[str, ...], options: dict[str, Any], dtype: torch.dtype,
+    shape: torch.Size,
 ) -> SchemeOptions:
     known, extra = {}, {}
     for key, value in options.items():
-        if key in _OPTION_NAMES:
+        if key in OPTION_NAMES:
             known[key] = value
-        elif key in entry.extra_options:
+        elif key in extra_options:
             extra[key] = value
         else:
-            valid = sorted(_OPTION_NAMES + entry.extra_options)
-            raise TypeError(f"advantages({scheme!r}) got unknown option {key!r}; valid: {valid}")
-    for key in _TENSOR_OPTIONS:
+            valid = sorted(OPTION_NAMES + extra_options)
+            raise UsageTypeError(f"{label} got unknown option {key!r}; valid: {valid}")
+    for key in TENSOR_OPTIONS:
         if known.get(key) is not None:
             check_shape(key, known[key], list(shape))
             known[key] = known[key].to(dtype)
     for key in ("eps", "baseline_eps", "whiten_eps"):
         if key in known and not (isinstance(known[key], (int, float)) and known[key] >= 0):
-            raise ValueError(f"{key}={known[key]!r} is not valid; expected a float >= 0")
+            raise UsageError(f"{key}={known[key]!r} is not valid; expected a float >= 0")
     if "k" in known and (isinstance(known["k"], bool) or not isinstance(known["k"], int)
                          or known["k"] < 1):
-        raise ValueError(f"k={known['k']!r} is not valid; expected an integer >= 1")
-    return SchemeOptions(**known, extra=extra)
+        raise UsageError(f"k={known['k']!r} is not valid; expected an integer >= 1")
+    return SchemeOptions(**known, extra=extra, given=frozenset(options))

@@ -1,4 +1,4 @@
-"""Group-baseline advantage schemes (SCIENCE.md 2.1): raw, centered, normalized, rloo, topk,
+"""Group-baseline advantage schemes (docs/science.md §2.1): raw, centered, normalized, rloo, topk,
 opo, reinforce_pp_baseline, passk. OTB lives in ``otb.py``.
 
 All of these read the return ``R_i`` (:func:`outcome_rewards`: the outcome reward, or the sum of

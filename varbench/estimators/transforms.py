@@ -1,4 +1,4 @@
-"""Exchangeability-restoring transforms on per-sample weights within a group (SCIENCE.md 4).
+"""Exchangeability-restoring transforms on per-sample weights within a group (docs/science.md §4).
 
 A weight ``v_i`` (e.g. a response's aggregation weight times its ratio) that differs between
 responses sharing a step keeps that step from cancelling. Both transforms return new weights,

@@ -1,4 +1,4 @@
-"""varbench.grads: the gradient harness (SCIENCE.md sections 2.3, 5 and 6).
+"""varbench.grads: the gradient harness (docs/science.md sections 2.3, 5 and 6).
 
 Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / prefix norms
 (``exact`` with the ghost-norm engine in ``ghost``), the one seeded sketch (``CountSketch``) and

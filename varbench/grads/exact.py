@@ -1,4 +1,4 @@
-"""Exact per-token, prefix and diagonal-prefix gradient norms of a causal LM (SCIENCE.md 6).
+"""Exact per-token, prefix and diagonal-prefix gradient norms of a causal LM (docs/science.md §6).
 
 For every response token t of sequence b, ``g_t = grad_theta log pi(y_t | y_<t)``. Method:
 reverse mode, one cotangent per token, batched ``chunk_size`` at a time through

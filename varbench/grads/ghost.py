@@ -6,7 +6,7 @@ the cotangents ``D_c [t, out]`` that token c leaves at its outputs, token c's we
 layer and chunk by cost (``t`` grows along the sequence, so a layer switches at most once):
 
 - *ghost* (short prefixes, ``t`` below about ``in``): ``||g_c||^2 = <D_c, G D_c>`` with
-  ``G = A A^T`` (Gram matrix over positions, "ghost norm", SCIENCE.md 6); the prefix gradient
+  ``G = A A^T`` (Gram matrix over positions, "ghost norm", docs/science.md §6); the prefix gradient
   is ``(R + sum_{j<=c} D_j)^T A`` with R the cotangents of earlier chunks summed, so the
   running prefix lives in position space (one ``[L, out]`` matrix per layer, valid because
   causality makes A at positions <= t identical across truncations). One product ``G [D; R]``

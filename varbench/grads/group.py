@@ -1,4 +1,4 @@
-"""Group-gradient estimates ``g_hat_p = sum_{i,t} c_{p,i,t} g_{p,i,t}`` (SCIENCE.md 2, 5).
+"""Group-gradient estimates ``g_hat_p = sum_{i,t} c_{p,i,t} g_{p,i,t}`` (docs/science.md §2, 5).
 
 Two routes, one sketch (:class:`varbench.grads.vectors.CountSketch`):
 - :func:`group_gradients`: the slow reference, one backward of the weighted log-prob sum per

@@ -1,4 +1,4 @@
-"""Sketched (unbiased) per-token and prefix norms from k forward-mode probes (SCIENCE.md 6).
+"""Sketched (unbiased) per-token and prefix norms from k forward-mode probes (docs/science.md §6).
 
 For a random direction v over the parameters, one forward-mode JVP gives ``u_t = g_t . v`` for
 every token at once, and ``cumsum(u)_t = G_t . v`` for every prefix. With ``v ~ N(0, I)``,

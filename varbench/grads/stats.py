@@ -1,5 +1,5 @@
 """Forward statistics of a causal LM in one forward pass: log-probs, entropy, sum_pi_sq, the
-Logit-Gradient Proxy w_t and its cumulative W_t (SCIENCE.md section 2.3).
+Logit-Gradient Proxy w_t and its cumulative W_t (docs/science.md section 2.3).
 
 Alignment convention (shared by everything in ``varbench.grads``): a ``[B, L]`` statistic at
 column t describes token ``input_ids[:, t]`` predicted from ``input_ids[:, :t]``, i.e. it is
@@ -24,7 +24,7 @@ class ForwardStats:
     """Per-token forward statistics, each ``[B, L]`` and 0 where ``response_mask`` is 0.
 
     ``proxy`` is w_t, ``cum_proxy`` is ``W_t = sum_{j <= t} w_j m_j`` (response positions only;
-    it ignores cross terms, see SCIENCE.md 2.2), ``h_sq`` is ``||h_{t-1}||^2`` of the hidden
+    it ignores cross terms, see docs/science.md §2.2), ``h_sq`` is ``||h_{t-1}||^2`` of the hidden
     state the head reads to predict token t (None unless requested).
     """
 

@@ -1,4 +1,4 @@
-"""Tail-exact per-token norms from ONE ordinary backward (SCIENCE.md section 6).
+"""Tail-exact per-token norms from ONE ordinary backward (docs/science.md section 6).
 
 Modules after the last token-mixing layer (the last block's MLP and its norm, the final norm,
 an untied head) act position by position, so the cotangent that one backward of

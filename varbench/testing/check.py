@@ -87,11 +87,15 @@ def check_estimator(
 ) -> CheckResult:
     """Run every check on an estimator; deterministic for a given ``seed``.
 
-    ``fn_or_name``: a registered scheme name, ``"MODULE:FUNCTION"``, or a callable shaped
-    ``fn(rewards[P,G], mask[P,G,T], **options) -> [P,G,T]`` (varbench) or
+    ``fn_or_name``: a registered scheme name, ``"MODULE:FUNCTION"``, or a callable of any shape
+    ``register_scheme`` accepts, adapted by the same
+    :func:`~varbench.estimators.adapters.as_scheme`: ``fn(rewards[P,G], mask[P,G,T], opts)``
+    (scheme), ``fn(rewards, mask, **options) -> [P,G,T]`` (keywords) or
     ``fn(token_level_rewards[B,T], response_mask[B,T], index[B], **kw) -> (adv, returns)``
-    (verl), told apart by signature. Estimators that accept ``logprobs`` / ``sum_pi_sq`` (or
-    ``**kw``) receive them ``[P,G,T]``; ``estimator_options`` are passed on every call.
+    (verl), told apart by signature. The token statistics ``logprobs`` / ``sum_pi_sq`` reach
+    estimators that take them (verl: as ``old_log_probs`` / ``sum_pi_squared``);
+    ``estimator_options`` are passed on every call (names beyond ``SchemeOptions`` as extra
+    options). A callable's raw output is checked (not masked first).
 
     Bias: ``num_steps`` steps of G responses for each prompt of ``task`` (default
     ``ToyTask()``). A bias test fails when p < ``alpha`` (its false-alarm rate for an estimator
@@ -105,17 +109,17 @@ def check_estimator(
     split across ranks and gathered; every rank returns the single-process result.
 
     Raises :class:`~varbench.testing.adapt.EstimatorInputError` (a ValueError) for a module
-    that is not found, a missing function or a wrong signature; the estimator's own errors
-    become failed rows.
+    that cannot be imported, a missing function, a wrong signature or an option the estimator
+    cannot take; the estimator's own errors become failed rows.
     """
-    from varbench._util.checks import check_positive_int
+    from varbench._util.checks import UsageError, check_positive_int
 
     check_positive_int("G", G)
     check_positive_int("num_steps", num_steps, minimum=3)
     if not 0 < alpha < 1:
-        raise ValueError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
+        raise UsageError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
     if not tolerance >= 0:
-        raise ValueError(f"tolerance={tolerance!r} is not valid; expected a number >= 0")
+        raise UsageError(f"tolerance={tolerance!r} is not valid; expected a number >= 0")
     start = time.perf_counter()
     est = load(fn_or_name, estimator_options)
     base = {name: load(name) for name in baselines}

@@ -9,8 +9,8 @@ raises is a failed row carrying the exception text, never a crash of the checker
 - masked-value leakage: values under ``mask == 0`` (in token statistics) and extra padding
   columns change nothing;
 - all-agree groups: equal rewards give 0 at every position reached by at least two responses
-  (SCIENCE.md 2.1: such a group teaches nothing; OTB's zero-tail positions, reached by a single
-  response, are exempt);
+  (docs/science.md §2.1: such a group teaches nothing; OTB's zero-tail positions, reached by a
+  single response, are exempt);
 - finiteness on edges: G = 1, near-constant rewards (1.0 vs 1.00001 in float32), very long
   responses, empty responses.
 """

@@ -1,4 +1,4 @@
-"""varbench.train: the GRPO/PPO loop (SCIENCE.md section 7), its config, records, checkpoints,
+"""varbench.train: the GRPO/PPO loop (docs/science.md section 7), its config, records, checkpoints,
 collapse detection, the warm start, and the validation experiment (``varbench validate``).
 
     from varbench.train import TrainConfig, train

@@ -1,6 +1,6 @@
 """Collapse detection: a gradient-norm surge against a running median, or entropy collapse.
 
-SCIENCE.md section 7: "a collapse shows first as a gradient-norm surge". A step is flagged
+docs/science.md section 7: "a collapse shows first as a gradient-norm surge". A step is flagged
 
 - ``grad_surge`` when its pre-clip gradient norm exceeds ``surge_factor`` times the median of
   the previous ``window`` steps' norms (at least ``min_history`` of them; the surging step

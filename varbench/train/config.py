@@ -1,4 +1,4 @@
-"""TrainConfig: every knob of the GRPO/PPO loop (SCIENCE.md section 7), frozen, loadable from TOML.
+"""TrainConfig: every knob of the GRPO/PPO loop (docs/science.md §7), frozen, loadable from TOML.
 
 A config is data: ``TrainConfig.from_toml(path)`` reads a flat table whose keys are the field
 names below (``task_options`` and ``scheme_options`` are sub-tables); unknown keys, wrong types
@@ -57,7 +57,7 @@ class TrainConfig:
     scheme_options: Mapping[str, Any] = field(default_factory=dict)
     """Keyword options of the scheme (e.g. ``k`` for topk, ``eps`` for normalized)."""
     agg: str = "token-mean"
-    """Loss aggregation mode (SCIENCE.md section 3)."""
+    """Loss aggregation mode (docs/science.md section 3)."""
     transform: str = "none"
     """Exchangeability transform of the per-sample weights: none, min_replace, adv_orthogonal."""
     dynamic_filter: bool = False

@@ -1,4 +1,4 @@
-"""The GRPO/PPO training loop of SCIENCE.md section 7, top to bottom (cleanrl style).
+"""The GRPO/PPO training loop of docs/science.md section 7, top to bottom (cleanrl style).
 
 Per step: draw prompts; sample G responses each from the current policy (temperature 1); score;
 compute Delta with the configured scheme; store ``logp_old`` (and, with a KL term, the frozen
@@ -76,7 +76,7 @@ def minibatch_loss(
     """Clipped policy loss aggregated by ``config.agg`` plus ``kl_coef`` x the KL estimator.
 
     Shapes ``[p, G, T]``. The policy part is ``-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)``
-    (SCIENCE.md section 7) from ``varbench.estimators.policy_loss``; the KL term uses the same
+    (docs/science.md section 7) from ``varbench.estimators.policy_loss``; the KL term uses the same
     aggregation weights so its scale does not depend on the mode's normaliser.
     """
     clip = (config.clip_low, config.clip_high)
