@@ -69,6 +69,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             data[f.name] = value
     data["task_options"].update(parse_knobs(args.task_option, flag="--knob"))
     data["scheme_options"].update(parse_knobs(args.scheme_option, flag="--scheme-option"))
+    from varbench.app.executors import register_estimators
+
+    register_estimators(data)  # a user's MODULE:FUNCTION scheme, imported by name
     return TrainConfig.from_dict(data, source="command line")
 
 

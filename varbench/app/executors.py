@@ -154,12 +154,25 @@ def _ranked_states(spec: str, states, task, seed: int, progress) -> dict[str, An
     return out
 
 
+def register_estimators(params: dict[str, Any]) -> None:
+    """Import and register every ``MODULE:FUNCTION`` named under ``scheme``/``schemes``."""
+    from varbench._util.imports import is_reference
+    from varbench.app.specs import resolve_scheme
+
+    for key in ("scheme", "schemes"):
+        values = params.get(key)
+        for v in values if isinstance(values, (list, tuple)) else [values]:
+            if is_reference(v):
+                resolve_scheme(v)
+
+
 def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
     """The one executor of the analysis kinds, for suite cases and subcommands alike."""
     from varbench.app.specs import resolve_task
 
     fn = kind.function()
+    register_estimators(params)
     full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
     params = {**full, **params}
     knobs = params.pop("knobs") or {}
@@ -202,6 +215,7 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     from varbench.train.config import TrainConfig
     from varbench.train.loop import train
 
+    register_estimators(params)
     config = TrainConfig.from_dict(params, source=f"case {name!r}")
     start = time.perf_counter()
     res = train(config, run_dir=work_dir / "run", resume=True, progress=progress)

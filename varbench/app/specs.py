@@ -8,6 +8,7 @@ same thing to ``sample``, ``train``, ``proxy`` and a suite's ``knobs = { n = 3 }
   not a TOML literal is a string (``verifier=number``).
 - policy: a preset name or a local checkpoint directory, optionally warm-started (presets only).
 - task: a registered task name.
+- scheme: a registered scheme name or a user's ``MODULE:FUNCTION`` estimator.
 - dtype: ``auto`` (the checkpoint's own) or a floating torch dtype name; device: ``cpu``,
   ``cuda``, ``cuda:N``, ``mps``.
 """
@@ -53,6 +54,24 @@ def resolve_task(spec: str, knobs: Mapping[str, Any] | None = None):
     from varbench.tasks import get_task
 
     return get_task(spec, **dict(knobs or {}))
+
+
+def resolve_scheme(ref: str) -> str:
+    """A registered scheme name as it is, or a user's ``MODULE:FUNCTION`` estimator (any shape
+    ``register_scheme`` takes) imported and registered under that reference, which is returned.
+
+    So the trainer, the variance analysis and ``check`` accept a user's estimator the same way.
+    """
+    from varbench._util.imports import import_object, is_reference
+    from varbench.estimators import register_scheme, schemes
+
+    if ref in schemes():
+        return ref
+    if is_reference(ref):
+        register_scheme(ref)(import_object(ref, what="scheme"))
+        return ref
+    raise UsageError(f"scheme={ref!r} is not valid; choose one of {schemes()} or give "
+                     "MODULE:FUNCTION (an estimator imported by name)")
 
 
 def resolve_dtype(name: str | None) -> torch.dtype | None:

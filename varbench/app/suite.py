@@ -217,9 +217,13 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
     if choices is not None:
         values = value if isinstance(value, list) else [value]
         for v in values:
+            if key in ("scheme", "schemes") and is_reference(v):
+                continue  # a user's estimator, imported by name when the case runs
             if v not in choices and not (key == "policy" and isinstance(v, str)
                                          and Path(v).is_dir()):
                 extra = " or an existing checkpoint directory" if key == "policy" else ""
+                if key in ("scheme", "schemes"):
+                    extra = " or MODULE:FUNCTION"
                 raise SuiteError(f"{at}: {v!r} is not valid; choose one of "
                                  f"{sorted(map(str, choices))}{extra}")
     if key == "checkpoint" and value is not None and not Path(str(value)).is_dir():
