@@ -77,3 +77,22 @@ def prepare_model(
     if p.dtype == want_dtype and p.device == want_device:
         return model
     return copy.deepcopy(model).to(device=want_device, dtype=want_dtype)
+
+
+def prepare(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype | None,
+    device: str | torch.device | None,
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`check_inputs`, then :func:`prepare_model`, then the inputs moved to the model's
+    device: ``(model, input_ids, response_mask, attention_mask)``, the entry of every exact path.
+    """
+    input_ids, response_mask, attention_mask = check_inputs(
+        input_ids, response_mask, attention_mask
+    )
+    model = prepare_model(model, dtype, device)
+    dev = next(model.parameters()).device
+    return model, input_ids.to(dev), response_mask.to(dev), attention_mask.to(dev)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from varbench._util.checks import check_choice, check_positive_int
 from varbench._util.progress import show_progress
-from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
+from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.ghost import GhostModule, cumsum_rows_, plan_ghost
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
 from varbench.models.forward import forward_logits
@@ -139,14 +139,10 @@ def token_grad_norms(
     """
     check_positive_int("chunk_size", chunk_size)
     check_choice("method", method, ["ghost", "materialize"])
-    input_ids, response_mask, attention_mask = check_inputs(
-        input_ids, response_mask, attention_mask
+    model, input_ids, response_mask, attention_mask = prepare(
+        model, input_ids, response_mask, attention_mask, dtype, device
     )
-    model = prepare_model(model, dtype, device)
-    dev = next(model.parameters()).device
-    input_ids, response_mask, attention_mask = (
-        x.to(dev) for x in (input_ids, response_mask, attention_mask)
-    )
+    dev = input_ids.device
     chosen = select_params(model, params)
     names = [n for n, _ in chosen]
     if groups is False:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from varbench._util.checks import UsageTypeError
-from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
+from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.vectors import CountSketch
 from varbench.models.forward import forward_logits
@@ -57,11 +57,10 @@ def sequence_grads(
     :func:`select_params` order. ``||row||^2`` equals the last ``prefix_sq`` of
     :func:`varbench.grads.token_grad_norms`.
     """
-    input_ids, response_mask, attention_mask = check_inputs(
-        input_ids, response_mask, attention_mask
+    model, input_ids, response_mask, attention_mask = prepare(
+        model, input_ids, response_mask, attention_mask, dtype, device
     )
-    model = prepare_model(model, dtype, device)
-    dev = next(model.parameters()).device
+    dev = input_ids.device
     plist = [p for _, p in select_params(model, params)]
     check_sketch(sketch, plist)
     rows = []

@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call, vjp, vmap
 
 from varbench._util.checks import UsageTypeError
-from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
+from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.exact import TokenGradNorms, last_response_value
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs
@@ -66,14 +66,10 @@ def tail_token_norms(
     position-wise and after the last token-mixing layer (not checked: a mixing module gives
     wrong numbers); default :func:`default_tail_modules`. Memory O(B L^2) for the Grams.
     """
-    input_ids, response_mask, attention_mask = check_inputs(
-        input_ids, response_mask, attention_mask
+    model, input_ids, response_mask, attention_mask = prepare(
+        model, input_ids, response_mask, attention_mask, dtype, device
     )
-    model = prepare_model(model, dtype, device)
-    dev = next(model.parameters()).device
-    input_ids, response_mask, attention_mask = (
-        x.to(dev) for x in (input_ids, response_mask, attention_mask)
-    )
+    dev = input_ids.device
     if modules is None:
         modules = default_tail_modules(model)
     acts: dict[str, torch.Tensor] = {}

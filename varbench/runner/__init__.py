@@ -16,4 +16,6 @@ def __getattr__(name: str) -> Any:
                   "away in the next release", DeprecationWarning, stacklevel=2)
     import varbench.app
 
-    return getattr(varbench.app, name)
+    value = getattr(varbench.app, name)
+    globals()[name] = value  # warn once per name
+    return value
