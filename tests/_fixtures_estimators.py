@@ -44,6 +44,16 @@ def random_case(P, G, T, seed, *, token_rewards=False, binary=False, multi_turn=
     return rewards, mask, opts
 
 
+def loss_inputs(seed, P=2, G=3, T=5, multi_turn=True, spread=0.4):
+    """(logp, logp_old, adv, mask) for the policy-loss tests: float64, logp near logp_old."""
+    _, mask, _ = random_case(P, G, T, seed, multi_turn=multi_turn, allow_empty=True)
+    gen = torch.Generator().manual_seed(100 + seed)
+    logp_old = -torch.rand(P, G, T, generator=gen, dtype=torch.float64) * 3
+    logp = logp_old + spread * torch.randn(P, G, T, generator=gen, dtype=torch.float64)
+    adv = torch.randn(P, G, T, generator=gen, dtype=torch.float64)
+    return logp, logp_old, adv, mask
+
+
 # ---- one formula written in each estimator shape (tests/test_estimators_adapters.py) --------
 #
 # A[p, i, t] = scale * (R_i - mean_{j != i} R_j) / (1 + eps) + 0.1 * logprobs * sum_pi_sq * rho,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import varbench
 
 DESIGN_SURFACE = [
@@ -44,3 +46,31 @@ def test_reference_module_collects_every_area() -> None:
 
     assert hasattr(reference, "ref_advantages")
     assert hasattr(reference, "brute_token_grads")
+    assert hasattr(reference, "brute_pi_stats")
+    assert hasattr(reference, "teacher_forced") and hasattr(reference, "reference_sample")
+    assert hasattr(reference, "per_sequence_response_logprobs")
+
+
+def test_the_old_runner_path_warns_and_resolves() -> None:
+    """varbench.runner is a deprecated shim over varbench.app (kept for one release)."""
+    import varbench.app
+    import varbench.runner
+
+    for name in ("run_suite", "load_suite", "Suite", "compare_reports"):
+        with pytest.warns(DeprecationWarning, match=rf"varbench\.runner\.{name} moved to "
+                                                    rf"varbench\.app\.{name}"):
+            assert getattr(varbench.runner, name) is getattr(varbench.app, name)
+    with pytest.raises(AttributeError, match="module 'varbench.runner' has no attribute 'nope'"):
+        varbench.runner.nope  # noqa: B018
+
+
+def test_the_old_cli_path_warns_and_resolves(monkeypatch) -> None:
+    """varbench.cli is a deprecated shim over varbench.app.cli (kept for one release)."""
+    import importlib
+
+    import varbench.app.cli
+
+    monkeypatch.delitem(sys.modules, "varbench.cli", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"varbench\.cli moved to varbench\.app\.cli"):
+        old = importlib.import_module("varbench.cli")
+    assert old.main is varbench.app.cli.main and old.build_parser is varbench.app.cli.build_parser

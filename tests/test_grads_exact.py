@@ -1,4 +1,5 @@
-"""Exact per-token / prefix norms against the one-backward-per-token brute force (float64)."""
+"""varbench.grads.exact: exact per-token / prefix norms against the one-backward-per-token
+brute force (float64), group breakdowns, dtype and chunking, the materialising iterator."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from varbench.grads.params import select_params
 from varbench.grads.precision import exact_float64
 
 RTOL = 1e-8  # float64 throughout (exact_float64): observed agreement ~1e-14
+
+
 STOCK_RTOL = 1e-4  # stock float64 vs float64-throughout truth (observed up to 4e-6)
 
 
@@ -102,27 +105,6 @@ def test_dtype_option_copies_and_chunk_size_is_irrelevant():
     torch.testing.assert_close(c.prefix_sq.double(), a.prefix_sq, rtol=1e-3, atol=1e-6)
 
 
-def test_param_filters():
-    model = exact_float64(tiny_llama())
-    ids, rm, am = batch()
-    g, names, sizes = brute_token_grads(model, ids, rm, am)
-    parts = dict(zip(names, torch.split(g, sizes, dim=-1), strict=True))
-    want = [n for n in names if "mlp" in n]
-    ref = norms_from_grads(torch.cat([parts[n] for n in want], -1), rm)
-    by_regex = token_grad_norms(model, ids, rm, am, params=r"\.mlp\.", progress=False)
-    mods = [layer.mlp for layer in model.model.layers]
-    by_module = token_grad_norms(model, ids, rm, am, params=mods, progress=False)
-    by_name = token_grad_norms(model, ids, rm, am, params=want, progress=False)
-    for got in (by_regex, by_module, by_name):
-        torch.testing.assert_close(got.prefix_sq, ref[1], rtol=RTOL, atol=0)
-    with pytest.raises(ValueError, match="selects no trainable"):
-        token_grad_norms(model, ids, rm, am, params="nope", progress=False)
-    with pytest.raises(ValueError, match="not trainable parameters"):
-        token_grad_norms(model, ids, rm, am, params=["nope"], progress=False)
-    with pytest.raises(TypeError, match="params must be"):
-        token_grad_norms(model, ids, rm, am, params=3, progress=False)
-
-
 def test_bad_inputs():
     model = tiny_llama()
     ids, rm, am = batch()
@@ -167,95 +149,3 @@ def test_iter_token_grads_yields_brute_force_rows():
         torch.testing.assert_close(torch.cat(flat, dim=1), g[b, cols], rtol=RTOL, atol=1e-14)
         seen += cols.numel()
     assert seen == int(rm.sum())
-
-
-def _ghost_reference(D_chunks, A, bias):
-    """Per-token weight gradients ``g_c = D_c^T [A, 1]`` formed explicitly -> (tok, pre)."""
-    a = torch.cat([A, torch.ones(A.shape[0], 1, dtype=A.dtype)], 1) if bias else A
-    g = torch.cat([torch.einsum("cto,ti->coi", d, a[: d.shape[1]]) for d in D_chunks])
-    flat = g.reshape(g.shape[0], -1)
-    return flat.pow(2).sum(-1), flat.cumsum(0).pow(2).sum(-1)
-
-
-@pytest.mark.parametrize("ratio", [0.0, 1.0, 1e9])  # always weight / cost model / always ghost
-@pytest.mark.parametrize("kind", ["linear", "linear_bias", "embedding_pad"])
-def test_ghost_module_modes_match_explicit_gradients(monkeypatch, ratio, kind):
-    """GhostModule alone on random inputs and cotangents, chunks of growing prefixes: the ghost
-    mode, the weight mode and the switch between them (converting the running prefix from
-    position to weight space) give the explicitly formed per-token gradients' norms."""
-    from varbench.grads import ghost
-
-    monkeypatch.setattr(ghost, "WEIGHT_RATIO", ratio)
-    g = torch.Generator().manual_seed(0)
-    L, n_in, n_out = 20, 6, 5
-    if kind == "embedding_pad":
-        mod = torch.nn.Embedding(n_in, n_out, padding_idx=2).double()
-        ids = torch.randint(0, n_in, (L,), generator=g)
-        ids[[1, 7, 12]] = 2  # the padding row gets no gradient from these positions
-        A = torch.nn.functional.one_hot(ids, n_in).double() * (ids != 2).double()[:, None]
-        inp = ids
-    else:
-        mod = torch.nn.Linear(n_in, n_out, bias=kind == "linear_bias").double()
-        A = inp = torch.randn(L, n_in, generator=g, dtype=torch.float64)
-    gm = ghost.GhostModule(mod, 0, L)
-    chunks, modes, tok, pre = [], [], [], []
-    for C, t in [(3, 4), (4, 9), (2, 12), (5, 20)]:  # C tokens, forward over positions [0, t)
-        gm.hook(mod, (inp[None, :t],), None)
-        D = torch.randn(C, t, n_out, generator=g, dtype=torch.float64)
-        chunks.append(D)
-        a, b = gm.norms(D.clone())
-        tok.append(a)
-        pre.append(b)
-        modes.append(gm.weight_mode)
-    want_tok, want_pre = _ghost_reference(chunks, A, kind == "linear_bias")
-    torch.testing.assert_close(torch.cat(tok), want_tok, rtol=1e-12, atol=0)
-    torch.testing.assert_close(torch.cat(pre), want_pre, rtol=1e-12, atol=0)
-    if ratio == 0.0:
-        assert all(modes)
-    elif ratio == 1e9:
-        assert not any(modes)
-    else:
-        assert not modes[0] and modes[-1]  # the cost model switches within this sequence
-
-
-def test_embedding_padding_idx_real_tokens():
-    """Attended tokens equal to the Embedding's padding_idx get no embedding gradient (torch's
-    rule); the ghost engine must count them as zero, like the brute force."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=3, attn_implementation="sdpa",
-    )
-    model = exact_float64(LlamaForCausalLM(cfg))
-    assert model.model.embed_tokens.padding_idx == 3
-    ids, rm, am = batch("right", L=24, B=2)
-    ids = ids % 11
-    ids[:, [2, 6, 9, 15]] = 3  # real, attended occurrences of the pad id
-    got = token_grad_norms(model, ids, rm, am, chunk_size=5, progress=False)
-    g, _, _ = brute_token_grads(model, ids, rm, am)
-    tok, pre, _ = norms_from_grads(g, rm)
-    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
-    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
-
-
-def test_biased_linears_long_sequences():
-    """Attention and MLP biases (a ones column in A) through both ghost modes end to end."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=23, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_bias=True, mlp_bias=True, attn_implementation="sdpa",
-    )
-    model = exact_float64(LlamaForCausalLM(cfg))
-    ids, rm, am = batch("left", L=24, B=2)
-    got = token_grad_norms(model, ids, rm, am, chunk_size=5, groups=True, progress=False)
-    g, _, _ = brute_token_grads(model, ids, rm, am)
-    tok, pre, diag = norms_from_grads(g, rm)
-    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
-    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
-    torch.testing.assert_close(got.diag_prefix_sq, diag, rtol=RTOL, atol=0)

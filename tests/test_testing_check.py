@@ -1,4 +1,5 @@
-"""check_estimator: known-good estimators pass, known defects are caught, inputs are judged."""
+"""varbench.testing.check: check_estimator (known-good estimators pass, known defects are
+caught, inputs are judged)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from _fixtures_estimators import SHAPE_VARIANTS, shapes_scheme
 from varbench.estimators.registry import run_scheme
 from varbench.testing import EstimatorInputError, check_estimator
 from varbench.testing.adapt import load
-from varbench.testing.bias import mean_zero_pvalue
 
 FAST = {"num_steps": 1500, "baselines": ()}
 
@@ -167,26 +167,3 @@ def test_an_option_the_estimator_cannot_take_is_named_before_running():
 
 def _no_options(rewards, mask):
     return rewards.unsqueeze(-1) * mask
-
-
-def test_load_reports_the_shape_of_each_input():
-    # Shape detection itself is tested with the adapter (tests/test_estimators_adapters.py).
-    assert load(fx.verl_rloo).shape == "verl"
-    assert load(fx.centered_by_hand).shape == "keywords"
-    assert load(lambda r, m, o: r.unsqueeze(-1) * m).shape == "scheme"
-    assert load("topk", {"k": 2}).shape == "scheme"
-    assert load("_fixtures_testing:centered_by_hand").name == "_fixtures_testing:centered_by_hand"
-
-
-def test_mean_zero_test_false_alarm_rate_and_power():
-    """p-values of data with mean 0 are ~uniform: over 400 seeded datasets, the count below 0.05
-    lies in the binomial 1e-4 two-sided band [6, 38]; a shifted mean is detected."""
-    gen = torch.Generator().manual_seed(0)
-    scales = torch.linspace(0.2, 3.0, 12)  # unequal variances: the chi-square weighting matters
-    low = 0
-    for _ in range(400):
-        x = torch.randn(300, 12, generator=gen, dtype=torch.float64) * scales
-        low += mean_zero_pvalue(x) < 0.05
-    assert 6 <= low <= 38, low
-    x = torch.randn(300, 12, generator=gen, dtype=torch.float64) * scales + 0.3
-    assert mean_zero_pvalue(x) < 1e-6

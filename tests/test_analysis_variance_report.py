@@ -1,0 +1,78 @@
+"""varbench.analysis.variance_report: headlines, notes and summary generated from hand-built
+variance records (which rows become headlines, and their numbers)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from varbench.analysis.variance_report import _ratio_se, variance_headlines
+
+NAN = float("nan")
+
+
+def _cell(scheme, G, variance, se, cosine=NAN, tokens=10.0):
+    return {"scheme": scheme, "G": G, "mode": "token-mean", "variance": variance,
+            "variance_se": se, "cosine": cosine, "cosine_se": 0.01, "bias2_debiased": 0.5,
+            "bias2_debiased_se": 0.1, "mse": 2.0, "mse_se": 0.2, "tokens_per_group": tokens}
+
+
+def _records():
+    cells = pd.DataFrame([
+        _cell("centered", 2, 4.0, 0.4), _cell("centered", 8, 1.0, 0.1, tokens=40.0),
+        _cell("otb", 2, 2.0, 0.2, cosine=0.9), _cell("otb", 8, 0.5, 0.05, cosine=NAN),
+        _cell("rloo", 2, 3.0, 0.3, cosine=0.8),
+    ])
+    paired = pd.DataFrame([
+        {"stat": "variance", "scheme": "otb", "G": 2, "mode": "token-mean", "ratio": 0.5,
+         "ratio_se": 0.02},
+        {"stat": "variance", "scheme": "rloo", "G": 2, "mode": "token-mean", "ratio": 0.75,
+         "ratio_se": 0.03},
+        {"stat": "variance", "scheme": "normalized", "G": 2, "mode": "token-mean", "ratio": 0.9,
+         "ratio_se": 0.03},
+        {"stat": "cosine", "scheme": "otb", "G": 2, "mode": "token-mean", "ratio": 1.1,
+         "ratio_se": 0.1},
+    ])
+    ref = pd.DataFrame({"reference": ["exact enumeration of 900 responses"], "sketch": ["flat"],
+                        "n_params": [1234.0], "ref_norm": [2.0], "ref_se_norm": [0.1]})
+    return {"cells": cells, "paired": paired, "reference": ref}
+
+
+def test_headlines_from_the_records():
+    heads, notes, summary = variance_headlines(_records(), "exact")
+    keys = [h.key for h in heads]
+    assert keys == [
+        "variance_ratio:otb:centered:G=2:token-mean",
+        "variance_ratio:rloo:centered:G=2:token-mean",
+        "cosine:otb:G=2:token-mean",  # otb at G=8 has no finite cosine; rloo is not otb
+        "budget:otb:G=2:vs_centered:G=8:token-mean",
+    ]
+    by = {h.key: h for h in heads}
+    h = by["variance_ratio:otb:centered:G=2:token-mean"]
+    assert (h.value, h.se) == (0.5, 0.02)
+    assert h.text == "otb at G=2 has 0.5x the variance (token-mean) of centered at G=2 (SE 0.02)."
+    b = by["budget:otb:G=2:vs_centered:G=8:token-mean"]
+    assert b.value == pytest.approx(2.0)  # 2.0 / 1.0, unpaired
+    assert b.se == pytest.approx(2.0 * math.sqrt(0.1**2 + 0.1**2))
+    assert "using 0.25x the sampled tokens" in b.text and "groups not paired" in b.text
+    assert summary["reference"] == "exact"
+    assert summary["cosine:otb:G=2:token-mean"] == {"value": 0.9, "se": 0.01}
+    assert any("exact enumeration of 900 responses (exact)" in n and "flat of 1234" in n
+               for n in notes)
+    assert not any("sampled reference" in n for n in notes)
+
+
+def test_sampled_reference_note_and_empty_records():
+    _, notes, _ = variance_headlines(_records(), "sampled")
+    assert any("||g*|| = 2 (SE 0.1)" in n for n in notes)
+    empty = {k: v.iloc[0:0] for k, v in _records().items()}
+    heads, notes, summary = variance_headlines(empty, "sampled")
+    assert heads == [] and summary == {"reference": "sampled"}
+    assert any("none (sampled)" in n for n in notes)
+
+
+def test_ratio_se_delta_method():
+    assert _ratio_se(2.0, 0.2, 4.0, 0.2) == pytest.approx(0.5 * math.sqrt(0.01 + 0.0025))
+    assert math.isnan(_ratio_se(0.0, 0.1, 1.0, 0.1)) and math.isnan(_ratio_se(1.0, 0.1, 0, 0.1))

@@ -1,0 +1,76 @@
+"""varbench.app.cli: the top-level parser and main's exit codes (0, 1, 2 for a UsageError as
+one line, 130 when interrupted)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from varbench._util.checks import UsageError
+from varbench._util.version import VERSION
+from varbench.app import cli
+from varbench.app.cli import main
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("tasks", "sample", "warmstart"):
+        assert cmd in out
+
+
+def test_every_command_module_registers(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    names = set(sub.choices)
+    assert {"run", "merge", "compare", "check", "train", "validate", "tasks", "sample",
+            "warmstart", "proxy", "variance", "cancellation"} <= names
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"varbench {VERSION}"
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage: varbench" in capsys.readouterr().out
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A command module registering `varbench fake WHAT`, whose handler does WHAT."""
+
+    def handler(args):
+        if args.what == "usage":
+            raise UsageError("k=0 is not valid; expected an integer >= 1")
+        if args.what == "interrupt":
+            raise KeyboardInterrupt
+        if args.what == "bug":
+            raise RuntimeError("a bug")
+        return {"ok": 0, "fail": 1, "none": None}[args.what]
+
+    def register(sub):
+        p = sub.add_parser("fake")
+        p.add_argument("what")
+        p.set_defaults(func=handler)
+
+    mod = types.ModuleType("vb_fake_commands")
+    mod.register = register
+    monkeypatch.setitem(sys.modules, "vb_fake_commands", mod)
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", [*cli._COMMAND_MODULES, "vb_fake_commands"])
+
+
+def test_exit_codes(fake, capsys):
+    assert main(["fake", "ok"]) == 0 and main(["fake", "none"]) == 0
+    assert main(["fake", "fail"]) == 1
+    capsys.readouterr()
+    assert main(["fake", "usage"]) == 2
+    err = capsys.readouterr().err
+    assert err == "varbench fake: error: k=0 is not valid; expected an integer >= 1\n"
+    assert main(["fake", "interrupt"]) == 130
+    assert capsys.readouterr().err == "varbench fake: interrupted\n"
+    with pytest.raises(RuntimeError, match="a bug"):  # a bug keeps its traceback
+        main(["fake", "bug"])

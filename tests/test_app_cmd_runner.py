@@ -1,0 +1,128 @@
+"""`varbench run / merge / compare / check`: exit codes and messages through the CLI entry point.
+
+Most tests call ``varbench.app.cli.main`` in process (same parser, same exit codes; a subprocess
+costs the full torch/transformers import). Interrupting a run needs a real process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import _fixtures_app as fr
+import pytest
+
+from varbench.app.cli import main
+from varbench.app.runner import run_suite
+
+TESTS = Path(__file__).resolve().parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+       "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def vb(capsys, monkeypatch):
+    """Run `varbench ARGS...` in process; returns exit code and captured output."""
+    monkeypatch.syspath_prepend(str(TESTS))
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
+
+
+def test_check_exit_codes(vb):
+    ok = vb("check", "rloo", "_fixtures_testing:verl_rloo", "--steps", "300",
+            "--baselines", "centered", "--require-unbiased")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "PASSED" in ok.stdout and "(verl-shaped)" in ok.stdout
+    bad = vb("check", "_fixtures_testing:length_bonus", "--steps", "300", "--baselines", "")
+    assert bad.returncode == 1 and "FAIL    bias (rescaled)" in bad.stdout
+    missing = vb("check", "no_such_module_xyz:fn")
+    assert missing.returncode == 2 and "module not found: 'no_such_module_xyz'" in missing.stderr
+    sig = vb("check", "_fixtures_testing:one_argument")
+    assert sig.returncode == 2 and "wrong signature" in sig.stderr and "Traceback" not in sig.stderr
+
+
+def test_run_bad_suite_exits_2(tmp_path, vb):
+    p = tmp_path / "bad.toml"
+    p.write_text('[suite]\nname = "x"\n[[cases]]\nname = "a"\nkind = "nope"\n')
+    res = vb("run", str(p), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and str(p) in res.stderr and "'variance'" in res.stderr
+    assert vb("run", str(tmp_path / "absent.toml")).returncode == 2
+    assert vb("run", str(p), "--shard", "3/2").returncode == 2
+
+
+def _wait_for(pred, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
+)
+def test_kill_then_resume_without_recomputing(tmp_path, sig):
+    """A real process killed in the middle of a case; the rerun (in process: the same code
+    path without a second interpreter start) reuses the finished cases."""
+    suite = fr.write_suite(tmp_path, fr.SLOW_CASE)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "varbench", "run", str(suite), "--out",
+                             str(out)], env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    cases = out / "cases"
+    # The slow case runs last: kill while it is in progress, after the other three finished.
+    _wait_for(lambda: cases.is_dir() and len(list(cases.glob("*.json"))) == 3)
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == (-9 if sig == signal.SIGKILL else 130), err
+    done = sorted(p.name.split("-")[0] for p in cases.glob("*.json"))
+    assert done == ["centered", "rloo", "topk"]
+    assert not (out / "summary.json").exists()
+    (cases / ".slow-0.json.tmp-999999999").write_text('{"half": ')  # a torn write, dead writer
+    logs: list[str] = []
+    sys.path.insert(0, str(TESTS))  # the slow case's estimator lives in the tests folder
+    try:
+        again = run_suite(suite, out, log=logs.append)
+    finally:
+        sys.path.remove(str(TESTS))
+    assert again.cached == ["rloo", "centered", "topk"] and again.computed == ["slow"], logs
+    assert not (cases / ".slow-0.json.tmp-999999999").exists()
+    assert (out / "summary.json").is_file()
+
+
+def test_shards_merge_and_compare_cli(tmp_path, vb):
+    suite = fr.write_suite(tmp_path)
+    for i in (1, 2):
+        res = vb("run", str(suite), "--out", str(tmp_path / f"s{i}"), "--shard", f"{i}/2")
+        assert res.returncode == 0 and "varbench merge" in res.stdout, res.stderr
+    res = vb("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "m"))
+    assert res.returncode == 0, res.stderr
+    same = vb("compare", str(tmp_path / "m"), str(tmp_path / "m" / "summary.json"))
+    assert same.returncode == 0 and "0 beyond tolerance" in same.stdout
+    # Same suite with another seed: the bias figures move beyond a zero tolerance.
+    other = tmp_path / "other.toml"
+    other.write_text(suite.read_text().replace("seed = 3", "seed = 4"))
+    assert vb("run", str(other), "--out", str(tmp_path / "o")).returncode == 0
+    diff = vb("compare", str(tmp_path / "m"), str(tmp_path / "o"), "--tolerance", "0",
+              "--rel-tolerance", "0")
+    assert diff.returncode == 1 and "regression" in diff.stdout
+    assert vb("compare", str(tmp_path / "m"), str(tmp_path / "nowhere")).returncode == 2

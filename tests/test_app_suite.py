@@ -1,0 +1,74 @@
+"""varbench.app.suite: the suite schema (errors name the file, the key and the choices),
+defaults, seeds and case keys; every shipped suite validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import _fixtures_app as fr
+import pytest
+
+from varbench.app.suite import SuiteError, load_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bad(tmp_path, text):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(SuiteError) as err:
+        load_suite(p)
+    msg = str(err.value)
+    assert str(p) in msg
+    return msg
+
+
+HEAD = '[suite]\nname = "x"\n'
+
+
+CASE = '[[cases]]\nname = "a"\nkind = "check"\nestimator = "rloo"\n'
+
+
+def test_schema_errors_name_file_key_and_choices(tmp_path):
+    assert "not valid TOML" in _bad(tmp_path, "[suite\n")
+    assert "unknown key 'extra'" in _bad(tmp_path, HEAD + "extra = 1\n" + CASE)
+    assert "no cases" in _bad(tmp_path, HEAD)
+    msg = _bad(tmp_path, HEAD + CASE.replace('"check"', '"varianse"'))
+    assert "'varianse'" in msg and "'variance'" in msg and "'check'" in msg
+    msg = _bad(tmp_path, HEAD + CASE + "G_size = 4\n")
+    assert "unknown key 'G_size'" in msg and "'G'" in msg and "cases[0] ('a')" in msg
+    msg = _bad(tmp_path, HEAD + CASE + "G = 'four'\n")
+    assert "key 'G' must be a int" in msg
+    msg = _bad(tmp_path, HEAD + CASE + 'baselines = ["centred"]\n')
+    assert "'centred' is not valid" in msg and "'centered'" in msg
+    msg = _bad(tmp_path, HEAD + CASE.replace('"rloo"', '"os.system(1)"'))
+    assert "MODULE:FUNCTION" in msg
+    assert "duplicate case name" in _bad(tmp_path, HEAD + CASE + CASE)
+    assert "apply to no case" in _bad(tmp_path, HEAD + "[defaults]\nlr = 1.0\n" + CASE)
+    assert "needs key(s) ['estimator']" in _bad(
+        tmp_path, HEAD + '[[cases]]\nname = "a"\nkind = "check"\n')
+
+
+def test_suite_is_data_nothing_imported_at_validation(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text(HEAD + CASE.replace('"rloo"', '"never_imported_module_xyz:fn"'))
+    suite = load_suite(p)  # a reference is only checked for its form, imported when run
+    assert suite.cases[0].params["estimator"] == "never_imported_module_xyz:fn"
+
+
+def test_defaults_seed_and_key(tmp_path):
+    suite = load_suite(fr.write_suite(tmp_path))
+    assert [c.name for c in suite.cases] == ["rloo", "centered", "topk"]
+    assert suite.cases[0].params == {"num_steps": 60, "baselines": ["centered"], "seed": 3,
+                                     "estimator": "rloo"}
+    other = load_suite(fr.write_suite(tmp_path, name="b.toml"))
+    assert [c.key for c in suite.cases] == [c.key for c in other.cases]
+    changed = fr.SUITE.format(extra="").replace("num_steps = 60", "num_steps = 61")
+    (tmp_path / "c.toml").write_text(changed)
+    assert load_suite(tmp_path / "c.toml").cases[0].key != suite.cases[0].key
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "suites").glob("*.toml")))
+def test_shipped_suites_validate(name):
+    suite = load_suite(ROOT / "suites" / f"{name}.toml")
+    assert suite.cases

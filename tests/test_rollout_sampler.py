@@ -1,0 +1,270 @@
+"""varbench.rollout.sampler: recorded statistics equal a teacher-forced forward, seeds,
+stops, the environment loop, filters and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_rollout import reference_sample, teacher_forced
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from varbench.models import Policy, build_policy, build_tokenizer
+from varbench.rollout import RolloutBatch, sample
+from varbench.tasks import Prompt, get_task
+from varbench.tasks.sort import SortTask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return build_policy("micro", seed=0)
+
+
+def check_batch_invariants(batch: RolloutBatch, task):
+    P, G, T = batch.tokens.shape
+    assert batch.rewards.shape == (P, G) and batch.lengths.shape == (P, G)
+    assert ((batch.mask * batch.env_mask) == 0).all()
+    assert torch.equal(batch.lengths, batch.mask.sum(-1).long())
+    for x in (batch.logprobs, batch.sum_pi_sq, batch.entropy):
+        assert (x[batch.mask == 0] == 0).all()
+    # every response is a contiguous run of real tokens followed by padding only
+    real = batch.mask + batch.env_mask
+    assert (real[..., 1:] <= real[..., :-1]).all()
+    assert (batch.mask[..., 0] == 1).all()
+    assert len(batch.texts) == P and all(len(r) == G for r in batch.texts)
+    prompts = batch.meta["prompt_objects"]
+    for p in range(P):
+        for i in range(G):
+            assert batch.rewards[p, i] == task.score(prompts[p], batch.texts[p][i],
+                                                     batch.meta["reward"])
+
+
+@pytest.mark.parametrize("name,knobs", [("sort", {}), ("arith", {"digits": 2}), ("toolsum", {})])
+def test_recorded_stats_equal_teacher_forcing(micro, name, knobs):
+    task = get_task(name, **knobs)
+    prompts = task.prompts(4, seed=1)
+    batch = sample(micro, task, prompts, 8, seed=3)
+    check_batch_invariants(batch, task)
+    lp, sp, ent = teacher_forced(micro, batch)
+    assert (lp - batch.logprobs).abs().max() < 1e-5
+    assert (sp - batch.sum_pi_sq).abs().max() < 1e-5
+    assert (ent - batch.entropy).abs().max() < 1e-5
+
+
+def test_left_padding_eos_and_env_tokens_all_occur(micro):
+    """The equality above is only meaningful if the batches exercise every padding path."""
+    arith = get_task("arith", digits=2)
+    prompts = arith.prompts(4, seed=1)
+    lens = {len(p.text) for p in prompts}
+    assert len(lens) > 1  # prompts of different lengths -> left padding
+    b = sample(micro, arith, prompts, 8, seed=3)
+    assert b.lengths.min() < b.lengths.max()  # some rows stopped at EOS
+    eos = micro.tokenizer.eos_token_id
+    for p in range(b.P):
+        for i in range(b.G):
+            n = int(b.lengths[p, i])
+            if n < b.T:
+                assert b.tokens[p, i, n - 1] == eos
+    tool = get_task("toolsum")
+    t = sample(micro, tool, tool.prompts(4, seed=1), 8, seed=3)
+    assert t.env_mask.sum() > 0
+
+
+def test_fixed_length_ignores_eos(micro):
+    task = get_task("sort", n=4)
+    b = sample(micro, task, task.prompts(8, seed=0), 16, seed=0)
+    assert b.T == 4 and (b.lengths == 4).all()
+
+
+def test_env_segments_are_the_environments_replies(micro):
+    """Replay every toolsum transcript: each env segment is env_step of the text before it."""
+    task = get_task("toolsum")
+    prompts = task.prompts(4, seed=2)
+    b = sample(micro, task, prompts, 8, seed=5)
+    tok = micro.tokenizer
+    n_checked = 0
+    for p in range(b.P):
+        for i in range(b.G):
+            toks = b.tokens[p, i].tolist()
+            env = b.env_mask[p, i].tolist()
+            real = (b.mask[p, i] + b.env_mask[p, i]).tolist()
+            t = 0
+            while t < b.T:
+                if env[t] != 1:
+                    t += 1
+                    continue
+                e = t
+                while e < b.T and env[e] == 1:
+                    e += 1
+                before = tok.decode([x for x, r in zip(toks[:t], real[:t], strict=False) if r > 0],
+                                    skip_special_tokens=True)
+                reply = task.env_step(prompts[p], before)
+                want = tok(reply, add_special_tokens=False)["input_ids"]
+                assert toks[t:e] == want[: e - t]
+                assert before.endswith("</call>")
+                n_checked += 1
+                t = e
+    assert n_checked > 0
+
+
+def test_same_seed_same_batch_and_generator(micro):
+    task = get_task("arith")
+    prompts = task.prompts(3, seed=0)
+    a = sample(micro, task, prompts, 4, seed=11)
+    b = sample(micro, task, prompts, 4, seed=11)
+    c = sample(micro, task, prompts, 4, seed=12)
+    d = sample(micro, task, prompts, 4, generator=torch.Generator().manual_seed(11))
+    for x, y in ((a, b), (a, d)):
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.logprobs, y.logprobs)
+        assert x.texts == y.texts
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def test_kv_cache_sampler_matches_no_cache_reference_float64():
+    policy = build_policy("micro", seed=4, dtype=torch.float64)
+    task = get_task("sort", n=4)  # fixed length: no stopping logic in the reference
+    prompts = task.prompts(3, seed=0)
+    b = sample(policy, task, prompts, 5, seed=9)
+    assert b.logprobs.dtype == torch.float64
+    assert torch.equal(b.tokens, reference_sample(policy, task, prompts, 5, seed=9))
+    lp, _, _ = teacher_forced(policy, b)
+    assert (lp - b.logprobs).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("tie,attn", [(True, "sdpa"), (False, "eager")])
+def test_tied_and_eager_policies(tie, attn):
+    policy = build_policy("micro", seed=1, tie_embeddings=tie, attn_implementation=attn)
+    task = get_task("arith")
+    b = sample(policy, task, task.prompts(3, seed=0), 4, seed=0)
+    lp, _, _ = teacher_forced(policy, b)
+    assert (lp - b.logprobs).abs().max() < 1e-5
+
+
+def test_foreign_architecture_gpt2_same_code_path():
+    tok = build_tokenizer()
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=16, n_layer=2, n_head=2,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg).eval()
+    policy = Policy(model=model, tokenizer=tok, name="gpt2-test")
+    task = get_task("toolsum")
+    b = sample(policy, task, task.prompts(2, seed=0), 4, seed=0)
+    lp, _, _ = teacher_forced(policy, b)
+    assert (lp - b.logprobs).abs().max() < 1e-5
+
+
+def test_greedy_and_filters(micro):
+    task = get_task("sort")
+    prompts = task.prompts(2, seed=0)
+    g1 = sample(micro, task, prompts, 3, greedy=True, seed=1)
+    g2 = sample(micro, task, prompts, 3, greedy=True, seed=2)
+    assert torch.equal(g1.tokens, g2.tokens)
+    assert (g1.tokens == g1.tokens[:, :1]).all()  # every row of a group is the argmax path
+    k1 = sample(micro, task, prompts, 3, top_k=1, seed=5)
+    assert torch.equal(k1.tokens, g1.tokens)
+    assert not g1.meta["on_policy"] and not k1.meta["on_policy"]
+    assert sample(micro, task, prompts, 3, seed=5).meta["on_policy"]
+    # recorded statistics are those of pi even under a modified sampler
+    lp, _, _ = teacher_forced(micro, k1)
+    assert (lp - k1.logprobs).abs().max() < 1e-5
+    tp = sample(micro, task, prompts, 3, top_p=1e-6, temperature=0.5, seed=5)
+    assert torch.equal(tp.tokens, g1.tokens)
+
+
+def test_rewards_follow_the_reward_argument(micro):
+    task = get_task("sort")
+    prompts = task.prompts(2, seed=0)
+    b = sample(micro, task, prompts, 6, seed=0, reward="inclusion_adjacency")
+    assert b.meta["reward"] == "inclusion_adjacency"
+    assert b.rewards.sum() > 0  # random digits already include prompt numbers
+
+
+class _NoForward(torch.nn.Module):
+    """Fails the test if the sampler runs the model before validating its input."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, *a, **k):
+        raise AssertionError("model was called before the input was validated")
+
+
+def test_bad_input_fails_before_any_work(micro):
+    guarded = Policy(model=_NoForward(micro.model), tokenizer=micro.tokenizer, name="guarded")
+    task = get_task("sort")
+    prompts = task.prompts(2, seed=0)
+    with pytest.raises(ValueError, match="G=0"):
+        sample(guarded, task, prompts, 0)
+    with pytest.raises(ValueError, match="prompts"):
+        sample(guarded, task, [], 2)
+    with pytest.raises(ValueError, match="context"):
+        sample(guarded, task, prompts, 2, max_new_tokens=500)
+    with pytest.raises(ValueError, match=r"reward='nope'.*positional"):
+        sample(guarded, task, prompts, 2, reward="nope")
+    with pytest.raises(ValueError, match="temperature"):
+        sample(guarded, task, prompts, 2, temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        sample(guarded, task, prompts, 2, top_p=1.5)
+
+    class NeedsX(SortTask):
+        @property
+        def alphabet(self):
+            return (*super().alphabet, "x")
+
+    NeedsX.name = "needs_x"
+    with pytest.raises(ValueError, match=r"cannot represent \['x'\]"):
+        sample(guarded, NeedsX(), prompts, 2)
+    with pytest.raises(TypeError, match="Prompt"):
+        sample(guarded, task, ["<sort>123="], 2)
+    long_prompt = Prompt(text="<sort>" + "1" * 200 + "=", data=(1,), target="1")
+    with pytest.raises(ValueError, match="exceeds the context"):
+        sample(guarded, task, [long_prompt], 2)
+
+
+def test_masked_vocabulary_gives_finite_entropy():
+    """A checkpoint that masks tokens with -inf logits must not produce NaN statistics."""
+    policy = build_policy("micro", seed=0)
+    head = policy.model.lm_head
+
+    class Masked(torch.nn.Module):
+        def forward(self, h):
+            z = head(h)
+            return z.index_fill(-1, torch.tensor([3, 4]), float("-inf"))
+
+    policy.model.lm_head = Masked()
+    task = get_task("sort")
+    b = sample(policy, task, task.prompts(2, seed=0), 4, seed=0)
+    assert torch.isfinite(b.entropy).all() and torch.isfinite(b.logprobs).all()
+    assert not ((b.tokens == 3) | (b.tokens == 4)).any()
+
+
+def test_outputs_are_ordinary_tensors_usable_in_autograd(micro):
+    task = get_task("sort")
+    b = sample(micro, task, task.prompts(2, seed=0), 3, seed=0)
+    assert not b.logprobs.is_inference() and not b.rewards.is_inference()
+    w = torch.ones_like(b.logprobs, requires_grad=True)
+    (w * b.logprobs * b.rewards[..., None]).sum().backward()  # saves b's tensors for backward
+    assert torch.equal(w.grad, b.logprobs * b.rewards[..., None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name,knobs,G", [("sort", {}, 3), ("arith", {"digits": 2}, 5)])
+def test_deferred_statistics_equal_per_step_statistics(monkeypatch, dtype, name, knobs, G):
+    """Statistics computed once over [B, T, V] after the loop equal the per-step ones bitwise."""
+    from varbench.rollout import sampler
+
+    policy = build_policy("micro", seed=2, dtype=dtype)
+    task = get_task(name, **knobs)
+    prompts = task.prompts(3, seed=4)  # B = 3 * G rows: odd sizes, rows stop at EOS (arith)
+    fast = sample(policy, task, prompts, G, seed=1)
+    monkeypatch.setattr(sampler, "_DEFER_MAX", 0)  # force the per-step path
+    slow = sample(policy, task, prompts, G, seed=1)
+    for f in ("tokens", "mask", "logprobs", "sum_pi_sq", "entropy", "lengths"):
+        x, y = getattr(fast, f), getattr(slow, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), f
+        assert torch.equal(torch.signbit(x.float()), torch.signbit(y.float())), f

@@ -1,0 +1,78 @@
+"""varbench.train.policies: the one policy builder (a preset at random init or warm-started on
+a task, or a local checkpoint directory) and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from varbench._util.checks import UsageError
+from varbench.models import build_policy as build_preset
+from varbench.models import save_policy
+from varbench.tasks import get_task
+from varbench.train import warmstart
+from varbench.train.policies import build_policy, is_checkpoint_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_preset_at_random_init():
+    p = build_policy("micro", seed=3)
+    assert p.name == "micro" and _same_weights(p, build_preset("micro", seed=3))
+    assert not _same_weights(p, build_preset("micro", seed=4))
+    q = build_policy("micro", seed=3, dtype=torch.float64, device="cpu")
+    assert next(q.model.parameters()).dtype == torch.float64
+
+
+@pytest.fixture
+def warm_calls(monkeypatch):
+    """warm_start replaced by a spy (the real one trains for seconds; tested on its own)."""
+    calls = []
+
+    def spy(preset, task, *, seed, progress):
+        calls.append({"preset": preset, "task": task, "seed": seed, "progress": progress})
+        return build_preset(preset, seed=100 + seed)
+
+    monkeypatch.setattr(warmstart, "warm_start", spy)
+    return calls
+
+
+def test_preset_warm_started_on_a_task(warm_calls):
+    task = get_task("sort", n=2)
+    p = build_policy("micro", task=task, warm=True, seed=2, progress=False)
+    assert warm_calls == [{"preset": "micro", "task": task, "seed": 2, "progress": False}]
+    assert _same_weights(p, build_preset("micro", seed=102))
+    build_policy("micro", task=task, warm=True, seed=2, warm_seed=7, dtype=torch.float64)
+    assert warm_calls[-1]["seed"] == 7  # warm_seed picks the warm start, not seed
+    with pytest.raises(UsageError, match="warm-starting policy 'micro' needs a task"):
+        build_policy("micro", warm=True)
+
+
+def test_checkpoint_directory(tmp_path, warm_calls):
+    saved = build_preset("micro", seed=5)
+    ck = save_policy(saved, tmp_path / "ck")
+    assert is_checkpoint_dir(ck) and is_checkpoint_dir(str(ck))
+    p = build_policy(str(ck))
+    assert _same_weights(p, saved)
+    assert next(build_policy(ck, dtype=torch.float64).model.parameters()).dtype == torch.float64
+    with pytest.raises(UsageError, match=r"is a checkpoint directory: warm start needs a preset"):
+        build_policy(ck, task=get_task("sort"), warm=True)
+    assert warm_calls == []  # refused before any warm start
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for not_ck in (tmp_path / "empty", tmp_path / "file", tmp_path / "absent"):
+        assert not is_checkpoint_dir(not_ck)
+
+
+def test_bad_spec_names_the_presets_and_checkpoints(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for bad in ("nope", str(tmp_path / "empty")):
+        with pytest.raises(UsageError, match=r"policy='.*' is not valid; choose a preset "
+                                             r"\[.*'micro'.*\] or a local checkpoint directory "
+                                             r"containing config\.json"):
+            build_policy(bad)
