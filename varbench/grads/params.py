@@ -62,10 +62,11 @@ def default_group(name: str, *, head_name: str | None = None) -> str:
     m = _BLOCK.search(name)
     if m:
         rest = name[m.end() :]
-        if any(w in rest for w in _ATTN_WORDS):
-            return f"block{m.group(1)}.attn"
+        # MLP words first: Llama's pre-MLP norm is "post_attention_layernorm"
         if any(w in rest for w in _MLP_WORDS):
             return f"block{m.group(1)}.mlp"
+        if any(w in rest for w in _ATTN_WORDS):
+            return f"block{m.group(1)}.attn"
         return f"block{m.group(1)}.other"
     if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
         return "embed"

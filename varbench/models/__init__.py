@@ -4,7 +4,7 @@
 """
 
 from varbench.models.forward import forward_logits, position_ids_from_mask
-from varbench.models.io import load_policy, resolve_policy, save_policy
+from varbench.models.io import load_policy, save_policy
 from varbench.models.presets import Policy, build_policy, preset_config, presets
 from varbench.models.tokenizer import MARKUP, SPECIALS, build_tokenizer, check_tokenizer_covers
 
@@ -20,6 +20,5 @@ __all__ = [
     "position_ids_from_mask",
     "preset_config",
     "presets",
-    "resolve_policy",
     "save_policy",
 ]

@@ -119,12 +119,3 @@ def load_policy(
         except json.JSONDecodeError as err:
             raise UsageError(f"corrupt metadata file {str(mf)!r}: {err}") from err
     return Policy(model=model, tokenizer=tokenizer, name=str(path), meta=meta)
-
-
-def resolve_policy(spec: str, **build_kwargs) -> Policy:
-    """A preset name builds that preset; anything else is loaded as a local directory."""
-    from varbench.models.presets import build_policy
-
-    if spec in presets():
-        return build_policy(spec, **build_kwargs)
-    return load_policy(spec)

@@ -3,7 +3,7 @@
 DynamicCache concatenates every layer's [B, H, L, D] keys and values with each new token, a copy
 of the whole cache per step. ``GrowLayer`` preallocates ``capacity`` positions and writes each
 step's column; ``keys``/``values`` are views of the filled prefix, with the same values and
-shapes, so attention computes the same numbers (tests/test_rollout.py compares whole sampled
+shapes, so attention computes the same numbers (tests/test_rollout_kvcache.py compares whole sampled
 batches against DynamicCache bit for bit).
 """
 
