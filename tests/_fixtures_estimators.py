@@ -132,3 +132,17 @@ SHAPE_VARIANTS = {
     "verl": shapes_verl,
     "verl_keyword_only": shapes_verl_keyword_only,
 }
+
+
+def shared_prefix_groups():
+    """Two groups of 4; in each, all responses share the first two tokens; lengths differ."""
+    tokens = torch.tensor([
+        [[4, 5, 0, 0, 0], [4, 5, 6, 0, 0], [4, 5, 6, 7, 0], [4, 5, 8, 9, 9]],
+        [[7, 7, 7, 0, 0], [7, 7, 1, 0, 0], [7, 7, 1, 2, 3], [7, 7, 2, 2, 0]],
+    ])
+    lengths = torch.tensor([[2, 3, 4, 5], [3, 3, 5, 4]])
+    mask = (torch.arange(5) < lengths[..., None]).double()
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(2, 4, 5, generator=g, dtype=torch.float64) * mask
+    return tokens, mask, rewards, logp

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fixtures_estimators import shared_prefix_groups
 
 from varbench.analysis.cancellation import cancellation, sample_weights
 from varbench.analysis.trie import shared_steps
@@ -14,22 +15,8 @@ from varbench.models import build_policy
 from varbench.tasks import get_task
 
 
-def _group():
-    """Two groups of 4; in each, all responses share the first two tokens; lengths differ."""
-    tokens = torch.tensor([
-        [[4, 5, 0, 0, 0], [4, 5, 6, 0, 0], [4, 5, 6, 7, 0], [4, 5, 8, 9, 9]],
-        [[7, 7, 7, 0, 0], [7, 7, 1, 0, 0], [7, 7, 1, 2, 3], [7, 7, 2, 2, 0]],
-    ])
-    lengths = torch.tensor([[2, 3, 4, 5], [3, 3, 5, 4]])
-    mask = (torch.arange(5) < lengths[..., None]).double()
-    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(2, 4, 5, generator=g, dtype=torch.float64) * mask
-    return tokens, mask, rewards, logp
-
-
 def _full(mode, transform="none", ratio="token", logp_new=None, scheme="centered"):
-    tokens, mask, rewards, logp = _group()
+    tokens, mask, rewards, logp = shared_prefix_groups()
     adv = advantages(scheme, rewards, mask != 0)
     new = logp if logp_new is None else logp_new
     c = sample_weights(new, logp, adv, mask, mode, ratio=ratio, transform=transform, max_len=5)
@@ -57,7 +44,7 @@ def test_seq_mean_token_mean_with_unequal_lengths_does_not_cancel():
 
 
 def test_gspo_sequence_ratio_breaks_cancellation_after_an_update():
-    tokens, mask, rewards, logp = _group()
+    tokens, mask, rewards, logp = shared_prefix_groups()
     g = torch.Generator().manual_seed(2)
     new = logp + 0.05 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
     full, *_ = _full("seq-mean-token-sum", ratio="sequence", logp_new=new)
@@ -67,7 +54,7 @@ def test_gspo_sequence_ratio_breaks_cancellation_after_an_update():
 @pytest.mark.parametrize("transform", ["min_replace", "adv_orthogonal"])
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
 def test_transforms_restore_cancellation(mode, transform):
-    tokens, mask, rewards, logp = _group()
+    tokens, mask, rewards, logp = shared_prefix_groups()
     g = torch.Generator().manual_seed(3)
     new = logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
     full, c, adv, m = _full(mode, transform=transform, ratio="sequence", logp_new=new)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _fixtures_estimators import loss_inputs, random_case
+from _fixtures_estimators import loss_inputs, random_case, shared_prefix_groups
 from reference_estimators import ref_token_coefficients
 
 import varbench.estimators as E
@@ -78,22 +78,8 @@ def test_coefficients_reproduce_model_gradient():
 # ---- sample_weights ------------------------------------------------------------------------
 
 
-def _group():
-    """Two groups of 4; in each, all responses share the first two tokens; lengths differ."""
-    tokens = torch.tensor([
-        [[4, 5, 0, 0, 0], [4, 5, 6, 0, 0], [4, 5, 6, 7, 0], [4, 5, 8, 9, 9]],
-        [[7, 7, 7, 0, 0], [7, 7, 1, 0, 0], [7, 7, 1, 2, 3], [7, 7, 2, 2, 0]],
-    ])
-    lengths = torch.tensor([[2, 3, 4, 5], [3, 3, 5, 4]])
-    mask = (torch.arange(5) < lengths[..., None]).double()
-    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(2, 4, 5, generator=g, dtype=torch.float64) * mask
-    return tokens, mask, rewards, logp
-
-
 def test_weights_times_advantage_equal_loss_coefficients():
-    tokens, mask, rewards, logp = _group()
+    tokens, mask, rewards, logp = shared_prefix_groups()
     adv = advantages("centered", rewards, mask != 0)
     g = torch.Generator().manual_seed(1)
     new = logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
