@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from varbench.analysis.stats import variance_stats
 from varbench.analysis.variance import group_advantages, group_estimates
 from varbench.estimators.coefficients import token_coefficients
 from varbench.grads.group import group_gradients
 from varbench.grads.vectors import token_vectors
 from varbench.models import build_policy
 from varbench.rollout.sampler import sample
+from varbench.stats.estimates import variance_stats
 from varbench.tasks import get_task
 
 SCHEMES = ("raw", "centered", "normalized", "rloo", "topk", "otb", "otb_loo")

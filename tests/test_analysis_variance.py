@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import varbench.analysis.variance as varmod
-from varbench.analysis.stats import variance_stats
 from varbench.analysis.variance import estimator_variance, group_advantages, group_estimates
 from varbench.estimators.loss import policy_loss
 from varbench.grads.vectors import token_vectors
 from varbench.models import build_policy, forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
+from varbench.stats.estimates import variance_stats
 from varbench.tasks import get_task
 
 

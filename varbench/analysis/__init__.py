@@ -7,11 +7,11 @@ standard errors + provenance) that ``varbench.report.write_report`` renders.
 from varbench.analysis.cancellation import cancellation
 from varbench.analysis.oracle import ExactDistribution, enumerate_distribution
 from varbench.analysis.proxy import proxy_correlation
-from varbench.analysis.stats import correlations, paired_compare, variance_stats
 from varbench.analysis.trie import prefix_node_ids, shared_steps, token_net_weight
 from varbench.analysis.variance import DEFAULT_SCHEMES, estimator_variance
 from varbench.grads.vectors import TokenVectors, token_vectors
 from varbench.report.result import AnalysisResult, Headline
+from varbench.stats.estimates import correlations, paired_compare, variance_stats
 
 __all__ = [
     "DEFAULT_SCHEMES",

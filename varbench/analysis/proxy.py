@@ -32,7 +32,6 @@ from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
-from varbench.analysis.stats import correlations
 from varbench.estimators.otb import otb_baseline
 from varbench.estimators.registry import advantages
 from varbench.grads import forward_stats, token_grad_norms
@@ -41,6 +40,7 @@ from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
 from varbench.rollout.sampler import sample
+from varbench.stats.estimates import correlations
 from varbench.tasks.base import Task
 
 _PAIRS_TOKEN = (("w_t", "token_sq"), ("w_t", "head_sq"))

@@ -46,7 +46,6 @@ from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
 from varbench.analysis.oracle import enumerate_distribution
-from varbench.analysis.stats import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.analysis.variance_report import variance_headlines
 from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import token_coefficients
@@ -57,6 +56,7 @@ from varbench.models.presets import Policy
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
 from varbench.rollout.sampler import sample
+from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.tasks.base import Task
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,

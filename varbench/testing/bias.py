@@ -19,7 +19,7 @@ Bias tests (each at false-alarm rate ``alpha`` for an estimator that has no such
 A test fails only when the bias is significant (p < alpha) *and* its debiased size exceeds
 ``tolerance`` (relative to ``||g*||``): a bias too small to matter is reported, not flagged.
 Caveats: the chi-square approximation is asymptotic in M; SEs are delete-one jackknife over
-steps (from :mod:`varbench.analysis.stats`) and, for the rescaled value, ignore the noise of
+steps (from :mod:`varbench.stats.estimates`) and, for the rescaled value, ignore the noise of
 the normaliser ``||g_bar||``.
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from scipy import stats as sps
 
-from varbench.analysis.stats import paired_compare, variance_stats
+from varbench.stats.estimates import paired_compare, variance_stats
 from varbench.testing.toy import ToyPolicy
 
 

@@ -1,4 +1,4 @@
-"""Tests of varbench.analysis.stats: correlations with sequence bootstrap, variance statistics."""
+"""Tests of varbench.stats.estimates: correlations with sequence bootstrap, variance statistics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from varbench.analysis.stats import (
+from varbench.stats.estimates import (
     correlations,
     paired_compare,
     variance_stats,
