@@ -50,6 +50,10 @@ def fake(monkeypatch):
             raise KeyboardInterrupt
         if args.what == "bug":
             raise RuntimeError("a bug")
+        if args.what in ("typeerror", "valueerror", "keyerror"):
+            # internal bugs of the builtin types the CLI used to print as user errors
+            raise {"typeerror": TypeError, "valueerror": ValueError,
+                   "keyerror": KeyError}[args.what]("internal")
         return {"ok": 0, "fail": 1, "none": None}[args.what]
 
     def register(sub):
@@ -74,3 +78,26 @@ def test_exit_codes(fake, capsys):
     assert capsys.readouterr().err == "varbench fake: interrupted\n"
     with pytest.raises(RuntimeError, match="a bug"):  # a bug keeps its traceback
         main(["fake", "bug"])
+    for what, exc in (("typeerror", TypeError), ("valueerror", ValueError),
+                      ("keyerror", KeyError)):
+        with pytest.raises(exc, match="internal"):
+            main(["fake", what])
+
+
+def test_an_internal_error_reaches_the_user_as_a_traceback_with_exit_1(tmp_path):
+    """Run as a user would: a bug inside a command is a traceback and exit 1, not exit 2."""
+    import subprocess
+
+    plugin = tmp_path / "vb_bug_site"
+    plugin.mkdir()
+    (plugin / "sitecustomize.py").write_text(
+        "import varbench.estimators.registry as r\n"
+        "def broken(*a, **k):\n"
+        "    raise TypeError('internal bug for the test')\n"
+        "r.advantages = broken\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(plugin)}
+    out = subprocess.run([sys.executable, "-m", "varbench", "check", "rloo", "--steps", "10"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" in out.stderr and "internal bug for the test" in out.stderr
