@@ -221,7 +221,7 @@ def test_bad_input_fails_before_any_work(micro):
         sample(guarded, NeedsX(), prompts, 2)
     with pytest.raises(TypeError, match="Prompt"):
         sample(guarded, task, ["<sort>123="], 2)
-    long_prompt = Prompt(text="<sort>" + "1" * 200 + "=", data=(1,), target="1")
+    long_prompt = Prompt(text="<sort>" + "1" * 200 + "=", answer="1", meta={"data": (1,)})
     with pytest.raises(ValueError, match="exceeds the context"):
         sample(guarded, task, [long_prompt], 2)
 

@@ -14,7 +14,7 @@ def test_arith_lengths_vary_and_digit_match():
     lens = {len(t.demonstration(p)) for p in t.prompts(200, seed=0)}
     assert len(lens) >= 2
     t = get_task("arith", digits=2)
-    p = Prompt("<add>47+85=", (47, 85), "132")
+    p = Prompt("<add>47+85=", "132", {"data": (47, 85)})
     assert t.score(p, "132") == 1.0
     assert t.score(p, "0132") == 0.0
     assert t.score(p, "132", "digit_match") == 1.0
@@ -23,5 +23,5 @@ def test_arith_lengths_vary_and_digit_match():
     assert t.score(p, "1+2", "digit_match") == 0.0
     r = get_task("arith", digits=2, reverse=True)
     q = r._make_prompt((47, 85))
-    assert q.target == "231" and r.score(q, "231") == 1.0 and r.score(q, "132") == 0.0
+    assert q.answer == "231" and r.score(q, "231") == 1.0 and r.score(q, "132") == 0.0
     assert r.score(q, "23", "digit_match") == pytest.approx(2 / 3)

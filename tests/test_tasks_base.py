@@ -21,7 +21,8 @@ ALL = [(name, r) for name in ("sort", "arith", "toolsum") for r in get_task(name
 
 
 def _p(data, target=None):
-    return Prompt(text="", data=tuple(data), target=target or "".join(map(str, sorted(data))))
+    return Prompt(text="", answer=target or "".join(map(str, sorted(data))),
+                  meta={"data": tuple(data)})
 
 
 def test_registry_lists_the_three_kinds():

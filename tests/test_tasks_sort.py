@@ -10,7 +10,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _p(data, target=None):
-    return Prompt(text="", data=tuple(data), target=target or "".join(map(str, sorted(data))))
+    return Prompt(text="", answer=target or "".join(map(str, sorted(data))),
+                  meta={"data": tuple(data)})
 
 
 def test_sort_golden_rewards():
@@ -35,4 +36,4 @@ def test_sort_default_reward_is_exact():
     t = get_task("sort")
     assert t.rewards[0] == "exact"
     p = t.prompts(1)[0]
-    assert t.score(p, p.target) == 1.0
+    assert t.score(p, p.answer) == 1.0

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_toolsum_env_and_horizon():
     t = get_task("toolsum", k=3)
-    p = Prompt("<sum>3+5+2=", (3, 5, 2), "10")
+    p = Prompt("<sum>3+5+2=", "10", {"data": (3, 5, 2)})
     assert t.demonstration(p) == (
         "<call>3+5</call><out>8</out><call>8+2</call><out>10</out><ans>10")
     assert t.env_step(p, "<call>3+5</call>") == "<out>8</out>"

@@ -61,7 +61,8 @@ def test_build_policy_warm_starts_presets_only(tmp_path, monkeypatch):
 
 def test_score_reads_the_decoded_responses():
     task = SortTask(n=2)
-    prompts = [Prompt("<sort>31=", (3, 1), "13"), Prompt("<sort>20=", (2, 0), "02")]
+    prompts = [Prompt("<sort>31=", "13", {"data": (3, 1)}),
+               Prompt("<sort>20=", "02", {"data": (2, 0)})]
     rb = rollout_batch(P=2, G=3)
     rb.texts = [["13", "31", "1"], ["02", "00", "20"]]
     r, e = setup.score(task, rb, prompts, "positional")

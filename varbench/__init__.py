@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "Prompt": "varbench.tasks",
     "get_task": "varbench.tasks",
     "task_names": "varbench.tasks",
+    "register_task": "varbench.tasks",
+    "DatasetTask": "varbench.tasks",
     # estimators
     "advantages": "varbench.estimators",
     "register_scheme": "varbench.estimators",

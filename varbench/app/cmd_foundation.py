@@ -87,7 +87,7 @@ def _sample(args: argparse.Namespace) -> int:
           f"{task.knobs} | reward {reward} | P={batch.P} G={batch.G} seed={args.seed}")
     logp = batch.logprobs.sum(-1)
     for p, prompt in enumerate(prompts):
-        print(f"\nprompt {p}: {prompt.text}   (answer {prompt.target})")
+        print(f"\nprompt {p}: {prompt.text}   (answer {prompt.answer})")
         print(f"  {'i':>3}  {'reward':>6}  {'len':>3}  {'logp':>7}  response")
         for i in range(batch.G):
             print(f"  {i:>3}  {batch.rewards[p, i].item():>6.2f}  "

@@ -56,7 +56,7 @@ class ArithTask(Task):
         a, b = data
         total = str(a + b)
         target = total[::-1] if self.knobs["reverse"] else total
-        return Prompt(text=f"<add>{a}+{b}=", data=data, target=target)
+        return Prompt(text=f"<add>{a}+{b}=", answer=target, meta={"data": data})
 
     @property
     def max_new_tokens(self) -> int:
@@ -67,14 +67,14 @@ class ArithTask(Task):
         return ("<add>", "+", "=", *DIGITS)
 
     def demonstration(self, prompt: Prompt) -> str:
-        return prompt.target
+        return prompt.answer
 
     def score(self, prompt: Prompt, response: str, reward: str | None = None) -> float:
         reward = self.check_reward(reward)
         text = str(response).strip()
         if reward == "exact":
-            return float(text == prompt.target)
-        truth = prompt.target
+            return float(text == prompt.answer)
+        truth = prompt.answer
         if not text or any(c not in DIGITS for c in text):
             return 0.0
         if self.knobs["reverse"]:  # align units with units

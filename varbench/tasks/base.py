@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench._util.checks import UsageError, UsageTypeError, check_choice, check_positive_int
 
 SPLITS = ("train", "heldout")
 DIGITS = "0123456789"
@@ -31,12 +31,27 @@ _SPLIT_CACHE: dict[tuple, dict[str, list[tuple[int, ...]]]] = {}
 
 @dataclass(frozen=True)
 class Prompt:
-    """One problem: ``text`` is fed to the policy; ``data`` the numbers; ``target`` the answer."""
+    """One problem: ``text`` is fed to the policy, ``answer`` is what a verifier checks against,
+    ``meta`` is free metadata (a toy task's integer problem under ``"data"``; a dataset task's
+    row index, demonstration, source row).
+
+    Equality and hashing use ``text`` and ``answer`` only.
+    """
 
     text: str
-    data: tuple[int, ...]
-    target: str
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    answer: str
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise UsageTypeError(f"Prompt text must be a str, got {type(self.text).__name__}")
+        if not isinstance(self.answer, str):
+            raise UsageTypeError(f"Prompt answer must be a str, got {type(self.answer).__name__}")
+
+    @property
+    def data(self) -> tuple[int, ...]:
+        """A toy task's integer problem (``meta["data"]``); ``()`` for text problems."""
+        return tuple(self.meta.get("data", ()))
 
 
 class Task:
@@ -86,6 +101,21 @@ class Task:
     def demonstration(self, prompt: Prompt) -> str:
         """A correct response (multi-turn: the whole transcript, tool outputs included)."""
         raise NotImplementedError
+
+    def bind(self, tokenizer) -> None:
+        """Adapt prompts to the policy's tokenizer (a dataset task applies its chat template);
+        called once the policy is built. Toy tasks need nothing."""
+
+    @property
+    def has_demonstrations(self) -> bool:
+        """Whether :meth:`demonstration` gives a correct response (warm start needs it)."""
+        return True
+
+    def fingerprint(self) -> str:
+        """What results computed on this task depend on: its name and knobs (a dataset task adds
+        a hash of its data). Cache keys use it."""
+        knobs = ",".join(f"{k}={v!r}" for k, v in sorted(self.knobs.items()))
+        return f"{type(self).__module__}.{type(self).__qualname__}:{self.name}:{knobs}"
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -191,26 +221,102 @@ class Task:
         return f"{self.name} ({kind}) rewards={list(self.rewards)} knobs: {knobs}"
 
 
-_REGISTRY: dict[str, type[Task]] = {}
+_REGISTRY: dict[str, type[Task] | Any] = {}
+ENTRY_POINT_GROUP = "varbench.tasks"
 
 
-def register_task(cls: type[Task]) -> type[Task]:
-    """Class decorator adding ``cls`` to the task registry under ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise UsageError(f"task name {cls.name!r} is empty or already registered")
-    _REGISTRY[cls.name] = cls
+def register_task(cls: type[Task] | None = None, *, name: str | None = None, replace=False):
+    """Add a Task subclass (or a factory returning a Task) to the registry.
+
+    As a class decorator ``@register_task`` (registered under ``cls.name``) or called as
+    ``register_task(factory, name="mytask")``. ``replace=True`` overwrites an existing entry;
+    otherwise a taken or empty name is a UsageError.
+    """
+    if cls is None:
+        return lambda c: register_task(c, name=name, replace=replace)
+    key = name or getattr(cls, "name", "")
+    if not isinstance(key, str) or not key:
+        raise UsageError(f"register_task: {cls!r} has no name; set the class attribute name or "
+                         "pass name=")
+    if key in _REGISTRY and not replace:
+        raise UsageError(f"task name {key!r} is already registered; choose another name or pass "
+                         "replace=True")
+    if not ((isinstance(cls, type) and issubclass(cls, Task)) or callable(cls)):
+        raise UsageTypeError(f"register_task: {cls!r} is neither a Task subclass nor a factory")
+    _REGISTRY[key] = cls
     return cls
 
 
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def task_names() -> list[str]:
-    """Registered task names."""
-    return list(_REGISTRY)
+    """Registered task names, then names installed packages declare under the ``varbench.tasks``
+    entry-point group (loaded only when used)."""
+    return list(dict.fromkeys([*_REGISTRY, *_entry_points()]))
 
 
-def get_task(name: str, **knobs: Any) -> Task:
-    """Instantiate task ``name`` with ``knobs`` (unknown name or knob -> ValueError)."""
-    check_choice("task", name, task_names())
-    return _REGISTRY[name](**knobs)
+def _instantiate(obj: Any, knobs: dict[str, Any], spec: str) -> Task:
+    """A Task from a Task subclass, a factory, or (without knobs) a Task instance."""
+    if isinstance(obj, Task):
+        if knobs:
+            raise UsageError(f"task={spec!r} is a Task instance: it takes no knobs "
+                             f"(got {sorted(knobs)})")
+        return obj
+    if isinstance(obj, type) and not issubclass(obj, Task):
+        raise UsageTypeError(f"task={spec!r} names the class {obj.__name__}, which is not a "
+                             "varbench Task subclass")
+    if not callable(obj):
+        raise UsageTypeError(f"task={spec!r} names a {type(obj).__name__}, not a Task subclass "
+                             "or a factory returning a Task")
+    task = obj(**knobs)
+    if not isinstance(task, Task):
+        raise UsageTypeError(f"task={spec!r}: the factory returned {type(task).__name__}, not a "
+                             "varbench Task")
+    return task
+
+
+def get_task(spec: str, **knobs: Any) -> Task:
+    """The task ``spec`` names, with ``knobs`` applied. ``spec`` is one of
+
+    - a registered name (``sort``, ``arith``, ``toolsum``, a ``register_task`` name, or an
+      installed package's ``varbench.tasks`` entry point);
+    - ``MODULE:ATTR``: a user's Task subclass or a factory returning a Task (imported only
+      because it is named here);
+    - a local data file (.jsonl, .json, .csv, .parquet) or a ``datasets`` save_to_disk
+      directory: a :class:`~varbench.tasks.dataset.DatasetTask`.
+
+    Bad input (unknown name, missing file, import failure, not a Task) raises UsageError naming
+    the spec and the choices.
+    """
+    from varbench._util.imports import import_object, is_reference
+
+    if isinstance(spec, Task):
+        return _instantiate(spec, knobs, repr(spec))
+    if not isinstance(spec, str) or not spec:
+        raise UsageTypeError(f"task must be a non-empty string, got {spec!r}")
+    if spec in _REGISTRY:
+        return _instantiate(_REGISTRY[spec], knobs, spec)
+    if is_reference(spec):
+        return _instantiate(import_object(spec, what="task"), knobs, spec)
+    eps = _entry_points()
+    if spec in eps:
+        try:
+            obj = eps[spec].load()
+        except Exception as err:  # noqa: BLE001 - a broken plugin: name it, keep our traceback
+            raise UsageError(f"task={spec!r}: cannot load entry point {eps[spec].value!r} of "
+                             f"group {ENTRY_POINT_GROUP!r} ({err})") from err
+        return _instantiate(obj, knobs, spec)
+    from varbench.tasks.dataset import DatasetTask, looks_like_data
+
+    if looks_like_data(spec):
+        return DatasetTask(spec, **knobs)
+    raise UsageError(f"task={spec!r} is not valid; choose one of {sorted(task_names())}, give "
+                     "MODULE:ATTR (a Task subclass or factory), or a data file (.jsonl, .json, "
+                     ".csv, .parquet) or a datasets directory")
 
 
 def _parse_int(text: str) -> int | None:

@@ -72,7 +72,8 @@ class SortTask(Task):
 
     def _make_prompt(self, data: tuple[int, ...]) -> Prompt:
         target = "".join(str(x) for x in sorted(data))
-        return Prompt(text="<sort>" + "".join(map(str, data)) + "=", data=data, target=target)
+        return Prompt(text="<sort>" + "".join(map(str, data)) + "=", answer=target,
+                      meta={"data": data})
 
     @property
     def max_new_tokens(self) -> int:
@@ -83,7 +84,7 @@ class SortTask(Task):
         return ("<sort>", "=", *DIGITS[: self.knobs["max_value"] + 1])
 
     def demonstration(self, prompt: Prompt) -> str:
-        return prompt.target
+        return prompt.answer
 
     def score(self, prompt: Prompt, response: str, reward: str | None = None) -> float:
         reward = self.check_reward(reward)

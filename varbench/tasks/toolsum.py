@@ -48,8 +48,8 @@ class ToolSumTask(Task):
         return itertools.product(range(self.knobs["max_value"] + 1), repeat=self.knobs["k"])
 
     def _make_prompt(self, data: tuple[int, ...]) -> Prompt:
-        return Prompt(text="<sum>" + "+".join(map(str, data)) + "=", data=data,
-                      target=str(sum(data)))
+        return Prompt(text="<sum>" + "+".join(map(str, data)) + "=", answer=str(sum(data)),
+                      meta={"data": data})
 
     @property
     def max_new_tokens(self) -> int:
@@ -96,4 +96,4 @@ class ToolSumTask(Task):
         if ANS not in text:
             return 0.0
         ans = text.rsplit(ANS, 1)[1]
-        return float(_parse_int(ans) == int(prompt.target) and ans.strip() == prompt.target)
+        return float(_parse_int(ans) == int(prompt.answer) and ans.strip() == prompt.answer)
