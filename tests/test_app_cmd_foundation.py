@@ -77,8 +77,8 @@ def test_sample_local_checkpoint(vb, tmp_path):
         (("sample", "-G", "0"), r"G=0 is not valid"),
         (("sample", "--knob", "m=2"), r"no knob 'm'"),
         (("sample", "--knob", "n"), r"--knob 'n' is not valid"),
-        (("sample", "--warm", "--policy", "/tmp"), r"--warm needs a preset"),
-        (("warmstart", "--preset", "huge"), r"preset='huge' is not valid"),
+        (("sample", "--warm", "--policy", "/tmp"), r"policy=./tmp. is not valid; choose a preset"),
+        (("warmstart", "--preset", "huge"), r"policy='huge' is not valid; choose a preset"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(vb, args, message):

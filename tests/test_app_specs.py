@@ -66,8 +66,10 @@ def test_policy_specs(tmp_path):
     assert next(loaded.model.parameters()).dtype == torch.float64
     with pytest.raises(UsageError, match=r"policy='/no/such' is not valid; choose a preset"):
         resolve_policy("/no/such")
-    with pytest.raises(UsageError, match="warm start needs a preset"):
-        resolve_policy(str(tmp_path / "ckpt"), task=resolve_task("sort"), warm=True)
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    with pytest.raises(UsageError, match="needs demonstrations; this task has none"):
+        resolve_policy(str(tmp_path / "ckpt"), task=resolve_task(str(data)), warm=True)
     states = policy_states(str(tmp_path / "ckpt"), ["random", "warm"], resolve_task("sort"))
     assert list(states) == ["ckpt"]  # a checkpoint is used as it is
     with pytest.raises(UsageError, match=r"states='cold' is not valid"):

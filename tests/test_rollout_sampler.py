@@ -217,7 +217,7 @@ def test_bad_input_fails_before_any_work(micro):
             return (*super().alphabet, "x")
 
     NeedsX.name = "needs_x"
-    with pytest.raises(ValueError, match=r"cannot represent \['x'\]"):
+    with pytest.raises(ValueError, match=r"exactly one token: \['x'\]"):
         sample(guarded, NeedsX(), prompts, 2)
     with pytest.raises(TypeError, match="Prompt"):
         sample(guarded, task, ["<sort>123="], 2)

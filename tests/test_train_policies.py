@@ -8,7 +8,7 @@ import torch
 
 from varbench._util.checks import UsageError
 from varbench.models import build_policy as build_preset
-from varbench.models import save_policy
+from varbench.models import load_policy, save_policy
 from varbench.tasks import get_task
 from varbench.train import warmstart
 from varbench.train.policies import build_policy, is_checkpoint_dir
@@ -34,8 +34,10 @@ def warm_calls(monkeypatch):
     """warm_start replaced by a spy (the real one trains for seconds; tested on its own)."""
     calls = []
 
-    def spy(preset, task, *, seed, progress):
+    def spy(preset, task, *, seed, progress, add_task_tokens=False, trust_remote_code=False):
         calls.append({"preset": preset, "task": task, "seed": seed, "progress": progress})
+        if preset not in ("micro", "tiny", "small"):
+            return load_policy(preset)
         return build_preset(preset, seed=100 + seed)
 
     monkeypatch.setattr(warmstart, "warm_start", spy)
@@ -60,9 +62,10 @@ def test_checkpoint_directory(tmp_path, warm_calls):
     p = build_policy(str(ck))
     assert _same_weights(p, saved)
     assert next(build_policy(ck, dtype=torch.float64).model.parameters()).dtype == torch.float64
-    with pytest.raises(UsageError, match=r"is a checkpoint directory: warm start needs a preset"):
-        build_policy(ck, task=get_task("sort"), warm=True)
-    assert warm_calls == []  # refused before any warm start
+    # a checkpoint directory warm-starts like a preset (from its own weights)
+    task = get_task("sort")
+    build_policy(ck, task=task, warm=True, seed=3)
+    assert warm_calls == [{"preset": str(ck), "task": task, "seed": 3, "progress": None}]
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
     for not_ck in (tmp_path / "empty", tmp_path / "file", tmp_path / "absent"):

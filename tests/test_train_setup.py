@@ -51,12 +51,16 @@ def test_build_policy_warm_starts_presets_only(tmp_path, monkeypatch):
     task = SortTask()
     assert setup.build_policy(TrainConfig(policy="micro", seed=3, warm_start_seed=5), task) == \
         "policy"
-    assert calls[-1] == ("micro", {"task": task, "warm": True, "seed": 3, "warm_seed": 5})
+    assert calls[-1] == ("micro", {"task": task, "warm": True, "seed": 3, "warm_seed": 5,
+                                   "trust_remote_code": False, "add_task_tokens": False})
     setup.build_policy(TrainConfig(policy="micro", warm_start=False), task)
     assert calls[-1][1]["warm"] is False
     ck = save_policy(build_preset("micro"), tmp_path / "ck")
     setup.build_policy(TrainConfig(policy=str(ck), warm_start=True), task)
     assert calls[-1][0] == str(ck) and calls[-1][1]["warm"] is False  # used as it is
+    setup.build_policy(TrainConfig(policy=str(ck), warm_start_dir=True, add_task_tokens=True),
+                       task)
+    assert calls[-1][1]["warm"] is True and calls[-1][1]["add_task_tokens"] is True
 
 
 def test_score_reads_the_decoded_responses():

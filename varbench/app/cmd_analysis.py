@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from varbench.app.specs import STATES, parse_knobs
+from varbench.app.specs import STATES, add_policy_flags, parse_knobs
 
 
 def _common(p: argparse.ArgumentParser, *, out: str, states: list[str]) -> None:
@@ -33,6 +33,7 @@ def _common(p: argparse.ArgumentParser, *, out: str, states: list[str]) -> None:
                    help="do not cache finished cells under OUT/cells (no resume)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: on a terminal, off in CI)")
+    add_policy_flags(p)
 
 
 def _policy_keys(args) -> dict[str, Any]:
@@ -50,6 +51,9 @@ def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
     from varbench.app.suite import parse_case
 
     body = {"name": kind, "kind": kind, **_policy_keys(args), "states": list(args.states),
+            "dtype": args.dtype, "device": args.device,
+            "trust_remote_code": args.trust_remote_code or None,
+            "add_task_tokens": args.add_task_tokens or None,
             "knobs": parse_knobs(args.knob), "reward": args.reward, "seed": args.seed, **keys}
     return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
@@ -85,6 +89,10 @@ def _run_case(kind: str, keys: dict[str, Any]):
     return handler
 
 
+_TASK_HELP = ("a task name, MODULE:ATTR (a Task subclass or factory) or a data file "
+              ".jsonl/.json/.csv/.parquet / datasets directory (default sort)")
+
+
 def register(subparsers) -> None:
     """Add ``proxy``, ``variance`` and ``cancellation`` to the ``varbench`` CLI."""
     from varbench.analysis.variance import DEFAULT_SCHEMES
@@ -94,7 +102,7 @@ def register(subparsers) -> None:
         "proxy", help="proxy w_t vs exact per-token gradient norms (correlations + CIs)",
         description="Correlate the Logit-Gradient Proxy with exact per-token, prefix and "
                     "sequence gradient norms at random init and warm-started, side by side.")
-    p.add_argument("--task", default="sort")
+    p.add_argument("--task", default="sort", help=_TASK_HELP)
     p.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
     p.add_argument("-G", type=int, default=6, help="responses per prompt (default 6)")
     p.add_argument("--boot", type=int, default=200, help="bootstrap draws (default 200)")
@@ -107,7 +115,7 @@ def register(subparsers) -> None:
         description="Variance, bias, MSE, cosine, SNR of group gradient estimates against an "
                     "exact (enumerated) or sampled reference. CLI defaults are smaller than "
                     "the library's (G 2 4 8 16 32, M 32, 2 prompts) to run in minutes on 2 cores.")
-    v.add_argument("--task", default="sort")
+    v.add_argument("--task", default="sort", help=_TASK_HELP)
     v.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES),
                    help="scheme labels; <scheme>_exact = OTB-type with exact weights")
     v.add_argument("-G", nargs="+", type=int, default=[2, 4, 8],
@@ -131,7 +139,8 @@ def register(subparsers) -> None:
         description="Prefix-trie shared steps: residuals, weighting-induced residuals, gradient "
                     "cancellation ratios and per-token net weights across aggregation modes, "
                     "token vs sequence ratios, PPO inner steps and restoring transforms.")
-    c.add_argument("--tasks", nargs="+", default=["arith", "toolsum"])
+    c.add_argument("--tasks", "--task", nargs="+", default=["arith", "toolsum"],
+                   help="tasks (each a name, MODULE:ATTR or data file)")
     c.add_argument("--prompts", type=int, default=4)
     c.add_argument("-G", type=int, default=6)
     c.add_argument("--scheme", default="centered")

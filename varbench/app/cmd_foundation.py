@@ -8,7 +8,13 @@ import time
 import torch
 
 from varbench._util.checks import UsageError
-from varbench.app.specs import parse_knobs, resolve_policy, resolve_task
+from varbench.app.specs import (
+    add_policy_flags,
+    parse_knobs,
+    policy_kwargs,
+    resolve_policy,
+    resolve_task,
+)
 from varbench.models.presets import presets
 from varbench.tasks.base import get_task, task_names
 
@@ -19,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_tasks)
 
     p = sub.add_parser("sample", help="sample G responses per prompt and print them with rewards")
-    p.add_argument("--task", default="sort", help=f"one of {task_names()} (default sort)")
+    p.add_argument("--task", default="sort", help=TASK_HELP)
     p.add_argument("--policy", default="tiny",
                    help=f"a preset {presets()} or a local checkpoint directory (default tiny)")
     p.add_argument("-G", type=int, default=8, help="responses per prompt (default 8)")
@@ -30,13 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--warm", action="store_true",
-                   help="warm-start the preset on the task first (cached)")
+                   help="warm-start the policy on the task's demonstrations first (cached)")
     p.add_argument("--temperature", type=float, default=1.0)
+    add_policy_flags(p)
     p.set_defaults(func=_sample)
 
     p = sub.add_parser("warmstart", help="supervised warm start into a held-out accuracy band")
-    p.add_argument("--task", default="sort", help=f"one of {task_names()}")
-    p.add_argument("--preset", default="tiny", help=f"one of {presets()}")
+    p.add_argument("--task", default="sort", help=TASK_HELP)
+    p.add_argument("--policy", "--preset", dest="preset", default="tiny",
+                   help=f"a preset {presets()} or a local checkpoint directory (default tiny)")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--target", type=float, nargs=2, default=(0.2, 0.6), metavar=("LO", "HI"))
@@ -44,7 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--cache-dir", default=None, help="default $VARBENCH_CACHE or ~/.cache/varbench")
     p.add_argument("--out", default=None, help="also save the policy to this directory")
+    add_policy_flags(p)
     p.set_defaults(func=_warmstart)
+
+
+TASK_HELP = (f"a task: one of {task_names()}, MODULE:ATTR (a Task subclass or factory), or a "
+             "data file .jsonl/.json/.csv/.parquet or datasets directory (default sort)")
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -72,18 +85,20 @@ def _builder_counts(rewards: torch.Tensor) -> tuple[dict[str, int], int]:
 
 def _sample(args: argparse.Namespace) -> int:
     from varbench.rollout.sampler import sample
+    from varbench.tasks.verifiers import describe_errors, error_counts
 
     task = resolve_task(args.task, parse_knobs(args.knob))
     reward = task.check_reward(args.reward)
-    if args.warm and args.policy not in presets():
-        raise UsageError(f"--warm needs a preset policy {presets()}, got {args.policy!r}")
-    policy = resolve_policy(args.policy, task=task, warm=args.warm, warm_seed=args.seed)
+    policy = resolve_policy(args.policy, task=task, warm=args.warm, warm_seed=args.seed,
+                            **policy_kwargs(args))
+    errors_before = error_counts()
     prompts = task.prompts(args.prompts, split=args.split, seed=args.seed)
     t0 = time.perf_counter()
     batch = sample(policy, task, prompts, args.G, seed=args.seed, reward=reward,
                    temperature=args.temperature, progress=None)
     dt = time.perf_counter() - t0
-    print(f"policy {policy.name}{' (warm start)' if args.warm else ''} | task {task.name} "
+    print(f"policy {policy.name}{' (warm start)' if args.warm else ''} "
+          f"({_dtype_name(policy)} on {policy.device}) | task {task.name} "
           f"{task.knobs} | reward {reward} | P={batch.P} G={batch.G} seed={args.seed}")
     logp = batch.logprobs.sum(-1)
     for p, prompt in enumerate(prompts):
@@ -99,17 +114,39 @@ def _sample(args: argparse.Namespace) -> int:
           f"raw {counts['raw']}/{n}, centered {counts['centered']}/{n} | "
           f"groups with all rewards equal: {agree}/{batch.P} | "
           f"{int(batch.lengths.sum())} tokens in {dt:.2f}s")
+    for line in describe_errors(errors_before):
+        print(line)
     return 0
 
 
+def _dtype_name(policy) -> str:
+    return str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+
+
 def _warmstart(args: argparse.Namespace) -> int:
+    from varbench.app.specs import resolve_device, resolve_dtype
     from varbench.models.io import save_policy
+    from varbench.train.policies import check_dtype_on_device, is_checkpoint_dir, prepare_for_task
     from varbench.train.warmstart import warm_start
 
     task = resolve_task(args.task, parse_knobs(args.knob))
+    if args.preset not in presets() and not is_checkpoint_dir(args.preset):
+        raise UsageError(f"--policy={args.preset!r} is not valid; choose a preset {presets()} "
+                         "or a local checkpoint directory containing config.json")
+    dtype = resolve_dtype(args.dtype)
+    device = resolve_device(args.device) if args.device else None
+    check_dtype_on_device(dtype, device)
     t0 = time.perf_counter()
     policy = warm_start(args.preset, task, target=tuple(args.target), seed=args.seed,
-                        max_steps=args.max_steps, cache_dir=args.cache_dir, progress=None)
+                        max_steps=args.max_steps, cache_dir=args.cache_dir,
+                        add_task_tokens=args.add_task_tokens,
+                        trust_remote_code=args.trust_remote_code, progress=None)
+    stored = policy.meta.get("stored_dtype")
+    if dtype is None and stored is not None:
+        dtype = getattr(torch, stored)
+    if dtype is not None or device is not None:
+        policy.model.to(device=device, dtype=dtype)
+    prepare_for_task(policy, task)
     info = policy.meta.get("warmstart", {})
     print(f"warm start {args.preset} on {task.name} {task.knobs}: held-out sampled accuracy "
           f"{info.get('accuracy', float('nan')):.3f} after {info.get('steps')} steps "

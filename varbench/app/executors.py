@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from varbench._util.checks import UsageError
+from varbench.tasks.verifiers import error_counts
 
 # Parameters the runner fills in (or builds from settings); a suite cannot set them directly.
 RUNNER_PARAMS = ("cache_dir", "progress", "config", "policy", "policies", "task", "tasks")
@@ -41,6 +42,10 @@ _MODEL_SETTINGS = {
     "preset": _setting("preset", "tiny"),  # embedded preset (random init / warm-started)
     "checkpoint": _setting("checkpoint", None),  # a local HF checkpoint dir instead, used as is
     "knobs": _setting("knobs", None),  # task knobs, e.g. { n = 3 }
+    "dtype": _setting("dtype", "auto"),  # model dtype: auto (stored) or a torch dtype name
+    "device": _setting("device", ""),  # "" (model as built: cpu) or cpu, cuda, cuda:N, mps
+    "trust_remote_code": _setting("trust_remote_code", False),
+    "add_task_tokens": _setting("add_task_tokens", False),  # add a toy task's symbols as tokens
 }
 
 
@@ -130,7 +135,7 @@ KINDS: dict[str, CaseKind] = {
 _POLICY_ARGS = {"proxy": "states", "variance": "each", "cancellation": "per_task"}
 
 
-def _ranked_states(spec: str, states, task, seed: int, progress) -> dict[str, Any]:
+def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> dict[str, Any]:
     """:func:`~varbench.app.specs.policy_states`, built on every rank of a torchrun group.
 
     Rank 0 builds first (warm starts are cached), the others then read its cache. Under NCCL
@@ -145,7 +150,7 @@ def _ranked_states(spec: str, states, task, seed: int, progress) -> dict[str, An
     rank, world = rank_world()
     if world > 1 and rank != 0:
         dist.barrier()
-    out = policy_states(spec, states, task, seed=seed, progress=progress)
+    out = policy_states(spec, states, task, seed=seed, progress=progress, **policy)
     if world > 1 and rank == 0:
         dist.barrier()
     if world > 1 and dist.get_backend() == "nccl":
@@ -181,19 +186,26 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     preset, checkpoint = params.pop("preset"), params.pop("checkpoint")
     states = params.pop("states")
     spec = checkpoint if checkpoint is not None else preset
-    settings = {"preset": preset, "checkpoint": checkpoint, "states": states, "knobs": knobs}
+    policy_kw = {"dtype": params.pop("dtype"), "device": params.pop("device") or None,
+                 "trust_remote_code": params.pop("trust_remote_code"),
+                 "add_task_tokens": params.pop("add_task_tokens")}
+    settings = {"preset": preset, "checkpoint": checkpoint, "states": states, "knobs": knobs,
+                **policy_kw}
     run = {"cache_dir": str(work_dir / "cells") if cache else None, "progress": progress,
            "config": settings}
     seed = params.get("seed", 0)
     how = _POLICY_ARGS[kind.name]
     if how == "per_task":
         tasks = [resolve_task(t, knobs) for t in params.pop("tasks")]
-        pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress).values()))
+        pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress,
+                                                 **policy_kw).values()))
                 for t in tasks}
+        before = error_counts()
         results = [fn(pols, tasks, **params, **run)]
     else:
         task = resolve_task(params.pop("task"), knobs)
-        pols = _ranked_states(spec, states, task, seed, progress)
+        pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
+        before = error_counts()
         if how == "states":
             results = [fn(pols, task, **params, **run)]
         else:
@@ -202,10 +214,26 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
                 res = fn(pol, task, **params, **{**run, "config": {**settings, "state": state}})
                 res.name = f"{name} ({state})" if len(pols) > 1 else name
                 results.append(res)
-            return results
     for r in results:
-        r.name = name
+        if how != "each":
+            r.name = name
+        _annotate(r, pols, before)
     return results
+
+
+def _annotate(res, pols: dict[str, Any], before) -> None:
+    """Model dtype and device of every policy into the provenance; verifier failures since
+    ``before`` (a snapshot of ``error_counts``) as notes."""
+    from varbench.tasks.verifiers import describe_errors
+
+    res.provenance["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}
+    res.provenance["model_device"] = {k: str(p.device) for k, p in pols.items()}
+    res.notes = [*list(res.notes or []), *describe_errors(before)]
+
+
+def model_dtype(policy) -> str:
+    """``"bfloat16"`` etc.: the dtype of the policy's parameters."""
+    return str(next(policy.model.parameters()).dtype).removeprefix("torch.")
 
 
 def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,

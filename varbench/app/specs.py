@@ -6,8 +6,11 @@ same thing to ``sample``, ``train``, ``proxy`` and a suite's ``knobs = { n = 3 }
 - ``--knob KEY=VALUE``: VALUE is a TOML literal (``n=3`` an integer, ``eps=1e-4`` a float,
   ``flag=true`` a boolean, ``items=[1, 2]`` a list, ``name="x"`` a string); a bare word that is
   not a TOML literal is a string (``verifier=number``).
-- policy: a preset name or a local checkpoint directory, optionally warm-started (presets only).
-- task: a registered task name.
+- policy: a preset name or a local checkpoint directory, optionally warm-started on a task with
+  demonstrations; ``--dtype``, ``--device``, ``--trust-remote-code`` and ``--add-task-tokens``
+  apply to both.
+- task: a registered name, ``MODULE:ATTR`` (a user's Task subclass or factory), an installed
+  ``varbench.tasks`` entry point, or a data file / datasets directory (a dataset task).
 - scheme: a registered scheme name or a user's ``MODULE:FUNCTION`` estimator.
 - dtype: ``auto`` (the checkpoint's own) or a floating torch dtype name; device: ``cpu``,
   ``cuda``, ``cuda:N``, ``mps``.
@@ -50,7 +53,7 @@ def parse_knobs(items: Iterable[str] | None, *, flag: str = "--knob") -> dict[st
 
 
 def resolve_task(spec: str, knobs: Mapping[str, Any] | None = None):
-    """The Task ``spec`` names (a registered task name), with its knobs applied."""
+    """The Task ``spec`` names, with its knobs applied: see :func:`varbench.tasks.get_task`."""
     from varbench.tasks import get_task
 
     return get_task(spec, **dict(knobs or {}))
@@ -74,8 +77,10 @@ def resolve_scheme(ref: str) -> str:
                      "MODULE:FUNCTION (an estimator imported by name)")
 
 
-def resolve_dtype(name: str | None) -> torch.dtype | None:
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """``"auto"``/None -> None (keep the stored dtype); otherwise the torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
     if name is None or name == "auto":
         return None
     if name not in DTYPES:
@@ -111,16 +116,44 @@ def resolve_device(name: str | None) -> torch.device:
 def resolve_policy(spec: str, *, task=None, warm: bool = False, seed: int = 0,
                    warm_seed: int | None = None, dtype: str | torch.dtype | None = None,
                    device: str | torch.device | None = None, trust_remote_code: bool = False,
-                   progress: bool | None = None):
-    """The Policy ``spec`` names: a preset (random init from ``seed``, or warm-started on
-    ``task``) or a local checkpoint directory; see :func:`varbench.train.policies.build_policy`.
+                   add_task_tokens: bool = False, progress: bool | None = None):
+    """The Policy ``spec`` names: a preset (random init from ``seed``) or a local checkpoint
+    directory, optionally warm-started on ``task``; ``dtype`` ("auto": the stored one) and
+    ``device`` (checked to exist and to support the dtype) before any work; see
+    :func:`varbench.train.policies.build_policy`.
     """
     from varbench.train.policies import build_policy
 
-    if isinstance(dtype, str):
-        dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
+    if device is not None and not isinstance(device, torch.device):
+        device = resolve_device(device)
     return build_policy(spec, task=task, warm=warm, seed=seed, warm_seed=warm_seed, dtype=dtype,
-                        device=device, trust_remote_code=trust_remote_code, progress=progress)
+                        device=device, trust_remote_code=trust_remote_code,
+                        add_task_tokens=add_task_tokens, progress=progress)
+
+
+def policy_kwargs(args) -> dict[str, Any]:
+    """The precision / device / loading flags of a command as :func:`resolve_policy` keywords
+    (``--dtype``, ``--device``, ``--trust-remote-code``, ``--add-task-tokens``)."""
+    return {"dtype": getattr(args, "dtype", None), "device": getattr(args, "device", None),
+            "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
+            "add_task_tokens": bool(getattr(args, "add_task_tokens", False))}
+
+
+def add_policy_flags(parser, *, dtype: bool = True) -> None:
+    """``--dtype``, ``--device``, ``--trust-remote-code``, ``--add-task-tokens`` (one spelling
+    for every command that builds a policy)."""
+    if dtype:
+        parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                            help="model dtype (default auto: the checkpoint's own; presets are "
+                                 "float32); statistics stay float32 or better")
+        parser.add_argument("--device", default=None,
+                            help="cpu, cuda, cuda:N or mps (default: cuda when visible, else cpu)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a checkpoint's own Python code to run when loading it")
+    parser.add_argument("--add-task-tokens", action="store_true",
+                        help="add a toy task's symbols as tokens (resizing the embeddings) when "
+                             "the tokenizer splits them")
 
 
 STATES = ("random", "warm")
@@ -128,20 +161,21 @@ STATE_LABELS = {"random": "random init", "warm": "warm-started"}
 
 
 def policy_states(spec: str, states: Iterable[str], task, *, seed: int = 0,
-                  progress: bool | None = None) -> dict[str, Any]:
+                  progress: bool | None = None, **policy: Any) -> dict[str, Any]:
     """``{state label: Policy}``: a checkpoint directory as it is (labelled by its name), or
     the preset at each requested state ("random": random init, "warm": warm-started on
-    ``task``)."""
+    ``task``). ``policy``: :func:`resolve_policy`'s dtype / device / trust_remote_code /
+    add_task_tokens."""
     from pathlib import Path
 
     from varbench.train.policies import is_checkpoint_dir
 
     if is_checkpoint_dir(spec):
-        return {Path(spec).name: resolve_policy(spec)}
+        return {Path(spec).name: resolve_policy(spec, task=task, seed=seed, **policy)}
     out = {}
     for s in dict.fromkeys(states):
         if s not in STATES:
             raise UsageError(f"states={s!r} is not valid; choose one of {list(STATES)}")
         out[STATE_LABELS[s]] = resolve_policy(spec, task=task, warm=s == "warm", seed=seed,
-                                              progress=progress)
+                                              progress=progress, **policy)
     return out

@@ -177,7 +177,31 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
         from varbench.train.config import TrainConfig
 
         TrainConfig.from_dict(merged, source=f"{where}: {at}")  # validates types
+    _check_tasks(where, at, kind, merged)
     return Case(index, name, kind, merged)
+
+
+def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> None:
+    """Resolve the case's task spec(s) with their knobs now, so a missing file, a missing
+    column or a MODULE:ATTR that is not a Task fails before any case runs."""
+    from varbench.app.specs import resolve_task
+
+    if kind == "train":
+        specs, knobs = [merged.get("task", "sort")], merged.get("task_options") or {}
+    elif kind in ("proxy", "variance", "cancellation"):
+        default = KINDS[kind].parameters()
+        raw = merged.get("tasks", merged.get("task", None))
+        if raw is None:
+            key = "tasks" if "tasks" in default else "task"
+            raw = default[key].default
+        specs, knobs = (raw if isinstance(raw, list) else [raw]), merged.get("knobs") or {}
+    else:
+        return
+    for spec in specs:
+        try:
+            resolve_task(spec, knobs)
+        except UsageError as err:
+            raise SuiteError(f"{where}: {at} key 'task' = {spec!r}: {err}") from None
 
 
 def _kind_params(path: Path | str, kind: str) -> dict[str, inspect.Parameter]:
@@ -219,6 +243,8 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
         for v in values:
             if key in ("scheme", "schemes") and is_reference(v):
                 continue  # a user's estimator, imported by name when the case runs
+            if key in ("task", "tasks") and isinstance(v, str) and v not in choices:
+                continue  # MODULE:ATTR or a data path: resolved with its knobs in parse_case
             if v not in choices and not (key == "policy" and isinstance(v, str)
                                          and Path(v).is_dir()):
                 extra = " or an existing checkpoint directory" if key == "policy" else ""
@@ -226,6 +252,13 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
                     extra = " or MODULE:FUNCTION"
                 raise SuiteError(f"{at}: {v!r} is not valid; choose one of "
                                  f"{sorted(map(str, choices))}{extra}")
+    if key == "device" and isinstance(value, str) and value:
+        from varbench.app.specs import resolve_device
+
+        try:
+            resolve_device(value)
+        except UsageError as err:
+            raise SuiteError(f"{at}: {err}") from None
     if key == "checkpoint" and value is not None and not Path(str(value)).is_dir():
         raise SuiteError(f"{at} = {value!r} is not an existing checkpoint directory")
     if key == "estimator":
@@ -260,4 +293,8 @@ def _choices(key: str, kind: str) -> list[Any] | None:
         from varbench.app.specs import STATES
 
         return list(STATES)
+    if key == "dtype" and kind != "train":
+        from varbench.app.specs import DTYPES
+
+        return list(DTYPES)
     return None

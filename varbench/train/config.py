@@ -28,7 +28,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 RATIO_KINDS = ("token", "sequence")
 KL_KINDS = ("k1", "k2", "k3")
 TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
-DTYPES = ("float32", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float64")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class TrainConfig:
 
     # --- what is trained on what ---
     task: str = "sort"
-    """Registered task name (``varbench tasks`` lists them)."""
+    """Task spec: a registered name (``varbench tasks`` lists them), MODULE:ATTR (a Task subclass
+    or factory), or a data file (.jsonl, .json, .csv, .parquet) or datasets directory."""
     task_options: Mapping[str, Any] = field(default_factory=dict)
     """Task knobs (e.g. ``n`` for sort); empty: the task's defaults (sort: n = 3)."""
     reward: str | None = None
@@ -47,7 +48,14 @@ class TrainConfig:
     """Model preset name ('tiny', 'small') or a local checkpoint directory."""
     warm_start: bool = True
     """For a preset: start from the cached supervised warm start on this task (else random init).
-    Ignored for a checkpoint directory, which is used as is."""
+    A checkpoint directory is used as is unless ``warm_start_dir`` is true."""
+    warm_start_dir: bool = False
+    """Warm-start a checkpoint directory too (needs a task with demonstrations)."""
+    trust_remote_code: bool = False
+    """Allow a checkpoint directory's own Python code to run when loading it."""
+    add_task_tokens: bool = False
+    """Add a toy task's symbols as tokens (resizing the embeddings) when the tokenizer splits
+    them; otherwise such a tokenizer is an error."""
     warm_start_seed: int = 0
     """Seed of the warm start (shared by every run that should start from the same policy)."""
 
@@ -135,7 +143,9 @@ class TrainConfig:
     seed: int = 0
     """One seed for everything (prompt order, sampling, minibatch order, evaluation)."""
     dtype: str = "float32"
-    """Parameter dtype: float32 (default) or float64."""
+    """Parameter dtype: float32 (default), float64, bfloat16 (float32 master weights and
+    AdamW states: each update is computed in float32 and rounded into the bfloat16 model) or
+    auto (the policy's own dtype). float16 is refused (it would need loss scaling)."""
     device: str = "cpu"
     """torch device string."""
 
@@ -279,6 +289,9 @@ def _validate(c: TrainConfig) -> None:
     _choice("ratio", c.ratio, RATIO_KINDS)
     _choice("kl_kind", c.kl_kind, KL_KINDS)
     _choice("transform", c.transform, TRANSFORMS)
+    if c.dtype == "float16":
+        raise UsageError("dtype='float16' is not valid for training (it needs loss scaling); "
+                         f"choose one of {list(DTYPES)}")
     _choice("dtype", c.dtype, DTYPES)
     for name in ("task", "policy", "scheme", "agg", "device"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):

@@ -112,8 +112,11 @@ def train(
 ) -> TrainResult:
     """Run ``config``; write ``run_dir/records.csv`` (+ checkpoints) when ``run_dir`` is given.
 
-    ``policy`` overrides ``config.policy`` (it is trained in place). ``resume=True`` continues
-    from the latest checkpoint in ``run_dir`` (a fresh start when there is none).
+    ``policy`` overrides ``config.policy``; a deep copy of it is trained (in ``config.dtype``
+    on ``config.device``), so the caller's object never changes; the trained policy is
+    ``result.policy``. bfloat16 trains through float32 master weights and AdamW states
+    (:class:`varbench.train.setup.MasterWeightAdamW`). ``resume=True`` continues from the
+    latest checkpoint in ``run_dir`` (a fresh start when there is none).
     """
     setup.check_config(config)
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -126,17 +129,16 @@ def train(
     task, reward = setup.build_task(config)
     if policy is None:
         policy = setup.build_policy(config, task)
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        policy.model.to(device=config.device, dtype=dtype)
+    else:
+        policy = setup.own_policy(policy, config, task)
     model = policy.model
-    dtype = getattr(torch, config.dtype)
-    model.to(device=config.device, dtype=dtype)
     ref_model = None
     if config.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps, weight_decay=config.weight_decay,
-    )
+    optimizer = setup.make_optimizer(params, config)
     train_gen = torch.Generator().manual_seed(config.seed)
     detector = CollapseDetector(surge_factor=config.surge_factor, window=config.surge_window,
                                 entropy_floor=config.entropy_floor)
@@ -263,7 +265,8 @@ def train(
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     clip_to = config.grad_clip if config.grad_clip > 0 else float("inf")
-                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip_to)))
+                    clip_params = setup.grads_for_clipping(optimizer, params)
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(clip_params, clip_to)))
                     optimizer.step()
                     for k, v in metrics.items():
                         stats.setdefault(k, []).append(float(v))

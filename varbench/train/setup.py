@@ -27,7 +27,7 @@ def check_config(config: TrainConfig) -> None:
 
 
 def build_task(config: TrainConfig) -> tuple[Task, str]:
-    """The task of ``config`` and its training reward name (validated)."""
+    """The task ``config.task`` names (any task spec) and its training reward name."""
     task = get_task(config.task, **dict(config.task_options))
     reward = task.check_reward(config.reward)
     if EXACT not in task.rewards:
@@ -44,9 +44,94 @@ def build_policy(config: TrainConfig, task: Task) -> Policy:
     from varbench.train.policies import build_policy as build
     from varbench.train.policies import is_checkpoint_dir
 
-    warm = config.warm_start and not is_checkpoint_dir(config.policy)
+    is_dir = is_checkpoint_dir(config.policy)
+    warm = config.warm_start_dir if is_dir else config.warm_start
     return build(config.policy, task=task, warm=warm, seed=config.seed,
-                 warm_seed=config.warm_start_seed)
+                 warm_seed=config.warm_start_seed, trust_remote_code=config.trust_remote_code,
+                 add_task_tokens=config.add_task_tokens)
+
+
+def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
+    """The policy the loop trains: a deep copy of a caller's ``policy`` (whose object is never
+    changed) on ``config.device`` in ``config.dtype`` ("auto": its own), bound to ``task``."""
+    import copy
+
+    from varbench.train.policies import check_dtype_on_device, prepare_for_task
+
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    check_dtype_on_device(dtype, config.device)
+    model = copy.deepcopy(policy.model).to(device=config.device, dtype=dtype)
+    own = Policy(model=model, tokenizer=copy.deepcopy(policy.tokenizer), name=policy.name,
+                 meta=copy.deepcopy(policy.meta))
+    return prepare_for_task(own, task, add_task_tokens=config.add_task_tokens)
+
+
+class MasterWeightAdamW:
+    """AdamW whose parameters are float32 master copies of low-precision model parameters.
+
+    ``grads_to_master()`` copies the model's gradients into the masters (float32) and returns
+    the masters (clip their norm: computed in float32); ``step()`` updates the masters and
+    rounds them into the model. ``state_dict()`` is AdamW's with each master under
+    ``state[i]["master"]``, so checkpoints restore the float32 weights exactly.
+    """
+
+    def __init__(self, params, **kwargs) -> None:
+        self.model_params = list(params)
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        self.opt = torch.optim.AdamW(self.master, **kwargs)
+        self.param_groups = self.opt.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def grads_to_master(self) -> list[torch.Tensor]:
+        for m, p in zip(self.master, self.model_params, strict=True):
+            m.grad = None if p.grad is None else p.grad.detach().float()
+        return self.master
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.opt.step()
+        for m, p in zip(self.master, self.model_params, strict=True):
+            p.copy_(m)
+
+    def state_dict(self) -> dict:
+        sd = self.opt.state_dict()
+        sd["state"] = {i: dict(sd["state"].get(i, {})) for i in range(len(self.master))}
+        for i, m in enumerate(self.master):
+            sd["state"][i]["master"] = m.detach().clone()
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        sd = {**sd, "state": {k: dict(v) for k, v in sd["state"].items()}}
+        for k, st in sd["state"].items():
+            m = st.pop("master", None)
+            if m is not None:
+                self.master[int(k)].copy_(m)
+                self.model_params[int(k)].copy_(m)
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}
+        self.opt.load_state_dict(sd)
+
+
+def make_optimizer(params, config: TrainConfig):
+    """AdamW over ``params``, through float32 master weights when they are bf16/fp16."""
+    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                  eps=config.adam_eps, weight_decay=config.weight_decay)
+    params = list(params)
+    if params and params[0].dtype in (torch.bfloat16, torch.float16):
+        return MasterWeightAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def grads_for_clipping(optimizer, params):
+    """The tensors whose gradient norm is clipped and recorded: the float32 masters of a
+    :class:`MasterWeightAdamW` (grads copied in now), else ``params``."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        return optimizer.grads_to_master()
+    return params
 
 
 def score(task: Task, batch: RolloutBatch, prompts: list[Prompt], reward: str

@@ -31,6 +31,7 @@ from varbench._util.progress import show_progress
 from varbench.models.forward import forward_logits
 from varbench.models.io import load_policy, save_policy
 from varbench.models.presets import Policy, build_policy, presets
+from varbench.models.tokenizer import add_task_tokens as add_tokens
 from varbench.models.tokenizer import check_tokenizer_covers
 from varbench.rollout.sampler import sample
 from varbench.tasks.base import Prompt, Task, get_task
@@ -143,9 +144,17 @@ def warm_start(
     reward: str | None = None,
     use_cache: bool = True,
     threads: int | None = None,
+    add_task_tokens: bool = False,
+    trust_remote_code: bool = False,
     progress: bool | None = None,
 ) -> Policy:
-    """Train preset ``preset`` on ``task``'s demonstrations into the accuracy band ``target``.
+    """Train ``preset`` (a preset name or a local checkpoint directory) on ``task``'s
+    demonstrations into the accuracy band ``target``.
+
+    A checkpoint directory is trained in float32 (its stored dtype is kept in
+    ``policy.meta["stored_dtype"]`` for the caller to cast back); its cache key includes the
+    size and modification time of every file in it. ``add_task_tokens``: add the task's
+    alphabet as tokens first (see :func:`varbench.models.tokenizer.add_task_tokens`).
 
     Returns the policy (eval mode) with ``policy.meta["warmstart"]`` = {accuracy, steps,
     in_band, cache}. If ``max_steps`` ends outside the band, a warning says so and the last
@@ -156,8 +165,14 @@ def warm_start(
     """
     if isinstance(task, str):
         task = get_task(task)
-    if preset not in presets():
-        raise UsageError(f"preset={preset!r} is not valid; choose one of {presets()}")
+    preset = str(preset)
+    is_dir = preset not in presets() and (Path(preset).expanduser() / "config.json").is_file()
+    if preset not in presets() and not is_dir:
+        raise UsageError(f"preset={preset!r} is not valid; choose one of {presets()} or a local "
+                         "checkpoint directory containing config.json")
+    if not task.has_demonstrations:
+        raise UsageError(f"task {task.name!r} has no demonstrations to warm-start on (a "
+                         "dataset task: set --knob solution_key=COLUMN)")
     lo, hi = (float(x) for x in target)
     if not 0.0 <= lo < hi <= 1.0:
         raise UsageError(
@@ -169,23 +184,47 @@ def warm_start(
     reward = task.check_reward(reward)
     cfg = _config(preset, task, (lo, hi), seed, max_steps, batch_size, lr, eval_every,
                   eval_prompts, tie_embeddings, reward)
-    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    if is_dir:  # which weights: a changed file is a new cache entry
+        root_dir = Path(preset).expanduser()
+        cfg["weights"] = sorted((str(f.relative_to(root_dir)), f.stat().st_size,
+                                 f.stat().st_mtime_ns) for f in root_dir.rglob("*")
+                                if f.is_file())
+    if add_task_tokens:
+        cfg["add_task_tokens"] = True
+    if not type(task).__module__.startswith(("varbench.tasks.sort", "varbench.tasks.arith",
+                                             "varbench.tasks.toolsum")):
+        cfg["task_fingerprint"] = task.fingerprint()  # a user's class or a data file
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    entry = root / "warmstart" / f"{task.name}-{preset}-{key}"
+    label = Path(preset).name if is_dir else preset
+    entry = root / "warmstart" / f"{Path(task.name).stem}-{label}-{key}"
     if use_cache and entry.exists():
         try:
             policy = load_policy(entry)
-            if policy.meta.get("warmstart", {}).get("config") != cfg:
+            saved = json.loads(json.dumps(policy.meta.get("warmstart", {}).get("config"),
+                                          default=str))
+            if saved != json.loads(json.dumps(cfg, default=str)):
                 raise UsageError(f"metadata in {str(entry / 'varbench_meta.json')!r} "
                                  "does not match the requested config")
+            task.bind(policy.tokenizer)
             return policy
         except ValueError as err:
             warnings.warn(f"warm-start cache entry {str(entry)!r} is corrupt ({err}); "
                           "rebuilding it", stacklevel=2)
             shutil.rmtree(entry, ignore_errors=True)
 
-    policy = build_policy(preset, seed=seed, tie_embeddings=tie_embeddings)
+    if is_dir:
+        policy = load_policy(preset, trust_remote_code=trust_remote_code)
+        stored = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+        policy.model.to(torch.float32)  # SFT with float32 weights and optimizer states
+        policy.meta = {**policy.meta, "stored_dtype": stored, "base": str(preset)}
+    else:
+        policy = build_policy(preset, seed=seed, tie_embeddings=tie_embeddings)
+    if add_task_tokens:
+        added = add_tokens(policy.tokenizer, policy.model, task.alphabet)
+        policy.meta["added_tokens"] = added
     check_tokenizer_covers(policy.tokenizer, task.alphabet, what=f"task {task.name!r}")
+    task.bind(policy.tokenizer)
     if threads is None and preset in ("micro", "tiny"):
         threads = 1
     before = torch.get_num_threads()
