@@ -76,3 +76,32 @@ def test_sampled_reference_note_and_empty_records():
 def test_ratio_se_delta_method():
     assert _ratio_se(2.0, 0.2, 4.0, 0.2) == pytest.approx(0.5 * math.sqrt(0.01 + 0.0025))
     assert math.isnan(_ratio_se(0.0, 0.1, 1.0, 0.1)) and math.isnan(_ratio_se(1.0, 0.1, 0, 0.1))
+
+
+def test_all_rewards_equal_and_zero_reference_are_said_not_printed_as_n_a():
+    """Every reward equal: every estimate is 0, every ratio 0/0, g* = 0. The headlines say so
+    and no 'n/a x' ratio or cosine to a zero g* is printed."""
+    cells = pd.DataFrame([
+        {**_cell("centered", 2, 0.0, 0.0), "frac_all_agree": 1.0},
+        {**_cell("centered", 4, 0.0, 0.0), "frac_all_agree": 1.0},
+        {**_cell("otb", 2, 0.0, 0.0, cosine=0.0), "frac_all_agree": 1.0},
+        {**_cell("rloo", 4, 0.0, 0.0, cosine=0.0), "frac_all_agree": 1.0},
+    ])
+    paired = pd.DataFrame([
+        {"stat": "variance", "scheme": s, "G": g, "mode": "token-mean", "ratio": NAN,
+         "ratio_se": NAN} for s, g in (("otb", 2), ("rloo", 4))])
+    ref = pd.DataFrame({"reference": ["sampled: raw estimator over 64 independent responses"],
+                        "sketch": ["flat"], "n_params": [10.0], "ref_norm": [0.0],
+                        "ref_se_norm": [0.0], "mean_reward_sampled": [0.0]})
+    heads, _, summary = variance_headlines({"cells": cells, "paired": paired,
+                                            "reference": ref}, "sampled")
+    keys = [h.key for h in heads]
+    assert keys == ["all_rewards_equal", "reference_gradient_zero"]
+    text = " ".join(h.text for h in heads)
+    assert "all rewards equal (mean reward 0)" in text and "g* is exactly 0" in text
+    assert "n/a" not in text
+    # with some groups informative, only the zero reference is reported
+    cells.loc[0, "frac_all_agree"] = 0.5
+    heads, _, _ = variance_headlines({"cells": cells, "paired": paired, "reference": ref},
+                                     "sampled")
+    assert [h.key for h in heads] == ["reference_gradient_zero"]

@@ -39,15 +39,35 @@ def variance_headlines(
             f"{with_se(float(ref['ref_norm'].mean()), float(ref['ref_se_norm'].mean()))} "
             "(mean over prompts)."
         )
+    # Degenerate inputs first: with every reward equal every estimate is 0, and with g* = 0 no
+    # cosine or bias is defined; say exactly that instead of printing n/a ratios.
+    all_equal = ("frac_all_agree" in cells and bool(len(cells))
+                 and bool((cells["frac_all_agree"] >= 1).all()))
+    ref_zero = bool(len(ref)) and bool((ref["ref_norm"] == 0).all())
+    if all_equal:
+        mean_r = (float(ref["mean_reward_sampled"].mean()) if "mean_reward_sampled" in ref
+                  else float("nan"))
+        heads.append(Headline(
+            "all_rewards_equal", 1.0, None,
+            f"Every sampled group had all rewards equal (mean reward {fmt(mean_r)}): every "
+            "group's estimate is 0 for every scheme, so no variance ratio is defined. Use a "
+            "policy that sometimes succeeds (e.g. warm-started) or a shaped reward."))
+    if ref_zero:
+        heads.append(Headline(
+            "reference_gradient_zero", 0.0, None,
+            "The reference gradient g* is exactly 0 (every response in the reference scored "
+            "the same), so cosines to g* and bias are not defined."))
     for r in paired[paired["stat"] == "variance"].itertuples() if len(paired) else []:
         if not (r.scheme.startswith("otb") or r.scheme == "rloo"):
             continue
+        if not math.isfinite(r.ratio):
+            continue  # 0 / 0: covered by the degenerate headlines above
         heads.append(Headline(
             f"variance_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
             ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
                            f"variance ({r.mode})", r.ratio, r.ratio_se)))
     for r in cells.itertuples() if len(cells) else []:
-        if not r.scheme.startswith("otb") or not math.isfinite(r.cosine):
+        if not r.scheme.startswith("otb") or not math.isfinite(r.cosine) or ref_zero:
             continue
         heads.append(Headline(
             f"cosine:{r.scheme}:G={r.G}:{r.mode}", r.cosine, r.cosine_se,
@@ -64,7 +84,9 @@ def variance_headlines(
             b = base.iloc[0]
             for r in cells[(cells["mode"] == mode) & cells["scheme"].str.startswith("otb")
                            & (cells["G"] < gmax)].itertuples():
-                ratio = r.variance / b["variance"] if b["variance"] else float("nan")
+                if not b["variance"]:
+                    continue  # 0 / 0: covered by the degenerate headlines above
+                ratio = r.variance / b["variance"]
                 se = _ratio_se(r.variance, r.variance_se, b["variance"], b["variance_se"])
                 heads.append(Headline(
                     f"budget:{r.scheme}:G={r.G}:vs_centered:G={gmax}:{mode}", ratio, se,

@@ -197,6 +197,7 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     how = _POLICY_ARGS[kind.name]
     if how == "per_task":
         tasks = [resolve_task(t, knobs) for t in params.pop("tasks")]
+        settings["task_fingerprints"] = [t.fingerprint() for t in tasks]
         pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress,
                                                  **policy_kw).values()))
                 for t in tasks}
@@ -204,6 +205,7 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
         results = [fn(pols, tasks, **params, **run)]
     else:
         task = resolve_task(params.pop("task"), knobs)
+        settings["task_fingerprints"] = [task.fingerprint()]  # a data file's content hash
         pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
         before = error_counts()
         if how == "states":

@@ -50,13 +50,17 @@ class Case:
     name: str
     kind: str
     params: dict[str, Any]
+    inputs: tuple[str, ...] = ()  # fingerprints of the tasks (a data file's content hash)
 
     def config(self) -> dict[str, Any]:
         """What identifies the case's result (with the varbench version: the cache key)."""
         from varbench._util.version import VERSION as __version__
 
-        return {"name": self.name, "kind": self.kind, "params": self.params,
-                "varbench_version": __version__}
+        out = {"name": self.name, "kind": self.kind, "params": self.params,
+               "varbench_version": __version__}
+        if self.inputs:  # only when a task reads data: older cache keys stay valid
+            out["inputs"] = list(self.inputs)
+        return out
 
     @property
     def key(self) -> str:
@@ -177,13 +181,16 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
         from varbench.train.config import TrainConfig
 
         TrainConfig.from_dict(merged, source=f"{where}: {at}")  # validates types
-    _check_tasks(where, at, kind, merged)
-    return Case(index, name, kind, merged)
+    inputs = _check_tasks(where, at, kind, merged)
+    return Case(index, name, kind, merged, inputs)
 
 
-def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> None:
+def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tuple[str, ...]:
     """Resolve the case's task spec(s) with their knobs now, so a missing file, a missing
-    column or a MODULE:ATTR that is not a Task fails before any case runs."""
+    column or a MODULE:ATTR that is not a Task fails before any case runs; returns the
+    fingerprints of dataset tasks (their data's hash: part of the case's cache key)."""
+    from varbench.tasks import DatasetTask
+
     from varbench.app.specs import resolve_task
 
     if kind == "train":
@@ -196,12 +203,16 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> None
             raw = default[key].default
         specs, knobs = (raw if isinstance(raw, list) else [raw]), merged.get("knobs") or {}
     else:
-        return
+        return ()
+    out = []
     for spec in specs:
         try:
-            resolve_task(spec, knobs)
+            task = resolve_task(spec, knobs)
         except UsageError as err:
             raise SuiteError(f"{where}: {at} key 'task' = {spec!r}: {err}") from None
+        if isinstance(task, DatasetTask):
+            out.append(task.fingerprint())
+    return tuple(out)
 
 
 def _kind_params(path: Path | str, kind: str) -> dict[str, inspect.Parameter]:
