@@ -189,9 +189,8 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tupl
     """Resolve the case's task spec(s) with their knobs now, so a missing file, a missing
     column or a MODULE:ATTR that is not a Task fails before any case runs; returns the
     fingerprints of dataset tasks (their data's hash: part of the case's cache key)."""
-    from varbench.tasks import DatasetTask
-
     from varbench.app.specs import resolve_task
+    from varbench.tasks import DatasetTask
 
     if kind == "train":
         specs, knobs = [merged.get("task", "sort")], merged.get("task_options") or {}
