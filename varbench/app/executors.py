@@ -242,12 +242,14 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
            cache: bool) -> list:
     from varbench.report import provenance
     from varbench.report.result import AnalysisResult, Headline
+    from varbench.tasks.verifiers import describe_errors
     from varbench.train.config import TrainConfig
     from varbench.train.loop import train
 
     register_estimators(params)
     config = TrainConfig.from_dict(params, source=f"case {name!r}")
     start = time.perf_counter()
+    before = error_counts()
     res = train(config, run_dir=work_dir / "run", resume=True, progress=progress)
     df = res.records
     heads = []
@@ -264,10 +266,12 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     if "tokens/sampled" in df:
         heads.append(Headline("tokens_sampled", float(df["tokens/sampled"].iloc[-1]), None,
                               f"{name}: {int(df['tokens/sampled'].iloc[-1])} sampled tokens"))
-    prov = provenance(config=config.to_dict(), seeds=config.seed, device=config.device,
-                      wall_time_s=time.perf_counter() - start)
+    prov = provenance(config=config.to_dict(), seeds=config.seed, device=str(res.policy.device),
+                      wall_time_s=time.perf_counter() - start,
+                      model_dtype=model_dtype(res.policy))
+    prov["model_device"] = str(res.policy.device)
     return [AnalysisResult("train", name, {"steps": df}, {"stopped": res.stopped}, heads,
-                           config.to_dict(), prov)]
+                           config.to_dict(), prov, describe_errors(before))]
 
 
 def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,

@@ -35,8 +35,10 @@ def provenance(
     seeds: dict[str, int] | int | None,
     device: str | torch.device = "cpu",
     wall_time_s: float | None = None,
+    model_dtype: str | dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A provenance dict: varbench/torch/transformers versions, commit, device, seeds, config."""
+    """A provenance dict: varbench/torch/transformers versions, commit, device, model dtype,
+    seeds, config."""
     from varbench._util.version import VERSION as __version__
 
     try:
@@ -53,6 +55,7 @@ def provenance(
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),
+        "model_dtype": model_dtype,
         "seeds": seeds,
         "config": config,
         "wall_time_s": wall_time_s,
