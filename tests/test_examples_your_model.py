@@ -88,3 +88,73 @@ def test_your_model_suite_runs(workdir, monkeypatch):
     assert any("held-out sampled accuracy" in h["text"] for h in train["headlines"])
     assert (workdir / "out" / "report.html").is_file()
     shutil.rmtree(workdir / "out")
+
+
+def _cli(*args):
+    from varbench.app.cli import main
+
+    return main([str(a) for a in args])
+
+
+def test_every_command_takes_the_checkpoint_the_data_file_and_bfloat16(workdir, tmp_path,
+                                                                       capsys):
+    """The issue's acceptance line: sample|proxy|variance|cancellation|train|warmstart all
+    accept --policy DIR --task data.jsonl --knob verifier=number --dtype bfloat16."""
+    ck = workdir / "runs" / "your-model" / "ckpt"
+    data = workdir / "examples" / "your_model" / "word_problems.jsonl"
+    common = ["--policy", ck, "--task", data, "--knob", "verifier=number", "--knob",
+              "max_new_tokens=4", "--dtype", "bfloat16"]
+    assert _cli("sample", *common, "-G", 2, "--prompts", 1) == 0
+    out = capsys.readouterr().out
+    assert "(bfloat16 on cpu)" in out and "<|im_start|>user" in out  # the chat template
+    small = ["--prompts", 1, "-G", 2, "--no-progress", "--no-cache"]
+    assert _cli("proxy", *common, *small, "--boot", 10, "--out", tmp_path / "p") == 0
+    assert _cli("variance", *common, *small[2:], "--prompts", 1, "-G", 2, "-M", 3,
+                "--reference", "sampled", "--n-ref", 4, "--schemes", "centered", "otb",
+                "--out", tmp_path / "v") == 0
+    assert _cli("cancellation", *common, *small, "--inner-steps", 0, "--sketch-dim", 16,
+                "--out", tmp_path / "c") == 0
+    for d in ("p", "v", "c"):
+        prov = json.loads((tmp_path / d / "summary.json").read_text())["analyses"][0][
+            "provenance"]
+        assert list(prov["model_dtype"].values()) == ["bfloat16"]
+    assert _cli("train", *[x for x in common if x != "--knob" and "=" not in str(x)],
+                "--knob", "verifier=number", "--knob", "max_new_tokens=4", "--steps", 1,
+                "-G", 2, "--prompts-per-step", 1, "--eval-prompts", 2, "--eval-samples", 1,
+                "--out", tmp_path / "t", "--no-warm-start") == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and cfg["task"] == str(data)
+    with pytest.warns(UserWarning, match="ended after 1 steps"):  # one step: out of band
+        assert _cli("warmstart", *common, "--knob", "solution_key=solution", "--max-steps", 1,
+                    "--cache-dir", tmp_path / "cache", "--out", tmp_path / "w") == 0
+    from varbench.models import load_policy
+
+    assert next(load_policy(tmp_path / "w").model.parameters()).dtype == torch.bfloat16
+
+
+def test_a_users_task_class_and_the_bpe_tokenizer_on_sort(workdir, capsys):
+    ck = workdir / "runs" / "your-model" / "ckpt"
+    assert _cli("sample", "--policy", ck, "--task", "tests._plugin_tasks:EchoTask", "--knob",
+                "word=yo", "-G", 2, "--prompts", 1) == 0
+    assert "say yo 0:" in capsys.readouterr().out
+    # byte-level BPE splits <sort>: a clear error before any work, then --add-task-tokens
+    assert _cli("sample", "--policy", ck, "--task", "sort", "-G", 2) == 2
+    err = capsys.readouterr().err
+    assert "['<sort>']" in err and "--add-task-tokens" in err and "dataset task" in err
+    assert _cli("sample", "--policy", ck, "--task", "sort", "-G", 2, "--prompts", 1,
+                "--add-task-tokens") == 0
+    cap = capsys.readouterr()
+    assert "added 1 task token(s) ['<sort>']" in cap.err and "resized its embeddings" in cap.err
+    assert "task sort" in cap.out
+
+
+def test_bf16_unsupported_device_and_bad_dtype_are_usage_errors(monkeypatch, capsys):
+    from varbench.train.policies import check_dtype_on_device
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(Exception, match=r"--dtype=bfloat16 is not supported on "
+                                        r"--device='cuda'.*choose one of \['float16', 'float32'\]"):
+        check_dtype_on_device(torch.bfloat16, "cuda")
+    with pytest.raises(SystemExit) as exit_:
+        _cli("sample", "--dtype", "bf16")
+    assert exit_.value.code == 2 and "invalid choice: 'bf16'" in capsys.readouterr().err

@@ -1,0 +1,209 @@
+"""varbench.tasks.dataset and the task spec syntax: data files of every format, knobs, splits
+(seeded, disjoint, stable under row order), chat templates, demonstrations, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench.tasks import DatasetTask, Prompt, get_task, register_task
+from varbench.tasks.verifiers import error_counts
+
+ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b),
+         "solution": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+        for a in range(8) for b in range(5)]
+
+
+def _jsonl(path, rows=ROWS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_format_reads_the_same_rows(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    j = _jsonl(tmp_path / "d.jsonl")
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    with (tmp_path / "d.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(ROWS[0]))
+        w.writeheader()
+        w.writerows(ROWS)
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    ref = get_task(str(j))
+    for ext in ("json", "csv", "parquet"):
+        t = get_task(str(tmp_path / f"d.{ext}"))
+        assert isinstance(t, DatasetTask) and t.rows == ref.rows
+        assert t._pools == ref._pools  # the same held-out rows
+
+
+def test_save_to_disk_directory_and_split_knob(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "one"))
+    assert get_task(str(tmp_path / "one")).rows == get_task(str(_jsonl(tmp_path / "x.jsonl"))).rows
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                               "test": datasets.Dataset.from_list(ROWS[30:])})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    assert len(get_task(str(tmp_path / "dict")).rows) == 40
+    assert len(get_task(str(tmp_path / "dict"), split="test").rows) == 10
+    with pytest.raises(UsageError, match=r"knob split='dev' is not valid; choose one of "
+                                         r"\['test', 'train'\]"):
+        get_task(str(tmp_path / "dict"), split="dev")
+
+
+def test_splits_are_disjoint_seeded_and_stable_under_row_order(tmp_path):
+    a = get_task(str(_jsonl(tmp_path / "a.jsonl")))
+    b = get_task(str(_jsonl(tmp_path / "b.jsonl", ROWS[::-1] + ROWS[:3])))  # reordered + dups
+    held_a = {a.rows[i][0] for i in a._pools["heldout"]}
+    train_a = {a.rows[i][0] for i in a._pools["train"]}
+    assert held_a and train_a and not held_a & train_a
+    assert len(held_a) == 8  # round(0.2 * 40)
+    assert held_a == {b.rows[i][0] for i in b._pools["heldout"]}  # row order does not matter
+    other = get_task(str(tmp_path / "a.jsonl"), split_seed=1)
+    assert held_a != {other.rows[i][0] for i in other._pools["heldout"]}
+    assert a.split_size("heldout") == 8 and a.split_size("train") == 32
+    p = a.prompts(3, split="heldout", seed=0)
+    assert p == a.prompts(3, split="heldout", seed=0) and all(x.text.rstrip("\n").startswith(
+        "What is") for x in p)
+    assert {x.meta["question"] for x in a.prompts(8, split="heldout")} == held_a  # distinct
+
+
+def test_knobs_prompt_answer_columns_limit_system(tmp_path):
+    rows = [{"problem": f"q{i}", "gold": str(i), "x": 1} for i in range(10)]
+    path = _jsonl(tmp_path / "p.jsonl", rows)
+    t = get_task(str(path), answer_key="gold", limit=5, system="Be brief.")
+    assert t.prompt_key == "problem" and len(t.rows) == 5
+    p = t.prompts(1)[0]
+    assert p.text == f"Be brief.\n\n{p.meta['question']}\n" and p.answer == p.meta["question"][1:]
+    assert t.score(p, f"it is {p.answer}") == 0.0 and t.score(p, p.answer) == 1.0  # exact
+    assert get_task(str(path), answer_key="gold", verifier="number").score(p, f"= {p.answer}")
+
+
+class _ChatTok:
+    """A tokenizer stand-in with a chat template (what DatasetTask.bind reads)."""
+
+    chat_template = "x"
+    bos_token = None
+
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        if self.fail:
+            raise ValueError("template exploded")
+        body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_chat_template_auto_true_false_and_failure(tmp_path):
+    path = str(_jsonl(tmp_path / "c.jsonl"))
+    t = get_task(path, system="S")
+    t.bind(_ChatTok())
+    p = t.prompts(1)[0]
+    assert p.text == f"<system>S</system><user>{p.meta['question']}</user><assistant>"
+    t = get_task(path, chat=False)
+    t.bind(_ChatTok())
+    assert t.prompts(1)[0].text.endswith("?\n")
+    plain = type("T", (), {"chat_template": None})()
+    with pytest.raises(UsageError, match="chat=true: the tokenizer has no chat template"):
+        get_task(path, chat="true").bind(plain)
+    with pytest.raises(UsageError, match="chat template fails.*template exploded.*chat=false"):
+        get_task(path).bind(_ChatTok(fail=True))
+
+
+def test_demonstrations_only_with_solution_key(tmp_path):
+    path = str(_jsonl(tmp_path / "s.jsonl"))
+    t = get_task(path, solution_key="solution", verifier="number")
+    p = t.prompts(1)[0]
+    assert t.has_demonstrations and t.score(p, t.demonstration(p)) == 1.0
+    bare = get_task(path)
+    assert not bare.has_demonstrations
+    with pytest.raises(UsageError, match="no demonstrations; set --knob solution_key"):
+        bare.demonstration(bare.prompts(1)[0])
+
+
+def test_a_raising_verifier_scores_zero_and_is_counted(tmp_path):
+    t = get_task(str(_jsonl(tmp_path / "v.jsonl")),
+                 verifier="tests._plugin_tasks:raising_verifier")
+    p = t.prompts(1)[0]
+    before = error_counts().get("tests._plugin_tasks:raising_verifier", (0, ""))[0]
+    assert t.score(p, "ab") == 1.0
+    assert t.score(p, "abc") == 0.0 and t.score(p, "x") == 0.0
+    assert t.verifier_errors == 2 and "RuntimeError: odd response" in t.first_verifier_error
+    n, first = error_counts()["tests._plugin_tasks:raising_verifier"]
+    assert n - before == 2 and "odd response" in first
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda d: str(d / "missing.jsonl"), r"task='.*missing.jsonl': no such file"),
+    (lambda d: (d / "x.txt").write_text("a") and str(d / "x.txt"),
+     r"unknown data file extension '.txt'; choose one of \['.jsonl', '.json', '.csv'"),
+    (lambda d: _jsonl(d / "e.jsonl", []) and str(d / "e.jsonl"), r"the data set is empty"),
+    (lambda d: _jsonl(d / "n.jsonl", [{"text": "a", "label": "b"}]) and str(d / "n.jsonl"),
+     r"no prompt column one of \['prompt', 'question', 'problem'\]; columns found: "
+     r"\['text', 'label'\]"),
+    (lambda d: _jsonl(d / "na.jsonl", [{"question": "a"}, {"question": "b"}])
+     and str(d / "na.jsonl"), r"no answer column 'answer'; columns found: \['question'\]"),
+    (lambda d: (d / "bad.jsonl").write_text('{"question": 1}\n{oops\n') and str(d / "bad.jsonl"),
+     r"line 2 is not valid JSON"),
+])
+def test_bad_data_is_a_usage_error_naming_file_and_choices(tmp_path, make, match):
+    with pytest.raises(UsageError, match=match):
+        get_task(make(tmp_path))
+
+
+def test_missing_file_is_file_not_found_and_bad_knobs_name_the_choices(tmp_path):
+    with pytest.raises(UsageFileNotFoundError):
+        get_task(str(tmp_path / "nope.csv"))
+    path = str(_jsonl(tmp_path / "k.jsonl"))
+    with pytest.raises(UsageError, match=r"verifier='fuzzy' is not valid; choose one of "
+                                         r"\['exact', 'number', 'math', 'choice'\]"):
+        get_task(path, verifier="fuzzy")
+    with pytest.raises(UsageError, match=r"knob heldout=1.5 is not valid"):
+        get_task(path, heldout=1.5)
+    with pytest.raises(UsageError, match=r"has no knob 'colour'"):
+        get_task(path, colour=1)
+
+
+def test_module_attr_task_class_factory_and_refusals():
+    t = get_task("tests._plugin_tasks:EchoTask", word="yo")
+    assert t.name == "echo" and t.prompts(2)[1] == Prompt("say yo 1:", "yo")
+    assert get_task("tests._plugin_tasks:make_echo", word="x").knobs == {"word": "x"}
+    with pytest.raises(UsageError, match=r"cannot import module 'no_such_mod'"):
+        get_task("no_such_mod:Task")
+    with pytest.raises(UsageError, match=r"has no attribute 'Nope'"):
+        get_task("tests._plugin_tasks:Nope")
+    with pytest.raises(UsageError, match=r"names a int, not a Task subclass or a factory"):
+        get_task("tests._plugin_tasks:NOT_A_TASK")
+    with pytest.raises(UsageError, match=r"the factory returned str, not a varbench Task"):
+        get_task("tests._plugin_tasks:not_a_factory")
+    with pytest.raises(UsageError, match=r"class Prompt, which is not a varbench Task"):
+        get_task("varbench.tasks:Prompt")
+
+
+def test_register_task_public_and_entry_points(monkeypatch):
+    from tests._plugin_tasks import EchoTask, make_echo
+    from varbench.tasks import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_task(make_echo, name="echo2")
+    assert get_task("echo2").knobs == {"word": "hi"}
+    with pytest.raises(UsageError, match="'echo2' is already registered"):
+        register_task(make_echo, name="echo2")
+
+    class FakeEP:
+        name, value = "plugged", "tests._plugin_tasks:EchoTask"
+
+        def load(self):
+            return EchoTask
+
+    monkeypatch.setattr(base, "_entry_points", lambda: {"plugged": FakeEP()})
+    assert "plugged" in base.task_names()
+    assert get_task("plugged", word="z").knobs == {"word": "z"}
+    with pytest.raises(UsageError, match=r"task='nope' is not valid; choose one of \[.*'plugged'"):
+        get_task("nope")
