@@ -102,3 +102,52 @@ def test_aggregate_by_hand():
     assert setup.aggregate(x, mask, "seq-mean-token-mean").item() == pytest.approx(
         ((1 + 2) / 2 + 3 / 1) / 2)
     assert setup.aggregate(x, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 3) / 2)
+
+
+def test_master_weight_adamw_keeps_updates_bf16_would_round_away():
+    """Updates of 1e-4 on a weight of 1 vanish in bfloat16 (spacing 2**-7 there); the float32
+    masters accumulate them and the model follows once they add up."""
+    cfg = TrainConfig(lr=1e-4, adam_beta1=0.0, adam_beta2=0.0)
+    w16 = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = setup.make_optimizer([w16], cfg)
+    ref = torch.optim.AdamW([plain], lr=1e-4, betas=(0.0, 0.0), weight_decay=0.0)
+    assert isinstance(opt, setup.MasterWeightAdamW)
+    for _ in range(100):
+        for p, o in ((w16, opt), (plain, ref)):
+            o.zero_grad()
+            (-p.float().sum()).backward()  # gradient -1: Adam steps by +lr each time
+        masters = setup.grads_for_clipping(opt, [w16])
+        assert masters[0].dtype == torch.float32 and torch.equal(masters[0].grad, -torch.ones(4))
+        opt.step()
+        ref.step()
+    assert torch.equal(plain.detach(), torch.ones(4, dtype=torch.bfloat16))  # rounded away
+    assert torch.allclose(opt.master[0], torch.full((4,), 1.01), atol=1e-5)
+    assert torch.equal(w16.detach(), opt.master[0].to(torch.bfloat16))
+    # state_dict carries the masters: a fresh optimizer resumes them exactly
+    other = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    again = setup.make_optimizer([other], cfg)
+    again.load_state_dict(opt.state_dict())
+    assert torch.equal(again.master[0], opt.master[0]) and torch.equal(other, w16)
+    assert type(setup.make_optimizer([torch.nn.Parameter(torch.ones(2))], cfg)) is \
+        torch.optim.AdamW
+
+
+def test_train_never_changes_the_callers_policy_and_trains_bf16():
+    from varbench.train.loop import train
+
+    pol = build_preset("micro", seed=1)
+    before = {k: v.clone() for k, v in pol.model.state_dict().items()}
+    cfg = TrainConfig(policy="micro", warm_start=False, reward="positional", steps=2,
+                      eval_every=2, eval_prompts=4, eval_samples=1, G=4, prompts_per_step=4,
+                      lr=1e-2, dtype="bfloat16", seed=0)
+    res = train(cfg, policy=pol, progress=False)
+    assert res.policy is not pol and res.policy.model is not pol.model
+    assert next(res.policy.model.parameters()).dtype == torch.bfloat16
+    after = pol.model.state_dict()
+    assert all(v.dtype == torch.float32 and torch.equal(v, after[k]) for k, v in before.items())
+    trained = res.policy.model.state_dict()
+    assert any(not torch.equal(v.to(torch.bfloat16), trained[k]) for k, v in before.items())
+    assert res.records["grad/norm"].dropna().gt(0).any()  # a step with informative groups
+    with pytest.raises(UsageError, match="float16.*loss scaling"):
+        TrainConfig(dtype="float16")
