@@ -76,7 +76,7 @@ def dense_count_sketch(sketch, dtype=torch.float64):
     """The ``[K, D]`` matrix of a CountSketch, one entry at a time: ``S[h(i), i] = s(i)``."""
     S = torch.zeros(sketch.dim, sketch.n_params, dtype=dtype)
     i = 0
-    for b, s in zip(sketch.buckets, sketch.signs, strict=True):
+    for b, s in zip(*sketch.hashes(), strict=True):
         for j in range(b.numel()):
             S[int(b[j]), i] = float(s[j])
             i += 1

@@ -225,3 +225,43 @@ def test_token_vectors_exact_norms_stock_preset():
     torch.testing.assert_close(tv.token_sq, tv.vec.pow(2).sum(-1), rtol=1e-10, atol=1e-12)
     assert tv.sketch == "flat" and tv.dim == tv.n_params
     assert (tv.vec[batch.mask == 0] == 0).all()
+
+
+def test_streamed_sketch_is_the_stored_sketch_in_bounded_memory():
+    """The streamed hash (generator states per chunk, redrawn per application) is the same S as
+    the stored one, for chunks that split parameters anywhere; token_vectors agrees bit for
+    bit on the CPU."""
+    numels, K, seed = [7, 5, 11], 4, 3
+    stored = CountSketch(numels, K, seed)
+    assert not stored.streamed
+    x = torch.randn(3, sum(numels), generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    for chunk in (1, 3, 4, 100):
+        streamed = CountSketch(numels, K, seed, stream=True, chunk=chunk)
+        assert streamed.streamed and streamed.buckets is None and streamed.signs is None
+        for a, b in zip(streamed.hashes(), stored.hashes(), strict=True):
+            assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+        torch.testing.assert_close(streamed.apply(x), stored.apply(x), rtol=1e-15, atol=1e-15)
+    # large D streams by default: no per-coordinate state
+    big = CountSketch([CountSketch.STORE_BYTES // 12 + 1], 8, 0)
+    assert big.streamed and "streamed" in repr(big)
+    model = exact_float64(tiny_llama())
+    rb = rollout_batch()
+    sk_s = CountSketch.for_model(model, 8, seed=5)
+    numels = [p.numel() for p in model.parameters()]
+    sk_t = CountSketch(numels, 8, 5, stream=True, chunk=97)
+    a = token_vectors(model, rb, sketch=sk_s, chunk_size=3)
+    b = token_vectors(model, rb, sketch=sk_t, chunk_size=3)
+    torch.testing.assert_close(a.vec, b.vec, rtol=1e-13, atol=1e-15)
+
+
+def test_token_vectors_of_a_bf16_model_are_float32_on_the_models_device():
+    model = tiny_llama().to(torch.bfloat16)
+    rb = rollout_batch()
+    tv = token_vectors(model, rb, sketch_dim=8, chunk_size=4)
+    assert tv.vec.dtype == tv.token_sq.dtype == torch.float32
+    assert tv.vec.device == next(model.parameters()).device
+    ref = token_vectors(model.float(), rb, sketch_dim=8, chunk_size=4)
+    # same weights (bf16 values are exact in float32): only the bf16 backward rounds
+    rel = (tv.token_sq - ref.token_sq).abs().sum() / ref.token_sq.abs().sum()
+    assert rel < 0.05

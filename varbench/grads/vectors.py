@@ -61,15 +61,27 @@ class CountSketch:
     ``P(h_i = h_l) = 1/K``). Traces, norms and inner products of estimates are therefore preserved
     in expectation over S.
 
-    State: the buckets of every parameter, then the signs of every parameter, drawn in that
+    Hash: the buckets of every parameter, then the signs of every parameter, drawn in that
     order by a CPU ``torch.Generator`` seeded with ``seed`` (the same S on every device and in
-    every run), then moved ONCE to ``device`` at construction. Memory: an int64 bucket and a
-    float32 sign per coordinate (plus one sign copy per further dtype applied, made once on
-    ``device``). Applying S costs one ``index_add_`` per parameter, O(D) per vector; inputs must
-    be on ``device`` (nothing is copied per call). On the CPU the bucket sums are accumulated in
+    every run). Two ways to hold it, the same S either way:
+
+    - stored (default while ``12 * D <= store_bytes``, 64 MiB: D up to ~5.6M): an int64 bucket
+      and a float32 sign per coordinate, moved ONCE to ``device`` (plus one sign copy per
+      further dtype applied);
+    - streamed (larger D, or ``stream=True``): only the generator's state at every chunk of
+      ``chunk`` coordinates is kept (5 kB per chunk, on the host); each application redraws
+      the hash chunk by chunk (the CPU generator's stream is the same drawn whole or in
+      pieces), copies it to ``device`` and adds that chunk in, so the extra memory is
+      O(chunk), not O(D). The cost is one pass of the CPU generator over D per application.
+
+    Applying S costs one ``index_add_`` per parameter (chunk), O(D) per vector; inputs must be
+    on ``device`` (nothing of theirs is copied). On the CPU the bucket sums are accumulated in
     a fixed order (bitwise reproducible); CUDA's ``index_add_`` uses atomics (reproducible to
     rounding only).
     """
+
+    STORE_BYTES = 64 << 20  # store the hash below this size (12 bytes per coordinate)
+    CHUNK = 1 << 20  # coordinates per streamed chunk
 
     def __init__(
         self,
@@ -78,6 +90,8 @@ class CountSketch:
         seed: int = 0,
         *,
         device: str | torch.device | None = None,
+        stream: bool | None = None,
+        chunk: int | None = None,
     ) -> None:
         check_positive_int("dim", dim)
         if isinstance(seed, bool):
@@ -88,12 +102,19 @@ class CountSketch:
             raise UsageTypeError(f"seed must be an int, got {type(seed).__name__}") from None
         g = torch.Generator(device="cpu").manual_seed(seed)
         numels = [int(n) for n in numels]
+        chunk = self.CHUNK if chunk is None else check_positive_int("chunk", chunk)
+        if stream is None:
+            stream = 12 * sum(numels) > self.STORE_BYTES
+        self.seed: int | None = seed
+        desc = f"countsketch(K={dim}, seed={seed})"
+        if stream:
+            self._init_streamed(numels, dim, g, chunk, desc, device)
+            return
         buckets = [torch.randint(0, dim, (n,), generator=g, device="cpu") for n in numels]
         signs = [
             torch.randint(0, 2, (n,), generator=g, device="cpu").float() * 2 - 1 for n in numels
         ]
-        self._init(buckets, signs, dim, f"countsketch(K={dim}, seed={seed})", device)
-        self.seed: int | None = seed
+        self._init(buckets, signs, dim, desc, device)
 
     @classmethod
     def from_hashes(
@@ -156,6 +177,60 @@ class CountSketch:
         return cls.for_params([p for _, p in select_params(model, params)], dim, seed,
                               device=device)
 
+    def _init_streamed(self, numels, dim, g, chunk, desc, device) -> None:
+        """Keep the generator state at each chunk start (drawing once to advance it)."""
+        self.dim = int(dim)
+        self.numels = tuple(numels)
+        self.n_params = sum(numels)
+        self.description = desc
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.chunk = int(chunk)
+        self.buckets, self._signs = None, None
+        self._states: dict[str, list[list[torch.Tensor]]] = {}
+        for kind, hi in (("buckets", dim), ("signs", 2)):
+            per_param = []
+            for n in numels:
+                states = []
+                for start in range(0, n, chunk):
+                    states.append(g.get_state())
+                    torch.randint(0, hi, (min(chunk, n - start),), generator=g)
+                per_param.append(states)
+            self._states[kind] = per_param
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the hash is redrawn per application instead of stored (see the class doc)."""
+        return self.buckets is None
+
+    def _chunks(self, i: int, dtype: torch.dtype):
+        """``(start, buckets, signs)`` of parameter i, chunk by chunk, on ``device``."""
+        if not self.streamed:
+            yield 0, self.buckets[i], self._signs_in(dtype)[i]
+            return
+        g = torch.Generator(device="cpu")
+        n = self.numels[i]
+        for c, (sb, ss) in enumerate(zip(self._states["buckets"][i], self._states["signs"][i],
+                                         strict=True)):
+            start = c * self.chunk
+            size = min(self.chunk, n - start)
+            g.set_state(sb)
+            b = torch.randint(0, self.dim, (size,), generator=g).to(self.device)
+            g.set_state(ss)
+            s = (torch.randint(0, 2, (size,), generator=g) * 2 - 1).to(self.device, dtype)
+            yield start, b, s
+
+    def hashes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(buckets, signs)`` of every parameter materialised (O(D) memory: for tests and
+        small sketches)."""
+        if not self.streamed:
+            return list(self.buckets), list(self.signs)
+        bs, ss = [], []
+        for i in range(len(self.numels)):
+            parts = list(self._chunks(i, torch.float32))
+            bs.append(torch.cat([b for _, b, _ in parts]))
+            ss.append(torch.cat([s for _, _, s in parts]))
+        return bs, ss
+
     def _init(self, buckets, signs, dim, desc, device) -> None:
         dev = torch.device("cpu") if device is None else torch.device(device)
         self.dim = int(dim)
@@ -167,12 +242,14 @@ class CountSketch:
         self._signs = {torch.float32: [s.to(self.device) for s in signs]}
 
     def __repr__(self) -> str:
-        return f"CountSketch({self.description}, D={self.n_params}, device={self.device})"
+        mode = ", streamed" if self.streamed else ""
+        return f"CountSketch({self.description}, D={self.n_params}, device={self.device}{mode})"
 
     @property
-    def signs(self) -> list[torch.Tensor]:
-        """Per-parameter float32 signs (+-1) on ``device``."""
-        return self._signs[torch.float32]
+    def signs(self) -> list[torch.Tensor] | None:
+        """Per-parameter float32 signs (+-1) on ``device`` (None when streamed: see
+        :meth:`hashes`)."""
+        return None if self._signs is None else self._signs[torch.float32]
 
     def _signs_in(self, dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype not in self._signs:  # +-1 is exact in every floating dtype; made once
@@ -207,14 +284,18 @@ class CountSketch:
         if not g0.dtype.is_floating_point:
             raise UsageTypeError(f"inputs must be floating point, got {g0.dtype}")
         out = torch.zeros(*g0.shape[:-1], self.dim, dtype=g0.dtype, device=self.device)
-        for i, (g, b, s) in enumerate(
-            zip(grads, self.buckets, self._signs_in(g0.dtype), strict=True)
-        ):
+        for i, g in enumerate(grads):
             check_shape(f"grads[{i}]", g, [*g0.shape[:-1], self.numels[i]])
             if g.dtype != g0.dtype or g.device != g0.device:
                 raise UsageError("all gradient tensors must share one dtype and device")
-            out.index_add_(-1, b, g * s)
+            for start, b, s in self._chunks(i, g0.dtype):
+                part = g if self.chunk_of(i) is None else g[..., start:start + b.numel()]
+                out.index_add_(-1, b, part * s)
         return out
+
+    def chunk_of(self, i: int) -> int | None:
+        """Coordinates per chunk of parameter i (None: stored, one piece)."""
+        return None if not self.streamed else self.chunk
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., D] -> [..., K]``: ``S x`` for each row of a flat (``select_params`` order) x."""
@@ -234,7 +315,7 @@ def token_vectors(
     params: ParamFilter = None,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
-    out_device: str | torch.device = "cpu",
+    out_device: str | torch.device | None = None,
 ) -> TokenVectors:
     """Per-token gradient vectors of every response token of ``batch`` (a RolloutBatch).
 
@@ -242,7 +323,13 @@ def token_vectors(
     model's device; ``sketch_dim``/``sketch_seed`` are then ignored), else
     ``CountSketch(numels, sketch_dim, sketch_seed)`` on the model's device, or flat gradients
     when ``sketch_dim`` is None or ``>= D``. Results are stored on ``out_device`` (default the
-    host: ``P*G*T*K`` floats); the model runs where its parameters are.
+    model's device: ``B*L*K`` floats); the model runs where its parameters are.
+
+    Memory beyond the model: the ``[B, L, K]`` result, one chunk of ``chunk_size`` per-token
+    gradients (the exact harness's ``[C, numel]`` blocks) and the sketch's state (O(chunk) when
+    streamed, see :class:`CountSketch`); nothing else grows with D. Precision: vectors and
+    ``token_sq`` are float32 (float64 for a float64 model) whatever the model dtype: bf16
+    gradients are upcast before they are squared or sketched.
     Cost: the exact harness's per-token backward (about one backward per token over its prefix).
     """
     flat = batch.flat()
@@ -264,13 +351,16 @@ def token_vectors(
     else:
         sk = CountSketch(numels, int(sketch_dim), sketch_seed, device=dev)
         K = sk.dim
-    out_device = torch.device(out_device)
+    out_device = dev if out_device is None else torch.device(out_device)
     B, L = ids.shape
-    dtype = plist[0].dtype
+    # statistics in float32 or better whatever the model dtype (bf16 sums lose ~3 digits)
+    dtype = torch.float64 if plist[0].dtype == torch.float64 else torch.float32
     vec = torch.zeros(B, L, K, dtype=dtype, device=out_device)
     tsq = torch.zeros(B, L, dtype=dtype, device=out_device)
     for b, cols, grads in iter_token_grads(model, ids, rmask, amask, plist, chunk_size,
                                            progress=progress):
+        if grads[0].dtype != dtype:
+            grads = [g.to(dtype) for g in grads]
         at = cols.to(out_device)
         tsq[b, at] = sum(g.pow(2).sum(1) for g in grads).to(out_device)
         vec[b, at] = (torch.cat(grads, 1) if sk is None else sk(grads)).to(out_device)
