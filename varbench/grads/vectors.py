@@ -81,7 +81,7 @@ class CountSketch:
     """
 
     STORE_BYTES = 64 << 20  # store the hash below this size (12 bytes per coordinate)
-    CHUNK = 1 << 20  # coordinates per streamed chunk
+    CHUNK = 1 << 18  # coordinates per streamed chunk
 
     def __init__(
         self,
