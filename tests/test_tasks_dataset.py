@@ -207,3 +207,23 @@ def test_register_task_public_and_entry_points(monkeypatch):
     assert get_task("plugged", word="z").knobs == {"word": "z"}
     with pytest.raises(UsageError, match=r"task='nope' is not valid; choose one of \[.*'plugged'"):
         get_task("nope")
+
+
+def test_the_task_written_in_docs_tasks_md_works(monkeypatch):
+    """docs/tasks.md's Task example, executed as written, through the public registry."""
+    import re
+    from pathlib import Path
+
+    from varbench.tasks import base
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class Capitals" in b)
+    ns: dict = {}
+    exec(compile(code, "docs/tasks.md", "exec"), ns)  # noqa: S102 - our own documentation
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_task(ns["Capitals"])
+    t = get_task("capitals")
+    train, held = t.prompts(3), t.prompts(1, split="heldout")
+    assert {p.answer for p in train}.isdisjoint({p.answer for p in held})
+    assert t.score(train[0], f" {train[0].answer} ") == 1.0 and t.score(train[0], "Rome") == 0.0
+    assert t.demonstration(held[0]) == held[0].answer
