@@ -30,6 +30,7 @@ NOTEBOOKS = (
     "03_cancellation",
     "04_training",
     "05_custom_estimator",
+    "06_your_model",
 )
 KERNEL = "varbench-notebook-test"
 CELL_TIMEOUT_S = 600  # per cell; a loaded CI machine is slow, a hung kernel still ends
