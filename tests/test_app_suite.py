@@ -69,6 +69,36 @@ def test_defaults_seed_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "suites").glob("*.toml")))
-def test_shipped_suites_validate(name):
+def test_shipped_suites_validate(name, tmp_path, monkeypatch):
+    if name == "your-model":  # its paths are relative to where it runs: lay them out
+        import shutil
+
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "runs" / "your-model" / "ckpt").mkdir(parents=True)
+        shutil.copytree(ROOT / "examples", tmp_path / "examples")
     suite = load_suite(ROOT / "suites" / f"{name}.toml")
     assert suite.cases
+
+
+def test_task_specs_in_suites_are_resolved_before_any_case(tmp_path):
+    """A data path, MODULE:ATTR or unknown task fails at load time, naming the case; a data
+    file's content hash is part of the case key."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    case = ('[[cases]]\nname = "p"\nkind = "proxy"\npreset = "micro"\ntask = "{t}"\n'
+            'knobs = {{ verifier = "number" }}\n')
+    ok = tmp_path / "ok.toml"
+    ok.write_text(HEAD + case.format(t=data))
+    key = load_suite(ok).cases[0].key
+    assert load_suite(ok).cases[0].inputs  # the data's fingerprint
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "3+3?", "answer": "6"}\n')
+    assert load_suite(ok).cases[0].key != key  # changed data, new key
+    assert "no such file" in _bad(tmp_path, HEAD + case.format(t=tmp_path / "missing.jsonl"))
+    msg = _bad(tmp_path, HEAD + case.format(t="tests._plugin_tasks:NOT_A_TASK"))
+    assert "cases[0] ('p') key 'task'" in msg and "not a Task subclass" in msg
+    msg = _bad(tmp_path, HEAD + case.format(t="sortt").replace(
+        'knobs = { verifier = "number" }', ""))
+    assert "task='sortt' is not valid; choose one of" in msg
+    msg = _bad(tmp_path, HEAD + case.format(t=data).replace('"number"', '"fuzzy"'))
+    assert "verifier='fuzzy' is not valid" in msg
+    assert "--device=" in _bad(tmp_path, HEAD + case.format(t=data) + 'device = "tpu"\n')
