@@ -66,6 +66,13 @@ def _tasks(args: argparse.Namespace) -> int:
         print(t.describe())
         for knob, text in t.knob_help.items():
             print(f"    {knob:<10} {text}")
+    from varbench.tasks import DatasetTask
+
+    print("dataset tasks: --task FILE (.jsonl, .json, .csv, .parquet or a datasets directory); "
+          "knobs:")
+    for knob, text in DatasetTask.knob_help.items():
+        print(f"    {knob:<14} {text}")
+    print("your own: --task MODULE:ATTR (a Task subclass or a factory); see docs/tasks.md")
     return 0
 
 

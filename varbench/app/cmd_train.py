@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from varbench._util.checks import UsageError
-from varbench.app.specs import parse_knobs
+from varbench.app.specs import add_policy_flags, parse_knobs
 from varbench.train.config import TrainConfig, field_docs
 
 _SHORT = {"G": "-G"}
@@ -117,6 +117,27 @@ def validate_config(args: argparse.Namespace):
     changes["budgets"] = budgets
     if args.threshold_frac is not None:
         changes["threshold_frac"] = args.threshold_frac
+    base = dict(cfg.base)
+    if args.policy is not None:
+        from varbench.models import presets
+        from varbench.train.policies import is_checkpoint_dir
+
+        if args.policy not in presets() and not is_checkpoint_dir(args.policy):
+            raise UsageError(f"--policy={args.policy!r} is not valid; choose a preset "
+                             f"{presets()} or a local checkpoint directory containing "
+                             "config.json")
+        # a checkpoint directory is warm-started like a preset (its tasks need demonstrations)
+        base.update(policy=args.policy, warm_start_dir=is_checkpoint_dir(args.policy))
+    for key in ("dtype", "device"):
+        if getattr(args, key, None) is not None:
+            base[key] = getattr(args, key)
+    if args.trust_remote_code:
+        base["trust_remote_code"] = True
+    if args.add_task_tokens:
+        base["add_task_tokens"] = True
+    if base != cfg.base:
+        TrainConfig.from_dict(base, source="validate flags")
+        changes["base"] = base
     if args.no_prediction:
         changes["prediction"] = False
     cfg = dataclasses.replace(cfg, **changes)
@@ -143,6 +164,12 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
                    help="skip the warm-start variance analysis (prediction check)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: tiny models gain nothing from more)")
+    p.add_argument("--policy", default=None,
+                   help="a preset or a local checkpoint directory (warm-started on each task)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float64"],
+                   help="training dtype (bfloat16: float32 master weights and AdamW states)")
+    p.add_argument("--device", default=None, help="torch device of the runs (default cpu)")
+    add_policy_flags(p, dtype=False)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
