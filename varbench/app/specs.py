@@ -148,7 +148,8 @@ def add_policy_flags(parser, *, dtype: bool = True) -> None:
                             help="model dtype (default auto: the checkpoint's own; presets are "
                                  "float32); statistics stay float32 or better")
         parser.add_argument("--device", default=None,
-                            help="cpu, cuda, cuda:N or mps (default: cuda when visible, else cpu)")
+                            help="cpu, cuda, cuda:N or mps (default: where the policy is built, "
+                                 "the cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a checkpoint's own Python code to run when loading it")
     parser.add_argument("--add-task-tokens", action="store_true",
