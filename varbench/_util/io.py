@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,10 @@ def atomic_write(path: str | Path, data: str | bytes, *, fsync: bool = True) -> 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     mode = "wb" if isinstance(data, bytes) else "w"
     kwargs = {} if isinstance(data, bytes) else {"encoding": "utf-8"}
+    tmp.unlink(missing_ok=True)  # a stale temporary of a dead writer with our pid
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
-        with open(tmp, mode, **kwargs) as fh:
+        with os.fdopen(os.open(tmp, flags, 0o666), mode, **kwargs) as fh:
             fh.write(data)
             fh.flush()
             if fsync:
@@ -84,3 +87,58 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- safe paths
+# Names that come from data (suite names, case keys, shard files) become at most one path
+# component: letters, digits, '_', '-', '.', not starting with '.', bounded length (a file
+# system allows 255 bytes; a key adds a hash and ".json").
+MAX_NAME = 128
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def safe_name(what: str, value: Any) -> str:
+    """Return ``value`` if it is a safe single path component, else UsageError naming it.
+
+    Refused: non-strings, empty, absolute paths, separators, ``..``, NUL and other control
+    characters, a leading ``.``, non-ASCII and names longer than :data:`MAX_NAME`.
+    """
+    from varbench._util.checks import UsageError
+
+    if (not isinstance(value, str) or len(value) > MAX_NAME or not _SAFE_NAME.match(value)
+            or ".." in value):
+        shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "..."
+        raise UsageError(f"{what}={shown!r} is not a safe name; expected 1-{MAX_NAME} letters, "
+                         "digits, '_', '-', '.' (no '/', '..', leading '.', NUL)")
+    return value
+
+
+def inside(root: str | Path, *parts: str, what: str = "path") -> Path:
+    """``root/parts...`` after checking it resolves (symlinks followed) inside ``root``."""
+    from varbench._util.checks import UsageError
+
+    root = Path(root)
+    path = root.joinpath(*parts)
+    try:
+        real_root, real = root.resolve(), path.resolve()
+    except (OSError, RuntimeError, ValueError) as err:
+        raise UsageError(f"{what} {str(path)!r} cannot be resolved ({err})") from None
+    if real != real_root and real_root not in real.parents:
+        raise UsageError(f"{what} {str(path)!r} resolves to {str(real)!r}, outside "
+                         f"{str(root)!r}; refusing to write or read there")
+    return path
+
+
+def check_path(what: str, value: Any) -> Path:
+    """A user-given path as a Path; UsageError for non-paths, NUL bytes and over-long names."""
+    from varbench._util.checks import UsageError, UsageTypeError
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise UsageTypeError(f"{what}={value!r} is not a path")
+    text = os.fspath(value)
+    if isinstance(text, bytes) or "\x00" in text:
+        raise UsageError(f"{what}={text!r} is not a valid path (contains a NUL byte)")
+    if any(len(part.encode()) > 255 for part in Path(text).parts):
+        raise UsageError(f"{what}={text[:80]!r}... is not a valid path (a component is longer "
+                         "than 255 bytes)")
+    return Path(text)

@@ -11,7 +11,6 @@ other machines must not execute anything.
 from __future__ import annotations
 
 import json
-import os
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ from typing import Any
 import pandas as pd
 
 from varbench._util.checks import UsageError
-from varbench._util.io import atomic_write, is_tmp_name, jsonable
+from varbench._util.io import atomic_write, inside, is_tmp_name, jsonable, safe_name
+from varbench._util.locks import pid_alive
 from varbench.app.suite import Case
 from varbench.report.result import AnalysisResult, Headline
 
@@ -56,8 +56,10 @@ class CaseCache:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def path(self, case: Case) -> Path:
-        return self.root / f"{case.key}.json"
+    def path(self, case: Case | str) -> Path:
+        """The file of ``case`` (or of a case key), checked to stay inside :attr:`root`."""
+        key = case if isinstance(case, str) else case.key
+        return inside(self.root, safe_name("case key", key) + ".json", what="case file")
 
     def has(self, case: Case) -> bool:
         return self.path(case).is_file()
@@ -79,13 +81,15 @@ class CaseCache:
         gone = []
         for p in self.root.iterdir():
             tmp = is_tmp_name(p.name)
-            if tmp is not None and not _alive(tmp[1]):
+            if tmp is not None and not pid_alive(tmp[1]):
                 p.unlink(missing_ok=True)
                 gone.append(p)
         return gone
 
     def files(self) -> list[Path]:
-        return sorted(p for p in self.root.glob("*.json") if not p.name.startswith("."))
+        """Case files of this directory; a symlink that leads outside it is an error."""
+        found = sorted(p for p in self.root.glob("*.json") if not p.name.startswith("."))
+        return [inside(self.root, p.name, what="case file") for p in found]
 
 
 def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]:
@@ -109,13 +113,3 @@ def read_payload(path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UsageError(f"case file {path} is not a varbench case file (format {FORMAT})")
     return payload
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -21,11 +21,12 @@ from typing import Any
 import pandas as pd
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench._util.io import check_path
 
 
 def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None]]:
     """``{"analysis/key": (value, se)}`` from a report directory or a summary.json file."""
-    p = Path(path)
+    p = check_path("report", path)
     if p.is_dir():
         p = p / "summary.json"
     if not p.is_file():
@@ -34,6 +35,8 @@ def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
         analyses = data["analyses"]
+    except OSError as err:
+        raise UsageError(f"cannot read {str(p)!r}: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"{p} is not a varbench summary.json ({err})") from None
     out: dict[str, tuple[float | None, float | None]] = {}

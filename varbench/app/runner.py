@@ -13,6 +13,7 @@ case list) and, for a full run or a merge, the report (summary.json, report.md, 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
-from varbench._util.io import atomic_write
+from varbench._util.io import atomic_write, check_path, inside, safe_name
+from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.app.cache import CaseCache, load_file, read_payload
 from varbench.app.suite import Case, Suite, load_suite
@@ -61,7 +63,9 @@ def shard_cases(cases: Sequence[Case], shard: tuple[int, int] | None) -> list[Ca
 
 
 def default_out_dir(suite: Suite) -> Path:
-    return Path("reports") / suite.name
+    """``reports/<suite name>``; the name is one safe path component (checked again here for
+    a Suite built by hand)."""
+    return inside(Path("reports"), safe_name("suite name", suite.name), what="output directory")
 
 
 def run_suite(
@@ -79,8 +83,26 @@ def run_suite(
     combine shards with :func:`merge_outputs`.
     """
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
-    out = Path(out_dir) if out_dir is not None else default_out_dir(suite)
-    show = show_progress(progress)
+    out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
+    prepare_out_dir(out)
+    with dir_lock(out, what="output directory"):  # one writer per output directory
+        return _run_locked(suite, out, shard, show_progress(progress), log)
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Create ``out``; an OSError (a file in the way, no permission) as a UsageError naming
+    the path and the reason."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create output directory {str(out)!r}: "
+                         f"{err.strerror or err}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"output directory {str(out)!r} is not writable (permission denied)")
+
+
+def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bool,
+                log: Callable[[str], None] | None) -> RunSummary:
     say = log or (lambda msg: None)
     start = time.perf_counter()
     cache = CaseCache(out / "cases")
@@ -101,7 +123,8 @@ def run_suite(
             except ValueError as err:
                 say(f"[corrupt] {case.name}: {err}; recomputing it")
         t0 = time.perf_counter()
-        work = out / "work" / case.key  # created by the kinds that need scratch space
+        # created by the kinds that need scratch space
+        work = inside(out / "work", safe_name("case key", case.key), what="work directory")
         from varbench.app.executors import KINDS
 
         results = KINDS[case.kind].execute(case.name, case.params, work, show)
@@ -134,27 +157,26 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     """
     if not dirs:
         raise UsageError("merge needs at least one shard output directory")
-    manifests = []
-    for d in dirs:
-        path = Path(d) / MANIFEST
-        if not path.is_file():
-            raise UsageFileNotFoundError(f"{d} has no {MANIFEST}: not a `varbench run` output")
-        try:
-            manifests.append(json.loads(path.read_text(encoding="utf-8")))
-        except ValueError as err:
-            raise UsageError(f"{path} is corrupt ({err})") from None
+    dirs = [check_path("shard directory", d) for d in dirs]
+    out = check_path("out_dir", out_dir)
+    manifests = [read_manifest(d) for d in dirs]
     digests = {m["digest"] for m in manifests}
     if len(digests) != 1:
         raise UsageError(f"shard outputs come from different suites (digests {sorted(digests)}); "
                          "merge only shards of one suite file and varbench version")
     head = manifests[0]
-    out = Path(out_dir)
+    prepare_out_dir(out)
+    with dir_lock(out, what="output directory"):
+        return _merge_locked(dirs, out, head)
+
+
+def _merge_locked(dirs: Sequence[Path], out: Path, head: dict) -> RunSummary:
     cases = CaseCache(out / "cases")
     found: dict[str, Path] = {}
     for d in dirs:
         for f in CaseCache(Path(d) / "cases").files():
             key = read_payload(f).get("key")
-            if key in head["cases"] and key not in found:
+            if isinstance(key, str) and key in head["cases"] and key not in found:
                 load_file(f, expect_key=key)  # refuse corrupt shards before copying
                 found[key] = f
     missing = [k for k in head["cases"] if k not in found]
@@ -163,7 +185,7 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
                          "remaining shards (or `varbench run` into one of the directories)")
     summary = RunSummary(out)
     for key, f in found.items():
-        dest = cases.root / f"{key}.json"
+        dest = cases.path(key)  # a safe name inside OUT/cases (checked by read_manifest too)
         if f.resolve() != dest.resolve():
             atomic_write(dest, f.read_bytes())
         summary.cached.append(key)
@@ -172,6 +194,36 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     summary.report = render(results, out, head["title"])
     _write_manifest_raw(out, {**head, "shard": None, "report_digest": head["digest"]})
     return summary
+
+
+_MANIFEST_TYPES = {"suite": str, "title": str, "digest": str, "cases": list}
+
+
+def read_manifest(d: Path) -> dict:
+    """The ``suite.json`` of output directory ``d``, validated: every case key is a safe file
+    name (a shard from elsewhere is data, never a path), the types are the ones varbench
+    writes. UsageError naming the file and the bad value otherwise."""
+    path = d / MANIFEST
+    if not path.is_file():
+        raise UsageFileNotFoundError(f"{str(d)!r} has no {MANIFEST}: not a `varbench run` output")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise UsageError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise UsageError(f"{str(path)!r} is corrupt ({err})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{str(path)!r} is not a varbench manifest (not a JSON object)")
+    for key, typ in _MANIFEST_TYPES.items():
+        if not isinstance(data.get(key), typ):
+            raise UsageError(f"{str(path)!r}: key {key!r} must be a {typ.__name__}, got "
+                             f"{data.get(key)!r}")
+    for k in data["cases"]:
+        try:
+            safe_name("case key", k)
+        except UsageError as err:
+            raise UsageError(f"{str(path)!r}: {err}") from None
+    return data
 
 
 def _write_manifest(out: Path, suite: Suite, shard: tuple[int, int] | None,

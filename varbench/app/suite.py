@@ -30,6 +30,7 @@ from typing import Any
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
 from varbench._util.imports import is_reference
+from varbench._util.io import safe_name
 from varbench.app.executors import KINDS
 
 if sys.version_info >= (3, 11):
@@ -39,7 +40,8 @@ else:  # pragma: no cover - Python 3.10
 
 SUITE_KEYS = {"name": str, "title": str, "description": str, "seed": int}
 TOP_KEYS = ("suite", "defaults", "cases")
-_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_MAX_CASE_NAME = 96  # a case key adds "-<16 hex>" and ".json": one path component
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ def parse_suite(data: dict[str, Any], path: Path) -> Suite:
                              f"got {head[key]!r}")
     if "name" not in head:
         raise SuiteError(f"{path}: [suite] needs name = \"...\"")
+    try:  # the name becomes reports/<name>: one safe path component, never a path
+        safe_name("[suite] name", head["name"])
+    except UsageError as err:
+        raise SuiteError(f"{path}: {err}") from None
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise SuiteError(f"{path}: [defaults] must be a table")
@@ -151,9 +157,10 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
     if not isinstance(raw, dict):
         raise SuiteError(f"{where}: {at} must be a table ([[cases]])")
     name, kind = raw.get("name"), raw.get("kind")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise SuiteError(f"{where}: {at} key 'name' must be a string of letters, digits, "
-                         f"'_', '-', '.' (got {name!r})")
+    if (not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_CASE_NAME
+            or ".." in name):
+        raise SuiteError(f"{where}: {at} key 'name' must be a string of 1-{_MAX_CASE_NAME} "
+                         f"ASCII letters, digits, '_', '-', '.' (got {name!r})")
     at = f"{at} ({name!r})"
     if kind not in KINDS:
         raise SuiteError(f"{where}: {at} key 'kind' = {kind!r} is not valid; "
