@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import re
@@ -10,6 +12,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from varbench._util.checks import UsageError, UsageTypeError
 
 
 def atomic_write(path: str | Path, data: str | bytes, *, fsync: bool = True) -> Path:
@@ -103,8 +107,6 @@ def safe_name(what: str, value: Any) -> str:
     Refused: non-strings, empty, absolute paths, separators, ``..``, NUL and other control
     characters, a leading ``.``, non-ASCII and names longer than :data:`MAX_NAME`.
     """
-    from varbench._util.checks import UsageError
-
     if (not isinstance(value, str) or len(value) > MAX_NAME or not _SAFE_NAME.match(value)
             or ".." in value):
         shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "..."
@@ -115,8 +117,6 @@ def safe_name(what: str, value: Any) -> str:
 
 def inside(root: str | Path, *parts: str, what: str = "path") -> Path:
     """``root/parts...`` after checking it resolves (symlinks followed) inside ``root``."""
-    from varbench._util.checks import UsageError
-
     root = Path(root)
     path = root.joinpath(*parts)
     try:
@@ -131,8 +131,6 @@ def inside(root: str | Path, *parts: str, what: str = "path") -> Path:
 
 def check_path(what: str, value: Any) -> Path:
     """A user-given path as a Path; UsageError for non-paths, NUL bytes and over-long names."""
-    from varbench._util.checks import UsageError, UsageTypeError
-
     if not isinstance(value, (str, os.PathLike)):
         raise UsageTypeError(f"{what}={value!r} is not a path")
     text = os.fspath(value)
@@ -142,3 +140,68 @@ def check_path(what: str, value: Any) -> Path:
         raise UsageError(f"{what}={text[:80]!r}... is not a valid path (a component is longer "
                          "than 255 bytes)")
     return Path(text)
+
+
+# ----------------------------------------------------------------------------- content hashes
+DIGEST_FILE = "varbench_sha256.json"
+
+
+class IntegrityError(UsageError):
+    """A file's content does not match the hash written with it (the message names it)."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_digest(directory: str | Path) -> Path:
+    """Write ``DIGEST_FILE`` into ``directory``: the SHA-256 of every other file in it.
+
+    Call it last, inside the :func:`atomic_dir` block, so the hashes move into place with the
+    files they cover."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != DIGEST_FILE)
+    table = {p.relative_to(directory).as_posix(): file_sha256(p) for p in files}
+    return atomic_write(directory / DIGEST_FILE,
+                        json.dumps({"sha256": table}, indent=1, sort_keys=True) + "\n")
+
+
+def verify_digest(directory: str | Path, what: str) -> None:
+    """Check every file of ``directory`` against its ``DIGEST_FILE``.
+
+    Raises :class:`IntegrityError` naming the first file that is missing, extra or changed
+    (or the digest file itself when it is absent or unreadable as JSON). A permission error is
+    raised as such (``PermissionError``), never reported as corruption.
+    """
+    directory = Path(directory)
+    path = directory / DIGEST_FILE
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))["sha256"]
+    except FileNotFoundError:
+        raise IntegrityError(f"{what} {str(directory)!r} has no {DIGEST_FILE} (incomplete, or "
+                             "written by an older varbench)") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise IntegrityError(f"{what}: {str(path)!r} is corrupt ({err})") from None
+    if not isinstance(table, dict):
+        raise IntegrityError(f"{what}: {str(path)!r} is corrupt (no hash table)")
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*")
+               if p.is_file() and p.name != DIGEST_FILE}
+    for rel in sorted(present | set(table)):
+        if rel not in table:
+            raise IntegrityError(f"{what}: {str(directory / rel)!r} is not covered by its "
+                                 f"{DIGEST_FILE} (added after it was written)")
+        if rel not in present:
+            raise IntegrityError(f"{what}: {str(directory / rel)!r} is missing")
+        if file_sha256(directory / rel) != table[rel]:
+            raise IntegrityError(f"{what}: {str(directory / rel)!r} does not match its content "
+                                 "hash (changed or corrupt)")
+
+
+def text_sha256(text: str) -> str:
+    """Hex SHA-256 of ``text`` encoded as UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -5,7 +5,7 @@
     with dir_lock(entry, what="warm-start cache entry", wait=600):   # waits for the holder
         ...
 
-The lock is ``<dir>/.varbench.lock`` (or ``<entry>.lock`` beside a cache entry) held with
+The lock is ``<dir>/.varbench.lock`` (or a named file for a cache entry) held with
 ``fcntl.flock``: the kernel releases it when its holder exits, however it exits, so a lock left
 by a killed process is stale by construction and the next writer takes it over (the file, with
 the dead pid in it, stays; only the flock counts). The pid written into the file is what the
@@ -36,11 +36,9 @@ class BusyError(UsageError):
     """Another live process holds the lock (the message names its pid and the lock file)."""
 
 
-def lock_path(path: str | Path, *, beside: bool = False) -> Path:
-    """The lock file of directory ``path`` (inside it, or ``beside`` it for cache entries that
-    are replaced whole)."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.lock") if beside else path / LOCK_NAME
+def lock_path(path: str | Path) -> Path:
+    """The lock file of directory ``path`` (inside it)."""
+    return Path(path) / LOCK_NAME
 
 
 def holder(lock: str | Path) -> int | None:
@@ -54,15 +52,16 @@ def holder(lock: str | Path) -> int | None:
 
 @contextlib.contextmanager
 def dir_lock(path: str | Path, *, what: str = "directory", wait: float = 0.0,
-             beside: bool = False, poll: float = 0.2) -> Iterator[Path]:
+             lock_file: str | Path | None = None, poll: float = 0.2) -> Iterator[Path]:
     """Hold the lock of ``path`` for the block; yields the lock file.
 
     ``wait`` seconds to wait for a live holder (0: refuse at once) before raising
-    :class:`BusyError` naming ``what``, the path and the holder's pid. Re-entrant within one
+    :class:`BusyError` naming ``what``, the path and the holder's pid. ``lock_file``: where
+    the lock lives when not inside ``path`` (a cache entry that is replaced whole). Re-entrant within one
     process is *not* supported (a second ``dir_lock`` on the same path from the same process
     blocks like any other writer).
     """
-    lock = lock_path(path, beside=beside)
+    lock = Path(lock_file) if lock_file is not None else lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + max(0.0, wait)
     if fcntl is None:  # pragma: no cover - Windows
