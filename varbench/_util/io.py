@@ -205,3 +205,84 @@ def verify_digest(directory: str | Path, what: str) -> None:
 def text_sha256(text: str) -> str:
     """Hex SHA-256 of ``text`` encoded as UTF-8."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# ----------------------------------------------------------------------------- exact frames
+# JSON numbers are written with repr (shortest round-trip), so a float64 read back is the same
+# float bit for bit; non-finite floats, which strict JSON lacks, are the strings below.
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _float_out(v: float) -> float | str:
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def _float_in(v: Any) -> float:
+    if isinstance(v, str):
+        if v not in _NONFINITE:
+            raise ValueError(f"{v!r} is not a float")
+        return _NONFINITE[v]
+    if v is None:
+        return math.nan
+    return float(v)
+
+
+def _object_out(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return {"float": _float_out(v)}
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return _object_out(v.item())
+    return v if v is None or isinstance(v, (str, bool, int, float)) else str(v)
+
+
+def _object_in(v: Any) -> Any:
+    return _float_in(v["float"]) if isinstance(v, dict) else v
+
+
+_NUMPY_DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                 "uint16", "uint32", "uint64", "bool"}
+
+
+def frame_to_data(df: Any) -> dict[str, Any]:
+    """A DataFrame as strict JSON data that :func:`frame_from_data` restores exactly: values
+    bit for bit (floats by repr, NaN/inf by name), dtypes and column order kept; the index is
+    dropped. Columns of another dtype (strings, mixed) are stored as objects."""
+    df = df.reset_index(drop=True)
+    cols = []
+    for name in df.columns:
+        s = df[name]
+        kind = s.dtype.kind if str(s.dtype) in _NUMPY_DTYPES else "O"
+        if kind == "f":
+            values = [_float_out(float(v)) for v in s.tolist()]
+        elif kind in "iub":
+            values = s.tolist()
+        else:  # strings (object or pandas' str dtype), mixed objects, categories
+            values = [_object_out(v) for v in s.tolist()]
+        cols.append({"name": str(name), "dtype": str(s.dtype), "values": values})
+    return {"rows": len(df), "columns": cols}
+
+
+def frame_from_data(data: dict[str, Any]) -> Any:
+    """Inverse of :func:`frame_to_data`; ValueError/KeyError/TypeError on malformed data."""
+    import numpy as np
+    import pandas as pd
+
+    out = {}
+    for col in data["columns"]:
+        dtype, values = col["dtype"], col["values"]
+        if len(values) != data["rows"]:
+            raise ValueError(f"column {col['name']!r} has {len(values)} values, "
+                             f"expected {data['rows']}")
+        kind = np.dtype(dtype).kind if dtype in _NUMPY_DTYPES else "O"
+        if kind == "f":
+            out[col["name"]] = pd.Series([_float_in(v) for v in values], dtype="float64"
+                                         ).astype(dtype)
+        elif kind in "iub":
+            out[col["name"]] = pd.Series(values, dtype=dtype)
+        else:
+            out[col["name"]] = pd.Series([_object_in(v) for v in values], dtype=object)
+            if dtype != "object":
+                out[col["name"]] = out[col["name"]].astype(pd.api.types.pandas_dtype(dtype))
+    return pd.DataFrame(out, index=pd.RangeIndex(data["rows"]))

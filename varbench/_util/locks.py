@@ -57,9 +57,9 @@ def dir_lock(path: str | Path, *, what: str = "directory", wait: float = 0.0,
 
     ``wait`` seconds to wait for a live holder (0: refuse at once) before raising
     :class:`BusyError` naming ``what``, the path and the holder's pid. ``lock_file``: where
-    the lock lives when not inside ``path`` (a cache entry that is replaced whole). Re-entrant within one
-    process is *not* supported (a second ``dir_lock`` on the same path from the same process
-    blocks like any other writer).
+    the lock lives when not inside ``path`` (a cache entry that is replaced whole). Not
+    re-entrant: a second ``dir_lock`` on the same path from the same process waits or refuses
+    like any other writer.
     """
     lock = Path(lock_file) if lock_file is not None else lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
-from varbench._util.io import atomic_write, check_path, inside, safe_name
+from varbench._util.io import IntegrityError, atomic_write, check_path, inside, safe_name
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.app.cache import CaseCache, load_file, read_payload
@@ -120,7 +120,7 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
                 summary.cached.append(case.name)
                 say(f"[cached]  {case.name}")
                 continue
-            except ValueError as err:
+            except IntegrityError as err:  # never a permission error: that one is raised
                 say(f"[corrupt] {case.name}: {err}; recomputing it")
         t0 = time.perf_counter()
         # created by the kinds that need scratch space
