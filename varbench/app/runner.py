@@ -39,6 +39,7 @@ class RunSummary:
     out_dir: Path
     computed: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # check cases whose verdict is FAILED
     report: Path | None = None
     wall_time_s: float = 0.0
 
@@ -116,7 +117,7 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
         bar.set_postfix_str(case.name)
         if cache.has(case):
             try:
-                cache.load(case)
+                _note_failed(summary, case, cache.load(case))
                 summary.cached.append(case.name)
                 say(f"[cached]  {case.name}")
                 continue
@@ -129,6 +130,7 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
 
         results = KINDS[case.kind].execute(case.name, case.params, work, show)
         cache.store(case, results, time.perf_counter() - t0)
+        _note_failed(summary, case, results)
         summary.computed.append(case.name)
         say(f"[done]    {case.name} ({time.perf_counter() - t0:.1f} s)")
     if shard is None:
@@ -139,6 +141,11 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
             _write_manifest(out, suite, shard, rendered=True)
     summary.wall_time_s = time.perf_counter() - start
     return summary
+
+
+def _note_failed(summary: RunSummary, case: Case, results: list[AnalysisResult]) -> None:
+    if case.kind == "check" and any(r.summary.get("passed") is False for r in results):
+        summary.failed.append(case.name)
 
 
 def render(results: list[AnalysisResult], out: Path, title: str) -> Path:
