@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -176,6 +177,7 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
         merged["seed"] = seed
     for key, value in merged.items():
         _check_value(where, at, kind, key, value, valid[key])
+        _check_range(f"{where}: {at} key {key!r}", key, value)
     missing = [k for k, p in valid.items()
                if p.default is inspect.Parameter.empty and k not in merged]
     if missing:
@@ -241,6 +243,71 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
         if not isinstance(value, str) or not (is_reference(value) or value in schemes()):
             raise SuiteError(f"{at} = {value!r} is not valid; give MODULE:FUNCTION (imported "
                              f"by name when the case runs) or a scheme in {schemes()}")
+
+
+# Ranges of the numeric keys, by name, whatever the kind (suite keys and command-line flags):
+# checked for every case before the first one runs. The upper bounds are sizes no run of this
+# suite could allocate (a typo like M = 3200000000), not tuning advice.
+_AT_LEAST_1 = {"G", "M", "n_prompts", "n_ref", "n_boot", "n_bins", "groups_per_call",
+               "top_tokens", "topk_k", "steps", "prompts_per_step", "epochs", "minibatches",
+               "eval_every", "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window",
+               "hacking_G", "variance_M", "variance_prompts", "eval_responses"}
+_AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup_steps",
+               "warm_start_seed", "eval_seed"}
+_AT_LEAST = {"num_steps": 3}
+_AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
+            "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
+            "sketch_dim": 1 << 24, "prompts_per_step": 1 << 20, "eval_prompts": 1 << 20,
+            "eval_samples": 1 << 16, "hacking_G": 1 << 16, "variance_M": 1 << 20}
+_NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
+             "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
+_ELEMENT_RANGE = {"Gs": (1, 1 << 16), "inner_steps": (0, 1 << 20), "seeds": (0, None),
+                  "hacking_seeds": (0, None)}
+
+
+def _check_range(at: str, key: str, value: Any) -> None:
+    """Finite numbers everywhere, integer ranges by key, non-empty lists, devices that exist."""
+    _check_finite(at, value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        lo = _AT_LEAST.get(key, 1 if key in _AT_LEAST_1 else 0 if key in _AT_LEAST_0 else None)
+        hi = _AT_MOST.get(key)
+        _int_range(at, value, lo, hi)
+    if isinstance(value, list):
+        if key in _NONEMPTY and not value:
+            raise SuiteError(f"{at} = [] is empty; give at least one value (an empty list "
+                             "would run nothing and report nothing)")
+        if key in _ELEMENT_RANGE:
+            lo, hi = _ELEMENT_RANGE[key]
+            for v in value:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise SuiteError(f"{at}: element {v!r} must be an integer")
+                _int_range(at, v, lo, hi, element=True)
+    if key == "device" and value is not None:
+        from varbench._util.checks import check_device
+
+        try:
+            check_device(key, value)
+        except UsageError as err:
+            raise SuiteError(f"{at}: {err}") from None
+
+
+def _int_range(at: str, v: int, lo: int | None, hi: int | None, element: bool = False) -> None:
+    what = f"{at}: element {v!r}" if element else f"{at} = {v!r}"
+    if lo is not None and v < lo:
+        raise SuiteError(f"{what} is not valid; expected an integer >= {lo}")
+    if hi is not None and v > hi:
+        raise SuiteError(f"{what} is too large; expected at most {hi}")
+
+
+def _check_finite(at: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SuiteError(f"{at} = {value!r} is not valid; expected a finite number")
+    if isinstance(value, list):
+        for v in value:
+            _check_finite(at, v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(f"{at}.{k}", v)
 
 
 def _choices(key: str, kind: str) -> list[Any] | None:

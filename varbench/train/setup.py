@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench._util.checks import UsageError, UsageTypeError, check_choice
+from varbench._util.checks import UsageError, UsageTypeError, check_choice, check_device
 from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
 from varbench.models import Policy
 from varbench.rollout import RolloutBatch, sample
@@ -24,6 +24,7 @@ def check_config(config: TrainConfig) -> None:
         raise UsageTypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     check_choice("scheme", config.scheme, schemes())
     check_choice("agg", config.agg, AGGREGATION_MODES)
+    check_device("device", config.device)  # a typo or an absent GPU, before any work
 
 
 def build_task(config: TrainConfig) -> tuple[Task, str]:
