@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from varbench._util.checks import UsageError
+from varbench._util.io import seal_json as seal
 from varbench.app.cache import (
     FORMAT,
     CaseCache,
@@ -19,7 +20,6 @@ from varbench.app.cache import (
     read_payload,
     result_from_dict,
     result_to_dict,
-    seal,
 )
 from varbench.app.suite import load_suite
 from varbench.report.result import AnalysisResult, Headline

@@ -286,3 +286,25 @@ def frame_from_data(data: dict[str, Any]) -> Any:
             if dtype != "object":
                 out[col["name"]] = out[col["name"]].astype(pd.api.types.pandas_dtype(dtype))
     return pd.DataFrame(out, index=pd.RangeIndex(data["rows"]))
+
+
+def seal_json(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` plus ``sha256``: the hash of its canonical JSON (sorted keys) without it.
+
+    Floats are written by ``repr`` and read back exactly, so the hash of what is read equals
+    the hash of what was written unless a byte of the content changed."""
+    body = {k: v for k, v in payload.items() if k != "sha256"}
+    return {**body, "sha256": text_sha256(json.dumps(body, sort_keys=True, allow_nan=False))}
+
+
+def check_seal(payload: Any, what: str) -> dict[str, Any]:
+    """``payload`` if its ``sha256`` matches its content, else :class:`IntegrityError`."""
+    if not isinstance(payload, dict) or "sha256" not in payload:
+        raise IntegrityError(f"{what} has no content hash (written by an older varbench?)")
+    try:
+        ok = seal_json(payload)["sha256"] == payload["sha256"]
+    except (TypeError, ValueError):  # non-finite numbers or other non-JSON data
+        ok = False
+    if not ok:
+        raise IntegrityError(f"{what} does not match its content hash (changed or corrupt)")
+    return payload

@@ -20,13 +20,14 @@ from varbench._util.checks import UsageError
 from varbench._util.io import (
     IntegrityError,
     atomic_write,
+    check_seal,
     frame_from_data,
     frame_to_data,
     inside,
     is_tmp_name,
     jsonable,
     safe_name,
-    text_sha256,
+    seal_json,
 )
 from varbench._util.locks import pid_alive
 from varbench.app.suite import Case
@@ -76,7 +77,7 @@ class CaseCache:
 
     def store(self, case: Case, results: list[AnalysisResult], wall_time_s: float) -> Path:
         """Write ``case``'s results atomically (tmp file + fsync + os.replace)."""
-        payload = seal({"format": FORMAT, "key": case.key, "config": jsonable(case.config()),
+        payload = seal_json({"format": FORMAT, "key": case.key, "config": jsonable(case.config()),
                         "wall_time_s": wall_time_s,
                         "results": [result_to_dict(r) for r in results]})
         return atomic_write(self.path(case), json.dumps(payload, allow_nan=False))
@@ -111,12 +112,6 @@ def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]
                              ) from None
 
 
-def seal(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` with its content hash ``sha256`` (of its canonical JSON without it)."""
-    body = {k: v for k, v in payload.items() if k != "sha256"}
-    return {**body, "sha256": text_sha256(json.dumps(body, sort_keys=True, allow_nan=False))}
-
-
 def read_payload(path: Path) -> dict[str, Any]:
     """The raw JSON of a case file, checked for the format tag and its content hash.
 
@@ -137,7 +132,4 @@ def read_payload(path: Path) -> dict[str, Any]:
         raise IntegrityError(f"case file {path} is corrupt or unreadable ({err})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise IntegrityError(f"case file {path} is not a varbench case file (format {FORMAT})")
-    if seal(payload).get("sha256") != payload.get("sha256"):
-        raise IntegrityError(f"case file {path} does not match its content hash (changed or "
-                             "corrupt)")
-    return payload
+    return check_seal(payload, f"case file {path}")
