@@ -286,6 +286,7 @@ def _read_report(out: Path, name: str) -> list:
 
     import pandas as pd
 
+    from varbench._util.io import inside
     from varbench.report.result import AnalysisResult, Headline
 
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
@@ -294,7 +295,7 @@ def _read_report(out: Path, name: str) -> list:
         records = {}
         for rel in a["tables"]:
             if rel.endswith(".csv"):
-                records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(out / rel)
+                records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(inside(out, rel))
         heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
                  for h in a["headlines"]]
         prov = a.get("provenance", {})

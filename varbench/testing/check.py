@@ -129,14 +129,16 @@ def check_estimator(
     that cannot be imported, a missing function, a wrong signature or an option the estimator
     cannot take; the estimator's own errors become failed rows.
     """
-    from varbench._util.checks import UsageError, check_positive_int
+    from varbench._util.checks import UsageError, check_finite_number, check_positive_int
 
     check_positive_int("G", G)
     check_positive_int("num_steps", num_steps, minimum=3)
-    if not 0 < alpha < 1:
+    check_positive_int("groups_per_call", groups_per_call)
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
         raise UsageError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
-    if not tolerance >= 0:
-        raise UsageError(f"tolerance={tolerance!r} is not valid; expected a number >= 0")
+    check_finite_number("tolerance", tolerance, minimum=0)  # inf would pass any bias
+    if max_variance_ratio is not None:
+        check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
     start = time.perf_counter()
     est = load(fn_or_name, estimator_options)
     base = {name: load(name) for name in baselines}
