@@ -98,7 +98,9 @@ class _Package(types.ModuleType):
     Importing ``varbench.train`` (the package) makes the import system bind it as the attribute
     ``train`` of ``varbench``, which would shadow the public function ``train`` depending on
     import order. Those bindings are dropped here; the package stays in ``sys.modules`` (so
-    ``from varbench.train import TrainConfig`` and ``import varbench.train.loop`` still work).
+    ``from varbench.train import TrainConfig``, ``from varbench.train import loop`` and
+    ``import varbench.train.loop`` still work; ``import varbench.train.loop as m`` does not, as
+    Python resolves it through the attribute ``varbench.train``, the function).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -111,6 +111,7 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
     current = shard is None and _report_current(out, suite)
     _write_manifest(out, suite, shard)
     selected = shard_cases(suite.cases, shard)
+    preflight(selected)
     summary = RunSummary(out)
     bar = tqdm(selected, desc=f"suite {suite.name}", unit="case", disable=not show)
     for case in bar:
@@ -141,6 +142,24 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
             _write_manifest(out, suite, shard, rendered=True)
     summary.wall_time_s = time.perf_counter() - start
     return summary
+
+
+def preflight(cases: Sequence[Case]) -> None:
+    """Import every ``MODULE:FUNCTION`` the cases name (estimators, schemes) before the first
+    case runs, so a missing module or a wrong signature in case 5 is an error now (naming the
+    case), not after cases 1-4 ran. These imports would happen anyway when the cases run."""
+    from varbench._util.imports import is_reference
+    from varbench.app.executors import register_estimators
+    from varbench.testing.adapt import load
+
+    for case in cases:
+        try:
+            register_estimators(case.params)
+            est = case.params.get("estimator") if case.kind == "check" else None
+            if isinstance(est, str) and is_reference(est):
+                load(est)
+        except UsageError as err:
+            raise UsageError(f"case {case.name!r}: {err}") from None
 
 
 def _note_failed(summary: RunSummary, case: Case, results: list[AnalysisResult]) -> None:
