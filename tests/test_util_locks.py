@@ -133,3 +133,17 @@ def test_two_concurrent_runs_one_refuses_and_every_table_is_whole(tmp_path):
     _check_tables(out)
     manifest = json.loads((out / "suite.json").read_text())
     assert manifest["report_digest"] == manifest["digest"]
+
+
+def test_analysis_work_dir_and_training_run_have_one_writer(tmp_path):
+    """Cells (an analysis case's work directory) and a training run directory are locked too:
+    a second writer is refused before it computes anything."""
+    from varbench.app.executors import KINDS
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    with dir_lock(tmp_path / "work"), pytest.raises(BusyError, match="work directory"):
+        KINDS["variance"].execute("v", {}, tmp_path / "work", False)
+    with dir_lock(tmp_path / "run"), pytest.raises(BusyError, match="training run directory"):
+        train(TrainConfig(policy="micro", warm_start=False, steps=1), tmp_path / "run",
+              progress=False)

@@ -101,7 +101,20 @@ class CaseKind:
         ``work_dir`` is the case's private scratch space (analysis cells under ``cells/``,
         a training run under ``run/``); ``cache=False`` keeps no analysis cells (no resume).
         """
-        return _EXECUTORS[self.name](self, name, dict(params), Path(work_dir), progress, cache)
+        run = _EXECUTORS[self.name]
+        if self.name == "check" or _world_size() > 1:  # no scratch / torchrun ranks share it
+            return run(self, name, dict(params), Path(work_dir), progress, cache)
+        from varbench._util.locks import dir_lock
+
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        with dir_lock(work_dir, what="work directory"):  # one writer of its cells and runs
+            return run(self, name, dict(params), Path(work_dir), progress, cache)
+
+
+def _world_size() -> int:
+    from varbench._util.distributed import rank_world
+
+    return rank_world()[1]
 
 
 KINDS: dict[str, CaseKind] = {
