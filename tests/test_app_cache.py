@@ -76,9 +76,16 @@ def test_corrupt_and_foreign_files_are_named(tmp_path, cases):
     path.write_text(json.dumps({"format": "something/else"}))
     with pytest.raises(UsageError, match="is not a varbench case file"):
         cache.load(cases[0])
-    path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key,
+    config = json.loads(json.dumps(cases[0].config()))
+    path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key, "config": config,
                                      "results": [{"kind": "x"}]})))
     with pytest.raises(UsageError, match=r"is corrupt \(KeyError"):
+        cache.load(cases[0])
+    # a sealed file whose results belong to another configuration posing under this key
+    other = {**config, "params": {**config["params"], "G": 99}}
+    path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key, "config": other,
+                                     "results": []})))
+    with pytest.raises(UsageError, match="does not hash to its key"):
         cache.load(cases[0])
 
 

@@ -30,7 +30,7 @@ from varbench._util.io import (
     seal_json,
 )
 from varbench._util.locks import pid_alive
-from varbench.app.suite import Case
+from varbench.app.suite import Case, case_key
 from varbench.report.result import AnalysisResult, Headline
 
 FORMAT = "varbench.case/2"  # 2: exact frames, content hash
@@ -105,6 +105,10 @@ def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]
     if expect_key is not None and payload.get("key") != expect_key:
         raise IntegrityError(f"case file {path} holds case {payload.get('key')!r}, "
                              f"expected {expect_key!r}")
+    config = payload.get("config")
+    if not isinstance(config, dict) or case_key(config) != payload.get("key"):
+        raise IntegrityError(f"case file {path}: its config does not hash to its key "
+                             f"{payload.get('key')!r} (results of another case or version)")
     try:
         return [result_from_dict(d) for d in payload["results"]]
     except (KeyError, TypeError, ValueError) as err:

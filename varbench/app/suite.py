@@ -64,8 +64,14 @@ class Case:
     @property
     def key(self) -> str:
         """Hash of :meth:`config`: a changed setting or version never reuses a result."""
-        blob = json.dumps(self.config(), sort_keys=True).encode()
-        return f"{self.name}-{hashlib.sha256(blob).hexdigest()[:16]}"
+        return case_key(self.config())
+
+
+def case_key(config: dict[str, Any]) -> str:
+    """``<name>-<16 hex of the SHA-256 of the config's canonical JSON>`` (tuples and lists
+    hash alike, so a config read back from a case file gives the same key)."""
+    blob = json.dumps(config, sort_keys=True).encode()
+    return f"{config.get('name')}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
