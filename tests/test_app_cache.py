@@ -12,7 +12,15 @@ import pandas as pd
 import pytest
 
 from varbench._util.checks import UsageError
-from varbench.app.cache import CaseCache, load_file, read_payload, result_from_dict, result_to_dict
+from varbench._util.io import seal_json as seal
+from varbench.app.cache import (
+    FORMAT,
+    CaseCache,
+    load_file,
+    read_payload,
+    result_from_dict,
+    result_to_dict,
+)
 from varbench.app.suite import load_suite
 from varbench.report.result import AnalysisResult, Headline
 
@@ -68,9 +76,16 @@ def test_corrupt_and_foreign_files_are_named(tmp_path, cases):
     path.write_text(json.dumps({"format": "something/else"}))
     with pytest.raises(UsageError, match="is not a varbench case file"):
         cache.load(cases[0])
-    path.write_text(json.dumps({"format": "varbench.case/1", "key": cases[0].key,
-                                "results": [{"kind": "x"}]}))
+    config = json.loads(json.dumps(cases[0].config()))
+    path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key, "config": config,
+                                     "results": [{"kind": "x"}]})))
     with pytest.raises(UsageError, match=r"is corrupt \(KeyError"):
+        cache.load(cases[0])
+    # a sealed file whose results belong to another configuration posing under this key
+    other = {**config, "params": {**config["params"], "G": 99}}
+    path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key, "config": other,
+                                     "results": []})))
+    with pytest.raises(UsageError, match="does not hash to its key"):
         cache.load(cases[0])
 
 
@@ -85,3 +100,62 @@ def test_clean_stale_tmp_removes_only_dead_writers_files(tmp_path, cases):
     assert cache.clean_stale_tmp() == [dead]
     assert not dead.exists() and live.exists() and other.exists() and done.exists()
     assert cache.files() == [done]  # temporary files are never read as results
+
+
+def test_frames_round_trip_bit_for_bit():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(50) * 10.0 ** rng.integers(-300, 300, 50)
+    df = pd.DataFrame({"x": x, "f32": (x[::-1] / 10.0 ** 280).clip(-1e30, 1e30).astype(np.float32),
+                       "odd": [float("nan"), float("inf"), float("-inf"), -0.0, 5e-324] * 10,
+                       "i": np.arange(50, dtype=np.int64), "b": [True, False] * 25,
+                       "s": ["a", None] * 25, "mixed": [1, "x", 2.5, None, float("nan")] * 10})
+    res = AnalysisResult("k", "n", {"t": df}, {}, [], {}, {})
+    back = result_from_dict(json.loads(json.dumps(result_to_dict(res), allow_nan=False)))
+    got = back.records["t"]
+    pd.testing.assert_frame_equal(got, df)
+    for col in ("x", "f32", "odd"):  # the same bits, not merely close
+        assert got[col].to_numpy().tobytes() == df[col].to_numpy().tobytes()
+
+
+def test_one_changed_digit_is_a_miss_and_recomputed(tmp_path):
+    """Regression: a changed digit in a case file was rendered in a table while the headline
+    kept the old value. Now the file fails its hash, and `run` recomputes the case."""
+    from varbench.app.runner import run_suite
+
+    suite = fr.write_suite(tmp_path)
+    out = tmp_path / "out"
+    run_suite(suite, out)
+    path = CaseCache(out / "cases").files()[0]
+    text = path.read_text()
+    i = next(i for i, c in enumerate(text) if c.isdigit() and i > text.index('"results"'))
+    path.write_text(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
+    with pytest.raises(UsageError, match="does not match its content hash"):
+        load_file(path)
+    logs = []
+    summary = run_suite(suite, out, log=logs.append)
+    assert len(summary.computed) == 1 and any("[corrupt]" in m for m in logs)
+    assert read_payload(path)["sha256"] == seal(read_payload(path))["sha256"]
+
+
+def test_unreadable_case_file_is_a_permission_error_not_corruption(tmp_path, monkeypatch):
+    """Regression: a case file another user cannot read was called corrupt and replaced."""
+    from varbench.app.runner import run_suite
+
+    suite, out = fr.write_suite(tmp_path), tmp_path / "out"
+    run_suite(suite, out)
+    path = CaseCache(out / "cases").files()[0]
+    real = type(path).read_text
+
+    def denied(self, *a, **k):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(path), "read_text", denied)
+    with pytest.raises(UsageError, match="permission denied") as err:
+        load_file(path)
+    assert "corrupt" not in str(err.value)
+    before = path.stat().st_mtime_ns
+    with pytest.raises(UsageError, match="permission denied"):  # not recomputed, not replaced
+        run_suite(suite, out)
+    assert path.stat().st_mtime_ns == before

@@ -101,3 +101,35 @@ def test_an_internal_error_reaches_the_user_as_a_traceback_with_exit_1(tmp_path)
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 1, out.stderr
     assert "Traceback" in out.stderr and "internal bug for the test" in out.stderr
+
+
+def test_os_errors_are_user_errors_with_path_and_reason(tmp_path, capsys):
+    """Regression: OS errors (output path is a file, permission denied) reached users as
+    tracebacks in run, merge, train, compare."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    suite = tmp_path / "s.toml"
+    suite.write_text('[suite]\nname = "s"\n[[cases]]\nname = "c"\nkind = "check"\n'
+                     'estimator = "centered"\nnum_steps = 10\nbaselines = []\n')
+    assert main(["run", str(suite), "--out", str(tmp_path / "shard")]) == 0
+    for argv in (["run", str(suite), "--out", str(blocker)],
+                 ["run", str(suite), "--out", str(blocker / "sub")],
+                 ["merge", str(tmp_path / "shard"), "--out", str(blocker / "sub")],
+                 ["compare", str(blocker), str(blocker)],
+                 ["train", "--out", str(blocker), "--policy", "micro", "--no-warm-start",
+                  "--steps", "1"]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert str(blocker) in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_os_error_text_names_both_paths():
+    err = OSError(13, "Permission denied", "/a", None, "/b")
+    assert cli.os_error_text(err) == "'/a' -> '/b': Permission denied"
+
+
+def test_internal_error_says_so_before_its_traceback(fake, capsys):
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["fake", "bug"])
+    assert "internal error (a bug in varbench, not in your input)" in capsys.readouterr().err

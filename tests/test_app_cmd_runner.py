@@ -126,3 +126,46 @@ def test_shards_merge_and_compare_cli(tmp_path, vb):
               "--rel-tolerance", "0")
     assert diff.returncode == 1 and "regression" in diff.stdout
     assert vb("compare", str(tmp_path / "m"), str(tmp_path / "nowhere")).returncode == 2
+
+
+FAILING_CASE = """
+[[cases]]
+name = "biased"
+kind = "check"
+estimator = "_fixtures_testing:length_bonus"
+num_steps = 100
+baselines = []
+"""
+
+
+def test_run_exits_1_when_a_check_case_fails(vb, tmp_path):
+    """Regression: `varbench run` exited 0 when a `check` case failed."""
+    suite = fr.write_suite(tmp_path, FAILING_CASE)
+    res = vb("run", str(suite), "--out", str(tmp_path / "out"))
+    assert res.returncode == 1, res.stderr
+    assert "1 check case(s) FAILED: biased" in res.stderr
+    again = vb("run", str(suite), "--out", str(tmp_path / "out"))  # cached: same verdict
+    assert again.returncode == 1 and "4 cached" in again.stdout
+    ok = vb("run", str(fr.write_suite(tmp_path, name="ok.toml")), "--out", str(tmp_path / "ok"))
+    assert ok.returncode == 0
+
+
+def test_degenerate_estimators_get_a_verdict_not_a_crash(vb, tmp_path):
+    """Regression: ZeroDivisionError (exit 1, the failed-check code) on an all-zero estimator
+    and on `check centered -G 1`."""
+    (tmp_path / "vb_zero_est.py").write_text(
+        "import torch\n"
+        "def zeros(rewards, mask, **kw):\n"
+        "    return torch.zeros(mask.shape, dtype=rewards.dtype)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        zero = vb("check", "vb_zero_est:zeros", "--steps", "30")
+    finally:
+        sys.path.remove(str(tmp_path))
+    g1 = vb("check", "centered", "-G", "1", "--steps", "30")
+    for res in (zero, g1):
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert "FAIL    bias (rescaled)" in res.stdout and "no gradient signal" in res.stdout
+    assert "at G=1 a group-mean baseline cancels every reward" in g1.stdout
+    g1_rloo = vb("check", "rloo", "-G", "2", "--steps", "30", "--baselines", "centered")
+    assert "Traceback" not in g1_rloo.stderr and g1_rloo.returncode in (0, 1)

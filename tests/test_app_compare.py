@@ -38,3 +38,55 @@ def test_compare_with_standard_errors(tmp_path):
     assert len(regressions(tight)) == 3
     with pytest.raises(FileNotFoundError, match="summary.json"):
         compare_reports(tmp_path / "nowhere", new)
+
+
+def test_huge_infinite_and_nan_values_are_explicit(tmp_path):
+    """Regression: compare crashed on huge numbers and let a change pass when an SE was inf."""
+    inf = float("inf")
+    base = _summary(tmp_path / "b", {"v/huge": (1e308, 1e300), "v/opp": (1e308, 0.0),
+                                     "v/inf_se": (1.0, inf), "v/same_inf": (inf, None),
+                                     "v/inf": (1.0, 0.1), "v/nan_se": (1.0, 0.1),
+                                     "v/bigint": (1.0, 0.1)})
+    new = _summary(tmp_path / "n", {"v/huge": (1e308, 1e300), "v/opp": (-1e308, 0.0),
+                                    "v/inf_se": (2.0, 0.1), "v/same_inf": (inf, None),
+                                    "v/inf": (inf, 0.1), "v/nan_se": (1.0, float("nan")),
+                                    "v/bigint": (12345.0, 0.1)})
+    # Python's json writes Infinity/NaN and reads them back: the non-strict JSON a hand edit
+    # (or another tool) may produce. A huge integer literal is read as an int.
+    text = (tmp_path / "n" / "summary.json").read_text().replace("12345.0", "1" + "0" * 400)
+    (tmp_path / "n" / "summary.json").write_text(text)
+    t = compare_reports(base, new).set_index("figure")
+    assert t.loc["v/huge", "status"] == "ok"  # no OverflowError squaring the SEs
+    assert t.loc["v/opp", "status"] == "regression"  # the difference overflows to inf
+    assert t.loc["v/inf_se", "status"] == "undefined"  # an infinite SE excuses nothing
+    assert t.loc["v/same_inf", "status"] == "ok"
+    assert t.loc["v/inf", "status"] == "undefined"
+    assert t.loc["v/nan_se", "status"] == "undefined"
+    assert t.loc["v/bigint", "status"] == "undefined"  # 10**400: no OverflowError, +inf
+    assert set(regressions(t).index) == {"v/opp", "v/inf_se", "v/inf", "v/nan_se", "v/bigint"}
+
+
+def test_schema_and_types_are_validated(tmp_path):
+    from varbench._util.checks import UsageError
+
+    good = _summary(tmp_path / "g", {"v/x": (1.0, 0.1)})
+    for i, (data, words) in enumerate([
+        ({"schema": "varbench.report/99", "analyses": []}, "schema 'varbench.report/99'"),
+        ({"analyses": []}, "schema None"),
+        ({"schema": "varbench.report/1", "analyses": {}}, "'analyses' must be a list"),
+        ({"schema": "varbench.report/1", "analyses": [{"name": 3, "headlines": []}]},
+         "analyses[0] must be a table"),
+        ({"schema": "varbench.report/1", "analyses": [
+            {"name": "v", "headlines": [{"key": "x", "value": "1.0"}]}]}, "is not a number"),
+        ({"schema": "varbench.report/1", "analyses": [
+            {"name": "v", "headlines": [{"key": "x", "value": 1.0, "se": -1}]}]}, "se=-1.0"),
+    ]):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        (bad / "summary.json").write_text(json.dumps(data))
+        with pytest.raises(UsageError, match="summary.json") as err:
+            compare_reports(good, bad)
+        assert words in str(err.value), str(err.value)
+    for tol in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(UsageError, match="tolerance"):
+            compare_reports(good, good, tolerance=tol)

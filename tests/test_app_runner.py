@@ -109,3 +109,74 @@ def test_shards_merge_into_the_full_report(tmp_path):
     run_suite(other, tmp_path / "o", shard=(1, 2))
     with pytest.raises(ValueError, match="different suites"):
         merge_outputs([tmp_path / "s1", tmp_path / "o"], tmp_path / "m2")
+
+
+EXACT_SUITE = """
+[suite]
+name = "exact"
+
+[[cases]]
+name = "chk"
+kind = "check"
+estimator = "rloo"
+num_steps = 40
+baselines = ["centered"]
+
+[[cases]]
+name = "trn"
+kind = "train"
+policy = "micro"
+warm_start = false
+reward = "positional"
+steps = 4
+G = 2
+prompts_per_step = 2
+eval_every = 2
+eval_prompts = 4
+eval_samples = 1
+checkpoint_every = 2
+seed = 5
+"""
+
+
+def _same_bits(a, b, where):
+    import numpy as np
+    import pandas as pd
+
+    from varbench.train.records import TIMING_FIELDS
+
+    a = a.drop(columns=[c for c in TIMING_FIELDS if c in a]).reset_index(drop=True)
+    b = b.drop(columns=[c for c in TIMING_FIELDS if c in b]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, check_exact=True, obj=where)
+    for col in a.columns:
+        if a[col].dtype.kind == "f":
+            x, y = a[col].to_numpy(), b[col].to_numpy()
+            assert np.array_equal(np.isnan(x), np.isnan(y)), (where, col)
+            keep = ~np.isnan(x)
+            assert x[keep].tobytes() == y[keep].tobytes(), (where, col)  # bit for bit
+
+
+def test_cached_and_resumed_results_equal_the_computed_ones_bit_for_bit(tmp_path):
+    """Regression: case records were cached at 10 significant digits, and a resumed training
+    case wrote tokens/* as float where the uninterrupted one had ints."""
+    from varbench.app.executors import KINDS
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    path = tmp_path / "exact.toml"
+    path.write_text(EXACT_SUITE)
+    suite = load_suite(path)
+    ref = {c.name: KINDS[c.kind].execute(c.name, c.params, tmp_path / "ref" / c.name, False,
+                                         cache=False) for c in suite.cases}
+    out = tmp_path / "out"
+    trn = next(c for c in suite.cases if c.kind == "train")
+    cut = TrainConfig.from_dict({**trn.params, "steps": 2})  # killed after step 2's checkpoint
+    train(cut, out / "work" / trn.key / "run", resume=True, progress=False)
+    run_suite(path, out)  # computes chk, resumes trn from its checkpoint at step 2
+    cache = CaseCache(out / "cases")
+    for c in suite.cases:
+        for got, want in zip(cache.load(c), ref[c.name], strict=True):
+            assert got.records.keys() == want.records.keys()
+            for k in want.records:
+                _same_bits(got.records[k], want.records[k], f"{c.name}/{k}")
+            assert [h.to_dict() for h in got.headlines] == [h.to_dict() for h in want.headlines]

@@ -8,6 +8,7 @@ from pathlib import Path
 import _fixtures_app as fr
 import pytest
 
+from varbench._util.checks import UsageError
 from varbench.app.suite import SuiteError, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +103,41 @@ def test_task_specs_in_suites_are_resolved_before_any_case(tmp_path):
     msg = _bad(tmp_path, HEAD + case.format(t=data).replace('"number"', '"fuzzy"'))
     assert "verifier='fuzzy' is not valid" in msg
     assert "--device=" in _bad(tmp_path, HEAD + case.format(t=data) + 'device = "tpu"\n')
+
+
+BAD_KEYS = [  # (case table body, key named in the error, words of the error)
+    ('kind = "check"\nestimator = "centered"\nG = 0', "G", "expected an integer >= 1"),
+    ('kind = "check"\nestimator = "centered"\nnum_steps = 1', "num_steps", ">= 3"),
+    ('kind = "variance"\nGs = []', "Gs", "is empty"),
+    ('kind = "variance"\nschemes = []', "schemes", "is empty"),
+    ('kind = "variance"\nGs = [2, 0]', "Gs", "element 0"),
+    ('kind = "variance"\nsketch_dim = -1', "sketch_dim", ">= 0"),
+    ('kind = "variance"\nM = 3200000000', "M", "too large"),
+    ('kind = "variance"\nn_ref = 0', "n_ref", ">= 1"),
+    ('kind = "train"\nlr = inf', "lr", "finite"),
+    ('kind = "train"\nlr = nan', "lr", "finite"),
+    ('kind = "train"\ndevice = "bogus"', "device", "is not valid; use cpu, cuda"),
+    ('kind = "train"\ndevice = "cuda:97"', "device", "CUDA device"),
+    ('kind = "check"\nestimator = "centered"\nalpha = inf', "alpha", "finite"),
+]
+
+
+@pytest.mark.parametrize("body,key,words", BAD_KEYS)
+def test_every_case_fully_validated_before_any_runs(tmp_path, body, key, words, monkeypatch):
+    """Regression: a bad key in case 2 was reported after case 1 ran, naming neither file nor
+    case; lr=inf, device="bogus", sketch_dim=-1, a huge M, Gs=[], schemes=[] were accepted."""
+    from varbench.app import executors
+    from varbench.app.runner import run_suite
+
+    ran = []
+    monkeypatch.setitem(executors._EXECUTORS, "check",
+                        lambda *a, **k: ran.append(a[1]) or pytest.fail("a case ran"))
+    path = tmp_path / "bad.toml"
+    path.write_text('[suite]\nname = "bad"\n\n[[cases]]\nname = "first"\nkind = "check"\n'
+                    'estimator = "centered"\n\n[[cases]]\nname = "second"\n' + body + "\n")
+    with pytest.raises(UsageError) as err:
+        run_suite(path, tmp_path / "out")
+    msg = str(err.value)
+    assert str(path) in msg and "cases[1] ('second')" in msg and f"'{key}'" in msg, msg
+    assert words in msg, msg
+    assert ran == []

@@ -167,3 +167,21 @@ def test_an_option_the_estimator_cannot_take_is_named_before_running():
 
 def _no_options(rewards, mask):
     return rewards.unsqueeze(-1) * mask
+
+
+def test_all_zero_estimator_and_g1_get_a_failed_verdict():
+    """Regression: ZeroDivisionError on an estimator returning all zeros and on G = 1."""
+    import torch
+
+    from varbench.testing.check import check_estimator
+
+    def zeros(rewards, mask, **kw):
+        return torch.zeros(mask.shape, dtype=rewards.dtype)
+
+    for res in (check_estimator(zeros, num_steps=30, baselines=()),
+                check_estimator("centered", G=1, num_steps=30, baselines=("rloo",))):
+        assert not res.passed
+        row = res.row("bias (rescaled)")
+        assert not row["passed"] and "no gradient signal" in row["detail"]
+    ok = check_estimator("rloo", G=2, num_steps=30, baselines=("centered",))
+    assert "variance ratio vs centered" in set(ok.table["check"])

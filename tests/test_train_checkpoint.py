@@ -76,3 +76,35 @@ def test_checkpoint_tied_weights(tmp_path):
     load_checkpoint(latest_checkpoint(tmp_path), model2, torch.optim.Adam(model2.parameters()), {})
     assert torch.equal(model2["emb"].weight, emb.weight)
     assert model2["head"].weight is model2["emb"].weight
+
+
+def test_flipped_bit_and_unreadable_file_are_refused_by_name(tmp_path, monkeypatch):
+    """Regression: flipped bits in a checkpoint's safetensors loaded silently."""
+    from varbench._util.checks import UsageError
+
+    model, opt = _model_and_opt(0)
+    gen = torch.Generator().manual_seed(0)
+    _train_steps(model, opt, gen, 1)
+    ckpt = save_checkpoint(tmp_path, 1, model, opt, {"g": gen}, {})
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight: the file still parses
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=r"model\.safetensors.*content hash.*refusing"):
+        load_checkpoint(ckpt, *_model_and_opt(1), {"g": torch.Generator()})
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    load_checkpoint(ckpt, *_model_and_opt(1), {"g": torch.Generator()})  # restored: loads
+    (ckpt / "extra.bin").write_bytes(b"payload")
+    with pytest.raises(UsageError, match=r"extra\.bin.*not covered"):
+        load_checkpoint(ckpt, *_model_and_opt(1), {"g": torch.Generator()})
+    (ckpt / "extra.bin").unlink()
+    import varbench._util.io as vio
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(vio, "file_sha256", denied)
+    with pytest.raises(UsageError, match="permission denied") as err:
+        load_checkpoint(ckpt, *_model_and_opt(1), {"g": torch.Generator()})
+    assert "corrupt" not in str(err.value) and weights.exists()

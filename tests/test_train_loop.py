@@ -103,9 +103,9 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     kept = read_records(tmp_path / "cut" / "records.csv")
     assert list(kept["step"]) == [0, 1, 2, 3, 4]  # every finished step survived the kill
     resumed = train(cfg, tmp_path / "cut", resume=True, progress=False).records
-    pd.testing.assert_frame_equal(_no_time(full), _no_time(resumed), check_dtype=False)
+    pd.testing.assert_frame_equal(_no_time(full), _no_time(resumed))  # same dtypes too
     on_disk = read_records(tmp_path / "cut" / "records.csv")
-    pd.testing.assert_frame_equal(_no_time(full), _no_time(on_disk), check_dtype=False)
+    pd.testing.assert_frame_equal(_no_time(full), _no_time(on_disk))
     with pytest.raises(ValueError, match=r"different config for \['lr'\]"):
         train(cfg.replace(lr=1e-2), tmp_path / "cut", resume=True, progress=False)
     # More steps is allowed (constant schedule): it continues where the run stopped.

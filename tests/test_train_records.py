@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from varbench._util.checks import UsageError
 from varbench.train.records import FIELDS, RecordWriter, read_records
 
 
@@ -28,3 +29,50 @@ def test_records_append_truncate_and_partial_row(tmp_path):
     with pytest.raises(ValueError, match="not_a_key"):
         RecordWriter(path, resume_step=2).write({"step": 3, "not_a_key": 1})
     assert len(FIELDS) == len(set(FIELDS))
+
+
+def _history(path, steps):
+    w = RecordWriter(path)
+    for s in steps:
+        w.write({"step": s, "train/reward_mean": s / 7, "tokens/sampled": 10 * s})
+
+
+def test_resume_refuses_a_missing_gapped_or_foreign_history(tmp_path):
+    """Regression: a missing or short records.csv resumed with a gapped history, exit 0."""
+    path = tmp_path / "records.csv"
+    with pytest.raises(UsageError, match=r"records file .* is missing .* step 4"):
+        RecordWriter(path, resume_step=4)
+    _history(path, range(3))
+    with pytest.raises(UsageError, match=r"missing steps \[3, 4\]"):
+        RecordWriter(path, resume_step=4)
+    _history(path, [0, 1, 2, 2, 3, 4])  # two writers interleaved
+    with pytest.raises(UsageError, match=r"duplicated steps \[2\]"):
+        RecordWriter(path, resume_step=4)
+    _history(path, range(6))
+    last = {"step": 4, "train/reward_mean": 4 / 7, "tokens/sampled": 40}
+    RecordWriter(path, resume_step=4, last_row=last)  # whole and matching: fine
+    assert list(read_records(path)["step"]) == [0, 1, 2, 3, 4]
+    with pytest.raises(UsageError, match=r"differs from the checkpoint's in \['tokens/sampled'\]"):
+        RecordWriter(path, resume_step=4, last_row={**last, "tokens/sampled": 41})
+    assert list(read_records(path)["step"]) == [0, 1, 2, 3, 4]  # refused: file left as it was
+
+
+def test_train_resume_refuses_missing_or_short_records(tmp_path):
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    cfg = TrainConfig(policy="micro", warm_start=False, reward="positional", steps=4,
+                      eval_every=2, eval_prompts=4, eval_samples=1, G=2, prompts_per_step=2,
+                      checkpoint_every=2, seed=1)
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    text = (run / "records.csv").read_text()
+    (run / "records.csv").unlink()
+    with pytest.raises(UsageError, match="records file .* is missing"):
+        train(cfg.replace(steps=6), run, resume=True, progress=False)
+    (run / "records.csv").write_text("\n".join(text.splitlines()[:3]) + "\n")  # steps 0, 1
+    with pytest.raises(UsageError, match=r"missing steps \[2, 3, 4\]"):
+        train(cfg.replace(steps=6), run, resume=True, progress=False)
+    (run / "records.csv").write_text(text)
+    assert list(train(cfg.replace(steps=6), run, resume=True, progress=False).records["step"]
+                ) == list(range(7))

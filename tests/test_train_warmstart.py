@@ -131,3 +131,32 @@ def test_bad_input():
         warm_start("tiny", task, reward="nope", use_cache=False)
     with pytest.raises(ValueError, match=r"task='nope'"):
         warm_start("tiny", "nope", use_cache=False)
+
+
+def test_flipped_bit_is_rebuilt_and_unreadable_entry_is_not_deleted(tmp_path, monkeypatch):
+    """Regression: flipped bits in a warm start's safetensors loaded silently; an entry another
+    user cannot read was called corrupt, deleted and rebuilt."""
+    from varbench._util.checks import UsageError
+
+    task = get_task("sort", **SMALL_SORT)
+    kw = dict(cache_dir=tmp_path, max_steps=4, eval_every=2, eval_prompts=8, progress=False,
+              target=(0.0, 1.0))
+    first = warm_start("micro", task, **kw)
+    (weights,) = (tmp_path / "warmstart").glob("*/model.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x10
+    weights.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"corrupt .*model\.safetensors.*content hash"):
+        again = warm_start("micro", task, **kw)
+    sa, sb = first.model.state_dict(), again.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    import varbench._util.io as vio
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(vio, "file_sha256", denied)
+    monkeypatch.setattr(ws, "_train", lambda *a, **k: pytest.fail("rebuilt an unreadable entry"))
+    with pytest.raises(UsageError, match="permission denied"):
+        warm_start("micro", task, **kw)
+    assert weights.exists()

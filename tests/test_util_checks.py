@@ -52,3 +52,53 @@ def test_check_positive_int():
             check_positive_int("G", bad)
     with pytest.raises(UsageError, match=r"^k=1 is not valid; expected an integer >= 2$"):
         check_positive_int("k", 1, minimum=2)
+
+
+def test_nonfinite_tensor_options_are_named():
+    """Regression: NaN/inf in logprobs, token_weights or importance weights gave silent NaN
+    advantages."""
+    import varbench as vb
+
+    r, m = torch.rand(2, 4), torch.ones(2, 4, 3)
+    m[1, 2, 2] = 0
+    base = {"logprobs": -torch.rand(2, 4, 3), "sum_pi_sq": torch.rand(2, 4, 3)}
+    for key, scheme in (("logprobs", "otb"), ("token_weights", "otb"),
+                        ("importance_weights", "otb")):
+        for bad in (float("nan"), float("inf")):
+            t = torch.ones(2, 4, 3) if key != "logprobs" else base["logprobs"].clone()
+            t[0, 1, 2] = bad
+            kw = {**base, key: t}
+            with pytest.raises(UsageError, match=rf"{key} contains NaN or inf at valid token "
+                               r"\[p=0, g=1, t=2\]"):
+                vb.advantages(scheme, r, m, **kw)
+    lp = base["logprobs"].clone()
+    lp[1, 2, 2] = float("nan")  # under mask 0: padding, ignored
+    assert torch.isfinite(vb.advantages("otb", r, m, logprobs=lp,
+                                        sum_pi_sq=base["sum_pi_sq"])).all()
+
+
+def test_reward_spread_the_centring_cannot_represent():
+    """Regression: rewards of +/-3e38 gave NaN advantages."""
+    import varbench as vb
+
+    m = torch.ones(1, 4, 2)
+    for scheme in ("centered", "normalized", "rloo"):
+        with pytest.raises(UsageError, match=r"rewards of group p=0 span -3e\+38 \.\. 3e\+38"):
+            vb.advantages(scheme, torch.tensor([[3e38, -3e38, 0.0, 1.0]]), m)
+    ok = vb.advantages("normalized", torch.tensor([[1e18, -1e18, 0.0, 1.0]]), m)
+    assert torch.isfinite(ok).all()
+    big64 = torch.tensor([[3e38, -3e38, 0.0, 1.0]], dtype=torch.float64)
+    assert torch.isfinite(vb.advantages("normalized", big64, m)).all()  # float64 holds it
+
+
+def test_check_device_and_finite_number():
+    from varbench._util.checks import check_device, check_finite_number
+
+    assert check_device("device", "cpu") == torch.device("cpu")
+    for bad in ("bogus", "cuda:99", "xla", 3.5):
+        with pytest.raises(UsageError, match="device="):
+            check_device("device", bad)
+    assert check_finite_number("lr", 1e-3, minimum=0, strict=True) == 1e-3
+    for bad in (float("inf"), float("nan"), 0.0, True, "1"):
+        with pytest.raises(UsageError, match="lr="):
+            check_finite_number("lr", bad, minimum=0, strict=True)

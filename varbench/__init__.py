@@ -14,6 +14,8 @@ as usual.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from varbench._util.version import VERSION as __version__
@@ -90,6 +92,27 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+
+class _Package(types.ModuleType):
+    """The ``varbench`` module: a public name wins over a subpackage of the same name.
+
+    Importing ``varbench.train`` (the package) makes the import system bind it as the attribute
+    ``train`` of ``varbench``, which would shadow the public function ``train`` depending on
+    import order. Those bindings are dropped here; the package stays in ``sys.modules`` (so
+    ``from varbench.train import TrainConfig``, ``from varbench.train import loop`` and
+    ``import varbench.train.loop`` still work; ``import varbench.train.loop as m`` does not, as
+    Python resolves it through the attribute ``varbench.train``, the function).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (name in _EXPORTS and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

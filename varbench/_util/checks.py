@@ -7,6 +7,7 @@ tell a user's mistake (one line, exit 2) from an internal bug (a traceback).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -49,3 +50,80 @@ def check_positive_int(arg: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(f"{arg}={value!r} is not valid; expected an integer >= {minimum}")
     return value
+
+
+def check_finite_number(arg: str, value: Any, *, minimum: float | None = None,
+                        strict: bool = False) -> float:
+    """``value`` as float; UsageError unless it is a finite real number (>= / > ``minimum``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if strict else value >= minimum
+    if not ok:
+        bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
+        raise UsageError(f"{arg}={value!r} is not valid; expected a finite number{bound}")
+    return float(value)
+
+
+def check_device(arg: str, value: Any) -> torch.device:
+    """``value`` as a torch.device that exists on this machine; UsageError naming it otherwise
+    (a typo, or ``cuda``/``cuda:N``/``mps`` where there is no such device)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"{arg}={value!r} is not a device; expected e.g. 'cpu', 'cuda', "
+                         "'cuda:0' or 'mps'") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index is not None and dev.index >= n):
+            raise UsageError(f"{arg}={value!r} does not exist on this machine "
+                             f"({n} CUDA device(s) visible)")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps")
+                                    and torch.backends.mps.is_available()):
+        raise UsageError(f"{arg}={value!r} does not exist on this machine (no MPS backend)")
+    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
+        raise UsageError(f"{arg}={value!r} is not supported; use 'cpu', 'cuda[:N]' or 'mps'")
+    return dev
+
+
+def check_scheme_tensors(rewards: torch.Tensor, mask: torch.Tensor,
+                         tensors: dict[str, torch.Tensor | None]) -> None:
+    """Boundary checks of an estimator's tensor arguments (one home for all of them).
+
+    ``tensors`` (``[P, G, T]`` each, or None) must be finite where ``mask`` is set: a NaN in
+    ``logprobs``, ``token_weights`` or importance weights would otherwise turn into NaN
+    advantages silently. ``rewards`` ([P, G] or [P, G, T], finite, checked by the caller) must
+    spread little enough that centring and scaling stay finite in their dtype: a group's
+    deviations from its mean, squared and summed over G, are at most ``G spread^2``, so each
+    group's ``max r - min r`` (taken in float64) must be ``<= sqrt(finfo.max / G)`` (about
+    1.8e19 / sqrt(G) in float32). Equal huge rewards are fine (they centre to 0); +/-3e38 is not.
+    """
+    for name, t in tensors.items():
+        if t is None or not t.is_floating_point():
+            continue
+        if bool(torch.isfinite(t.sum())):  # fast path: a finite total has finite entries
+            continue
+        bad = mask & ~torch.isfinite(t)
+        if bool(bad.any()):
+            p, g, tok = (int(i) for i in bad.nonzero()[0])
+            raise UsageError(f"{name} contains NaN or inf at valid token [p={p}, g={g}, "
+                             f"t={tok}] ({int(bad.sum())} such token(s)); pass finite values")
+    if not (rewards.is_floating_point() and rewards.numel()):
+        return
+    G = rewards.shape[1]
+    bound = math.sqrt(torch.finfo(rewards.dtype).max / G)
+    if rewards.dim() == 2:
+        r = rewards.double()
+        hi, lo = r.amax(1), r.amin(1)
+    else:  # token rewards: the spread of the valid tokens' values within each group
+        r = rewards.double().reshape(rewards.shape[0], -1)
+        m = mask.reshape(mask.shape[0], -1)
+        hi = torch.where(m, r, -math.inf).amax(1)
+        lo = torch.where(m, r, math.inf).amin(1)
+    spread = (hi - lo).nan_to_num(0.0, posinf=0.0)  # a group without valid tokens: no spread
+    if bool((spread > bound).any()):
+        p = int((spread > bound).nonzero()[0])
+        raise UsageError(
+            f"rewards of group p={p} span {float(lo[p]):.3g} .. {float(hi[p]):.3g}, a spread "
+            f"beyond {bound:.3g}, the largest that group centring and scaling can represent in "
+            f"{str(rewards.dtype).split('.')[-1]} at G={G}; rescale the rewards (or pass them "
+            "as float64)")

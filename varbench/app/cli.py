@@ -3,10 +3,11 @@
 Each group of subcommands lives in a ``varbench.app.cmd_*`` module exposing
 ``register(subparsers) -> None``; the parser built there sets ``func=handler(args) -> int``.
 
-Exit codes: 0 success; 1 a check or a comparison failed, or an internal error (its traceback
-is printed: that is a bug to report); 2 bad input (a :class:`~varbench._util.checks.UsageError`
-raised at the boundary: printed as one line naming the argument, the value and the choices);
-130 interrupted.
+Exit codes: 0 success; 1 a check or a comparison failed (``run``: a ``check`` case failed), or
+an internal error (a line saying so, then its traceback: that is a bug to report); 2 bad input
+(a :class:`~varbench._util.checks.UsageError` raised at the boundary: printed as one line naming
+the argument, the value and the choices; an OSError: the path and the reason, e.g. permission
+denied; another process holding the output directory); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -53,9 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"varbench {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path the user named: a file in the way, no permission, no space
+        print(f"varbench {args.command}: error: {os_error_text(err)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"varbench {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        print(f"varbench {args.command}: internal error (a bug in varbench, not in your "
+              "input); please report it with the traceback below", file=sys.stderr)
+        raise
+
+
+def os_error_text(err: OSError) -> str:
+    """``"<path>: <reason>"`` for an OSError (both paths of a rename)."""
+    paths = [repr(str(p)) for p in (err.filename, err.filename2) if p is not None]
+    reason = err.strerror or str(err) or type(err).__name__
+    return f"{' -> '.join(paths)}: {reason}" if paths else reason
 
 
 if __name__ == "__main__":

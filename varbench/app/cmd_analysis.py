@@ -68,6 +68,9 @@ def _run_case(kind: str, keys: dict[str, Any]):
         from varbench.report import write_report
 
         case = _case(kind, args, {k: getattr(args, a) for k, a in keys.items()})
+        from varbench.app.runner import prepare_out_dir
+
+        prepare_out_dir(Path(args.out))  # a file in the way: said now, not after the work
         rank, _ = init_from_env()
         try:
             results = KINDS[kind].execute(case.name, case.params, Path(args.out),

@@ -1,6 +1,7 @@
 """CLI: ``varbench run``, ``varbench merge``, ``varbench compare``, ``varbench check``.
 
-Exit codes: 0 success / pass; 1 a check failed or a comparison found a regression; 2 bad input
+Exit codes: 0 success / pass; 1 a check failed (also a ``check`` case of ``run``) or a comparison
+found a regression; 2 bad input
 (unknown file, invalid suite, module not found, wrong signature: the message says which);
 130 interrupted (finished cases stay cached; rerun the same command to resume).
 """
@@ -74,6 +75,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"shard {args.shard} written to {summary.out_dir}; combine the shards with "
               "`varbench merge DIR... --out DIR`")
+    if summary.failed:
+        print(f"{len(summary.failed)} check case(s) FAILED: {', '.join(summary.failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -20,12 +20,14 @@ from typing import Any
 
 import pandas as pd
 
-from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench._util.checks import UsageError, UsageFileNotFoundError, check_finite_number
+from varbench._util.io import check_path
+from varbench.report.writer import SCHEMA
 
 
 def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None]]:
     """``{"analysis/key": (value, se)}`` from a report directory or a summary.json file."""
-    p = Path(path)
+    p = check_path("report", path)
     if p.is_dir():
         p = p / "summary.json"
     if not p.is_file():
@@ -34,17 +36,42 @@ def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
         analyses = data["analyses"]
+    except OSError as err:
+        raise UsageError(f"cannot read {str(p)!r}: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"{p} is not a varbench summary.json ({err})") from None
+    if data.get("schema") != SCHEMA:
+        raise UsageError(f"{p} has schema {data.get('schema')!r}; this varbench compares "
+                         f"{SCHEMA!r} reports only (re-render it with this version)")
+    if not isinstance(analyses, list):
+        raise UsageError(f"{p}: 'analyses' must be a list, got {type(analyses).__name__}")
     out: dict[str, tuple[float | None, float | None]] = {}
-    for a in analyses:
-        for h in a.get("headlines", []):
-            out[f"{a['name']}/{h['key']}"] = (_num(h.get("value")), _num(h.get("se")))
+    for i, a in enumerate(analyses):
+        heads = a.get("headlines", []) if isinstance(a, dict) else None
+        if not isinstance(heads, list) or not isinstance(a.get("name"), str):
+            raise UsageError(f"{p}: analyses[{i}] must be a table with a string 'name' and a "
+                             "list of 'headlines'")
+        for j, h in enumerate(heads):
+            at = f"{p}: analyses[{i}] ({a['name']!r}) headlines[{j}]"
+            if not isinstance(h, dict) or not isinstance(h.get("key"), str):
+                raise UsageError(f"{at} must be a table with a string 'key'")
+            value, se = _num(at, "value", h.get("value")), _num(at, "se", h.get("se"))
+            if se is not None and se < 0:
+                raise UsageError(f"{at}: se={se!r} is not valid; a standard error is >= 0")
+            out[f"{a['name']}/{h['key']}"] = (value, se)
     return out
 
 
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _num(at: str, key: str, v: Any) -> float | None:
+    """A JSON number as float (an integer too large for a float is +/-inf), None for null."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UsageError(f"{at}: {key}={v!r} is not a number or null")
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def compare_reports(
@@ -58,13 +85,14 @@ def compare_reports(
     """One row per figure: base, new, their SEs, the allowed gap and the status.
 
     Status: ``ok``, ``regression`` (beyond tolerance), ``missing`` (in BASELINE, not in NEW),
-    ``new`` (only in NEW), ``undefined`` (a value that is null in one report and not the other
-    counts as a regression; null in both is ok).
+    ``new`` (only in NEW), ``undefined`` (counts as a regression: a value that is null or
+    non-finite in one report and not the same in the other, an infinite or NaN SE, or an
+    allowed gap that overflows; null in both, or the same infinity in both, is ok). Both
+    files must be ``varbench.report/1`` summaries; tolerances must be finite and >= 0.
     """
     for name, v in (("tolerance", tolerance), ("rel_tolerance", rel_tolerance),
                     ("abs_tolerance", abs_tolerance)):
-        if not (isinstance(v, (int, float)) and v >= 0):
-            raise UsageError(f"{name}={v!r} is not valid; expected a number >= 0")
+        check_finite_number(name, v, minimum=0)  # an infinite tolerance would pass anything
     base, cur = load_figures(baseline), load_figures(new)
     rows = []
     for key in list(base) + [k for k in cur if k not in base]:
@@ -77,12 +105,20 @@ def compare_reports(
         elif key not in base:
             row["status"] = "new"
         elif b is None or n is None or not (math.isfinite(b) and math.isfinite(n)):
-            row["status"] = "ok" if b is None and n is None else "undefined"
+            # null in both: nothing to compare; the same infinity in both: unchanged
+            same = (b is None and n is None) or (b is not None and n is not None and b == n)
+            row["status"] = "ok" if same else "undefined"
+        elif not all(math.isfinite(x) for x in (bse, nse) if x is not None):
+            row["status"] = "undefined"  # an infinite or NaN SE would excuse any change
         else:
-            se = math.sqrt((bse or 0.0) ** 2 + (nse or 0.0) ** 2)
+            se = math.hypot(bse or 0.0, nse or 0.0)  # no overflow for huge SEs
             allowed = tolerance * se + rel_tolerance * abs(b) + abs_tolerance
-            row.update(diff=n - b, allowed=allowed,
-                       status="ok" if abs(n - b) <= allowed else "regression")
+            diff = n - b  # may overflow to +/-inf for huge values of opposite signs
+            if not math.isfinite(allowed):
+                row.update(diff=diff, status="undefined")
+            else:
+                row.update(diff=diff, allowed=allowed,
+                           status="ok" if abs(diff) <= allowed else "regression")
         rows.append(row)
     return pd.DataFrame(rows, columns=["figure", "status", "base", "base_se", "new", "new_se",
                                        "diff", "allowed"])

@@ -106,7 +106,20 @@ class CaseKind:
         ``work_dir`` is the case's private scratch space (analysis cells under ``cells/``,
         a training run under ``run/``); ``cache=False`` keeps no analysis cells (no resume).
         """
-        return _EXECUTORS[self.name](self, name, dict(params), Path(work_dir), progress, cache)
+        run = _EXECUTORS[self.name]
+        if self.name == "check" or _world_size() > 1:  # no scratch / torchrun ranks share it
+            return run(self, name, dict(params), Path(work_dir), progress, cache)
+        from varbench._util.locks import dir_lock
+
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        with dir_lock(work_dir, what="work directory"):  # one writer of its cells and runs
+            return run(self, name, dict(params), Path(work_dir), progress, cache)
+
+
+def _world_size() -> int:
+    from varbench._util.distributed import rank_world
+
+    return rank_world()[1]
 
 
 KINDS: dict[str, CaseKind] = {
@@ -320,6 +333,7 @@ def _read_report(out: Path, name: str) -> list:
 
     import pandas as pd
 
+    from varbench._util.io import inside
     from varbench.report.result import AnalysisResult, Headline
 
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
@@ -328,7 +342,7 @@ def _read_report(out: Path, name: str) -> list:
         records = {}
         for rel in a["tables"]:
             if rel.endswith(".csv"):
-                records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(out / rel)
+                records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(inside(out, rel))
         heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
                  for h in a["headlines"]]
         prov = a.get("provenance", {})

@@ -13,6 +13,7 @@ case list) and, for a full run or a merge, the report (summary.json, report.md, 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
-from varbench._util.io import atomic_write
+from varbench._util.io import IntegrityError, atomic_write, check_path, inside, safe_name
+from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.app.cache import CaseCache, load_file, read_payload
 from varbench.app.suite import Case, Suite, load_suite
@@ -37,6 +39,7 @@ class RunSummary:
     out_dir: Path
     computed: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # check cases whose verdict is FAILED
     report: Path | None = None
     wall_time_s: float = 0.0
 
@@ -61,7 +64,9 @@ def shard_cases(cases: Sequence[Case], shard: tuple[int, int] | None) -> list[Ca
 
 
 def default_out_dir(suite: Suite) -> Path:
-    return Path("reports") / suite.name
+    """``reports/<suite name>``; the name is one safe path component (checked again here for
+    a Suite built by hand)."""
+    return inside(Path("reports"), safe_name("suite name", suite.name), what="output directory")
 
 
 def run_suite(
@@ -79,8 +84,26 @@ def run_suite(
     combine shards with :func:`merge_outputs`.
     """
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
-    out = Path(out_dir) if out_dir is not None else default_out_dir(suite)
-    show = show_progress(progress)
+    out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
+    prepare_out_dir(out)
+    with dir_lock(out, what="output directory"):  # one writer per output directory
+        return _run_locked(suite, out, shard, show_progress(progress), log)
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Create ``out``; an OSError (a file in the way, no permission) as a UsageError naming
+    the path and the reason."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create output directory {str(out)!r}: "
+                         f"{err.strerror or err}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"output directory {str(out)!r} is not writable (permission denied)")
+
+
+def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bool,
+                log: Callable[[str], None] | None) -> RunSummary:
     say = log or (lambda msg: None)
     start = time.perf_counter()
     cache = CaseCache(out / "cases")
@@ -88,24 +111,27 @@ def run_suite(
     current = shard is None and _report_current(out, suite)
     _write_manifest(out, suite, shard)
     selected = shard_cases(suite.cases, shard)
+    preflight(selected)
     summary = RunSummary(out)
     bar = tqdm(selected, desc=f"suite {suite.name}", unit="case", disable=not show)
     for case in bar:
         bar.set_postfix_str(case.name)
         if cache.has(case):
             try:
-                cache.load(case)
+                _note_failed(summary, case, cache.load(case))
                 summary.cached.append(case.name)
                 say(f"[cached]  {case.name}")
                 continue
-            except ValueError as err:
+            except IntegrityError as err:  # never a permission error: that one is raised
                 say(f"[corrupt] {case.name}: {err}; recomputing it")
         t0 = time.perf_counter()
-        work = out / "work" / case.key  # created by the kinds that need scratch space
+        # created by the kinds that need scratch space
+        work = inside(out / "work", safe_name("case key", case.key), what="work directory")
         from varbench.app.executors import KINDS
 
         results = KINDS[case.kind].execute(case.name, case.params, work, show)
         cache.store(case, results, time.perf_counter() - t0)
+        _note_failed(summary, case, results)
         summary.computed.append(case.name)
         say(f"[done]    {case.name} ({time.perf_counter() - t0:.1f} s)")
     if shard is None:
@@ -116,6 +142,29 @@ def run_suite(
             _write_manifest(out, suite, shard, rendered=True)
     summary.wall_time_s = time.perf_counter() - start
     return summary
+
+
+def preflight(cases: Sequence[Case]) -> None:
+    """Import every ``MODULE:FUNCTION`` the cases name (estimators, schemes) before the first
+    case runs, so a missing module or a wrong signature in case 5 is an error now (naming the
+    case), not after cases 1-4 ran. These imports would happen anyway when the cases run."""
+    from varbench._util.imports import is_reference
+    from varbench.app.executors import register_estimators
+    from varbench.testing.adapt import load
+
+    for case in cases:
+        try:
+            register_estimators(case.params)
+            est = case.params.get("estimator") if case.kind == "check" else None
+            if isinstance(est, str) and is_reference(est):
+                load(est)
+        except UsageError as err:
+            raise UsageError(f"case {case.name!r}: {err}") from None
+
+
+def _note_failed(summary: RunSummary, case: Case, results: list[AnalysisResult]) -> None:
+    if case.kind == "check" and any(r.summary.get("passed") is False for r in results):
+        summary.failed.append(case.name)
 
 
 def render(results: list[AnalysisResult], out: Path, title: str) -> Path:
@@ -134,27 +183,26 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     """
     if not dirs:
         raise UsageError("merge needs at least one shard output directory")
-    manifests = []
-    for d in dirs:
-        path = Path(d) / MANIFEST
-        if not path.is_file():
-            raise UsageFileNotFoundError(f"{d} has no {MANIFEST}: not a `varbench run` output")
-        try:
-            manifests.append(json.loads(path.read_text(encoding="utf-8")))
-        except ValueError as err:
-            raise UsageError(f"{path} is corrupt ({err})") from None
+    dirs = [check_path("shard directory", d) for d in dirs]
+    out = check_path("out_dir", out_dir)
+    manifests = [read_manifest(d) for d in dirs]
     digests = {m["digest"] for m in manifests}
     if len(digests) != 1:
         raise UsageError(f"shard outputs come from different suites (digests {sorted(digests)}); "
                          "merge only shards of one suite file and varbench version")
     head = manifests[0]
-    out = Path(out_dir)
+    prepare_out_dir(out)
+    with dir_lock(out, what="output directory"):
+        return _merge_locked(dirs, out, head)
+
+
+def _merge_locked(dirs: Sequence[Path], out: Path, head: dict) -> RunSummary:
     cases = CaseCache(out / "cases")
     found: dict[str, Path] = {}
     for d in dirs:
         for f in CaseCache(Path(d) / "cases").files():
             key = read_payload(f).get("key")
-            if key in head["cases"] and key not in found:
+            if isinstance(key, str) and key in head["cases"] and key not in found:
                 load_file(f, expect_key=key)  # refuse corrupt shards before copying
                 found[key] = f
     missing = [k for k in head["cases"] if k not in found]
@@ -163,7 +211,7 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
                          "remaining shards (or `varbench run` into one of the directories)")
     summary = RunSummary(out)
     for key, f in found.items():
-        dest = cases.root / f"{key}.json"
+        dest = cases.path(key)  # a safe name inside OUT/cases (checked by read_manifest too)
         if f.resolve() != dest.resolve():
             atomic_write(dest, f.read_bytes())
         summary.cached.append(key)
@@ -172,6 +220,36 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
     summary.report = render(results, out, head["title"])
     _write_manifest_raw(out, {**head, "shard": None, "report_digest": head["digest"]})
     return summary
+
+
+_MANIFEST_TYPES = {"suite": str, "title": str, "digest": str, "cases": list}
+
+
+def read_manifest(d: Path) -> dict:
+    """The ``suite.json`` of output directory ``d``, validated: every case key is a safe file
+    name (a shard from elsewhere is data, never a path), the types are the ones varbench
+    writes. UsageError naming the file and the bad value otherwise."""
+    path = d / MANIFEST
+    if not path.is_file():
+        raise UsageFileNotFoundError(f"{str(d)!r} has no {MANIFEST}: not a `varbench run` output")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise UsageError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise UsageError(f"{str(path)!r} is corrupt ({err})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{str(path)!r} is not a varbench manifest (not a JSON object)")
+    for key, typ in _MANIFEST_TYPES.items():
+        if not isinstance(data.get(key), typ):
+            raise UsageError(f"{str(path)!r}: key {key!r} must be a {typ.__name__}, got "
+                             f"{data.get(key)!r}")
+    for k in data["cases"]:
+        try:
+            safe_name("case key", k)
+        except UsageError as err:
+            raise UsageError(f"{str(path)!r}: {err}") from None
+    return data
 
 
 def _write_manifest(out: Path, suite: Suite, shard: tuple[int, int] | None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import Any
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
 from varbench._util.imports import is_reference
+from varbench._util.io import safe_name
 from varbench.app.executors import KINDS
 
 if sys.version_info >= (3, 11):
@@ -39,7 +41,8 @@ else:  # pragma: no cover - Python 3.10
 
 SUITE_KEYS = {"name": str, "title": str, "description": str, "seed": int}
 TOP_KEYS = ("suite", "defaults", "cases")
-_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_MAX_CASE_NAME = 96  # a case key adds "-<16 hex>" and ".json": one path component
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,14 @@ class Case:
     @property
     def key(self) -> str:
         """Hash of :meth:`config`: a changed setting or version never reuses a result."""
-        blob = json.dumps(self.config(), sort_keys=True).encode()
-        return f"{self.name}-{hashlib.sha256(blob).hexdigest()[:16]}"
+        return case_key(self.config())
+
+
+def case_key(config: dict[str, Any]) -> str:
+    """``<name>-<16 hex of the SHA-256 of the config's canonical JSON>`` (tuples and lists
+    hash alike, so a config read back from a case file gives the same key)."""
+    blob = json.dumps(config, sort_keys=True).encode()
+    return f"{config.get('name')}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,10 @@ def parse_suite(data: dict[str, Any], path: Path) -> Suite:
                              f"got {head[key]!r}")
     if "name" not in head:
         raise SuiteError(f"{path}: [suite] needs name = \"...\"")
+    try:  # the name becomes reports/<name>: one safe path component, never a path
+        safe_name("[suite] name", head["name"])
+    except UsageError as err:
+        raise SuiteError(f"{path}: {err}") from None
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise SuiteError(f"{path}: [defaults] must be a table")
@@ -155,9 +168,10 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
     if not isinstance(raw, dict):
         raise SuiteError(f"{where}: {at} must be a table ([[cases]])")
     name, kind = raw.get("name"), raw.get("kind")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise SuiteError(f"{where}: {at} key 'name' must be a string of letters, digits, "
-                         f"'_', '-', '.' (got {name!r})")
+    if (not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_CASE_NAME
+            or ".." in name):
+        raise SuiteError(f"{where}: {at} key 'name' must be a string of 1-{_MAX_CASE_NAME} "
+                         f"ASCII letters, digits, '_', '-', '.' (got {name!r})")
     at = f"{at} ({name!r})"
     if kind not in KINDS:
         raise SuiteError(f"{where}: {at} key 'kind' = {kind!r} is not valid; "
@@ -173,6 +187,7 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
         merged["seed"] = seed
     for key, value in merged.items():
         _check_value(where, at, kind, key, value, valid[key])
+        _check_range(f"{where}: {at} key {key!r}", key, value)
     missing = [k for k, p in valid.items()
                if p.default is inspect.Parameter.empty and k not in merged]
     if missing:
@@ -277,6 +292,71 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
         if not isinstance(value, str) or not (is_reference(value) or value in schemes()):
             raise SuiteError(f"{at} = {value!r} is not valid; give MODULE:FUNCTION (imported "
                              f"by name when the case runs) or a scheme in {schemes()}")
+
+
+# Ranges of the numeric keys, by name, whatever the kind (suite keys and command-line flags):
+# checked for every case before the first one runs. The upper bounds are sizes no run of this
+# suite could allocate (a typo like M = 3200000000), not tuning advice.
+_AT_LEAST_1 = {"G", "M", "n_prompts", "n_ref", "n_boot", "n_bins", "groups_per_call",
+               "top_tokens", "topk_k", "steps", "prompts_per_step", "epochs", "minibatches",
+               "eval_every", "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window",
+               "hacking_G", "variance_M", "variance_prompts", "eval_responses"}
+_AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup_steps",
+               "warm_start_seed", "eval_seed"}
+_AT_LEAST = {"num_steps": 3}
+_AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
+            "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
+            "sketch_dim": 1 << 24, "prompts_per_step": 1 << 20, "eval_prompts": 1 << 20,
+            "eval_samples": 1 << 16, "hacking_G": 1 << 16, "variance_M": 1 << 20}
+_NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
+             "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
+_ELEMENT_RANGE = {"Gs": (1, 1 << 16), "inner_steps": (0, 1 << 20), "seeds": (0, None),
+                  "hacking_seeds": (0, None)}
+
+
+def _check_range(at: str, key: str, value: Any) -> None:
+    """Finite numbers everywhere, integer ranges by key, non-empty lists, devices that exist."""
+    _check_finite(at, value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        lo = _AT_LEAST.get(key, 1 if key in _AT_LEAST_1 else 0 if key in _AT_LEAST_0 else None)
+        hi = _AT_MOST.get(key)
+        _int_range(at, value, lo, hi)
+    if isinstance(value, list):
+        if key in _NONEMPTY and not value:
+            raise SuiteError(f"{at} = [] is empty; give at least one value (an empty list "
+                             "would run nothing and report nothing)")
+        if key in _ELEMENT_RANGE:
+            lo, hi = _ELEMENT_RANGE[key]
+            for v in value:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise SuiteError(f"{at}: element {v!r} must be an integer")
+                _int_range(at, v, lo, hi, element=True)
+    if key == "device" and value is not None:
+        from varbench._util.checks import check_device
+
+        try:
+            check_device(key, value)
+        except UsageError as err:
+            raise SuiteError(f"{at}: {err}") from None
+
+
+def _int_range(at: str, v: int, lo: int | None, hi: int | None, element: bool = False) -> None:
+    what = f"{at}: element {v!r}" if element else f"{at} = {v!r}"
+    if lo is not None and v < lo:
+        raise SuiteError(f"{what} is not valid; expected an integer >= {lo}")
+    if hi is not None and v > hi:
+        raise SuiteError(f"{what} is too large; expected at most {hi}")
+
+
+def _check_finite(at: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SuiteError(f"{at} = {value!r} is not valid; expected a finite number")
+    if isinstance(value, list):
+        for v in value:
+            _check_finite(at, v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(f"{at}.{k}", v)
 
 
 def _choices(key: str, kind: str) -> list[Any] | None:

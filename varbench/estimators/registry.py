@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from varbench._util.checks import UsageError, UsageTypeError, check_shape
+from varbench._util.checks import UsageError, UsageTypeError, check_scheme_tensors, check_shape
 
 __all__ = [
     "SchemeOptions",
@@ -270,6 +270,7 @@ def run_scheme(
     """
     rewards, m = _check_rewards_mask(rewards, mask)
     opts = _build_options(label, tuple(extra_options), dict(options or {}), rewards.dtype, m.shape)
+    check_scheme_tensors(rewards, m, {k: getattr(opts, k) for k in TENSOR_OPTIONS})
     out = fn(rewards, m, opts)
     if check_output:
         check_shape(f"advantages returned by {label}", out, list(m.shape))

@@ -63,6 +63,23 @@ class CheckResult:
         return "\n".join(lines)
 
 
+def _no_signal(x: Any) -> bool:
+    """Estimates [M, D] whose mean is exactly zero (e.g. an all-zero estimator, or a group-mean
+    baseline at G = 1, which cancels every reward): no direction to test for bias."""
+    return float(x.double().mean(0).norm()) == 0.0
+
+
+def _degenerate_rows(G: int) -> list[dict]:
+    why = ("the estimator's gradient estimates average to exactly zero"
+           + (" (at G=1 a group-mean baseline cancels every reward; use G >= 2)" if G == 1
+              else " (all-zero advantages?)") + ": no gradient signal, so no bias to measure")
+    return [
+        {"check": "bias (rescaled)", "passed": False, "required": True, "detail": why},
+        {"check": "scale along g*", "value": 0.0, "passed": False, "required": True,
+         "detail": "E[g_hat].g* / ||g*||^2 is 0: the estimator does not point along g*"},
+    ]
+
+
 def _num(v: Any) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "-"
@@ -112,14 +129,16 @@ def check_estimator(
     that cannot be imported, a missing function, a wrong signature or an option the estimator
     cannot take; the estimator's own errors become failed rows.
     """
-    from varbench._util.checks import UsageError, check_positive_int
+    from varbench._util.checks import UsageError, check_finite_number, check_positive_int
 
     check_positive_int("G", G)
     check_positive_int("num_steps", num_steps, minimum=3)
-    if not 0 < alpha < 1:
+    check_positive_int("groups_per_call", groups_per_call)
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
         raise UsageError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
-    if not tolerance >= 0:
-        raise UsageError(f"tolerance={tolerance!r} is not valid; expected a number >= 0")
+    check_finite_number("tolerance", tolerance, minimum=0)  # inf would pass any bias
+    if max_variance_ratio is not None:
+        check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
     start = time.perf_counter()
     est = load(fn_or_name, estimator_options)
     base = {name: load(name) for name in baselines}
@@ -141,13 +160,22 @@ def check_estimator(
     if isinstance(x, str):
         rows.append({"check": "bias (rescaled)", "passed": False, "required": True,
                      "detail": f"estimator failed on the toy task: {x}"})
+    elif _no_signal(x):
+        rows.extend(_degenerate_rows(G))
     else:
         for r in _bias.bias_rows(x, g_star, alpha=alpha, tolerance=tolerance):
             r["required"] = r["check"] != "bias (raw)" or require_unbiased
             rows.append(r)
-        for r in _bias.variance_rows(x, xs, g_star, tokens, max_ratio=max_variance_ratio):
+        flat = {n: e for n, e in xs.items() if _no_signal(e)}
+        usable = {n: e for n, e in xs.items() if n not in flat}
+        for r in _bias.variance_rows(x, usable, g_star, tokens, max_ratio=max_variance_ratio):
             r["required"] = max_variance_ratio is not None and r["check"].startswith("variance r")
             rows.append(r)
+        for n in flat:  # a ratio to a zero-variance, zero-mean baseline is undefined
+            rows.append({"check": f"variance ratio vs {n}", "passed": False,
+                         "required": max_variance_ratio is not None,
+                         "detail": f"baseline {n!r} gives zero gradient estimates at G={G}: "
+                         "no comparison"})
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     passed = bool(table.loc[table["required"], "passed"].all())
     config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,

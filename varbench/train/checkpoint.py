@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``RUN/checkpoints/step_000020/`` holding ``model.safetensors``,
 ``optimizer.safetensors`` (every tensor of the optimizer state and every generator state) and
-``state.json`` (the optimizer's param groups, the loop's counters, the collapse detector).
+``state.json`` (the optimizer's param groups, the loop's counters, the collapse detector) and
+``varbench_sha256.json`` (the SHA-256 of each file, checked before anything is loaded).
 It is written under a temporary name and renamed when complete, so a kill mid-write never
 leaves a half checkpoint that looks finished. Nothing is unpickled on load.
 """
@@ -19,7 +20,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from varbench._util.checks import UsageError
-from varbench._util.io import atomic_dir, atomic_write
+from varbench._util.io import (
+    IntegrityError,
+    atomic_dir,
+    atomic_write,
+    verify_digest,
+    write_digest,
+)
 
 _PREFIX = "step_"
 
@@ -55,6 +62,7 @@ def save_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         atomic_write(tmp / "state.json",
                      json.dumps({"step": step, "optimizer": opt_json, "state": state}))
+        write_digest(tmp)  # moves into place with the files it covers
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old)
     return final
@@ -83,9 +91,19 @@ def load_checkpoint(
 ) -> tuple[int, dict[str, Any]]:
     """Restore model, optimizer and generators in place; returns ``(step, state)``.
 
-    A missing or corrupt file raises ValueError naming it (never a silent fresh start).
+    A missing or corrupt file, or one that does not match the checkpoint's content hash
+    (``varbench_sha256.json``), raises UsageError naming it (never a silent fresh start, never
+    a resume from changed weights).
     """
     path = Path(path)
+    try:
+        verify_digest(path, "checkpoint")  # a flipped bit is refused, never loaded
+    except PermissionError as err:
+        raise UsageError(f"cannot read checkpoint {str(path)!r}: permission denied "
+                         f"({err.filename or path})") from None
+    except IntegrityError as err:
+        raise UsageError(f"{err}; refusing to resume from it (delete the checkpoint directory "
+                         "to resume from the previous one, or start afresh)") from None
     try:
         with open(path / "state.json") as fh:
             meta = json.load(fh)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -273,14 +274,14 @@ def _validate(c: TrainConfig) -> None:
         )
     for name in ("clip_low", "clip_high", "kl_coef", "weight_decay", "grad_clip"):
         v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
-            raise UsageError(f"{name}={v!r} is not valid; expected a number >= 0")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
+            raise UsageError(f"{name}={v!r} is not valid; expected a finite number >= 0")
     if c.clip_low >= 1:
         raise UsageError(f"clip_low={c.clip_low!r} is not valid; expected 0 <= clip_low < 1")
     for name in ("lr", "temperature", "adam_eps", "surge_factor"):
         v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise UsageError(f"{name}={v!r} is not valid; expected a number > 0")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
+            raise UsageError(f"{name}={v!r} is not valid; expected a finite number > 0")
     for name in ("adam_beta1", "adam_beta2", "entropy_floor"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or not 0 <= v < 1:

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError
+from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
@@ -37,7 +38,7 @@ from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
 from varbench.train.config import TrainConfig
-from varbench.train.records import FIELDS, RecordWriter, read_records
+from varbench.train.records import RecordWriter, as_records, read_records
 
 _EVAL_SEED_OFFSET = 1_000_003  # sampling seed of evaluations: eval_seed + this
 
@@ -124,7 +125,15 @@ def train(
         raise UsageError("resume=True needs run_dir (where the checkpoints are)")
     if config.checkpoint_every and run_dir is None:
         raise UsageError("checkpoint_every > 0 needs run_dir (where to write checkpoints)")
+    if run_dir is None:
+        return _train(config, None, policy, resume, progress)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with dir_lock(run_dir, what="training run directory"):  # one writer of records/checkpoints
+        return _train(config, run_dir, policy, resume, progress)
 
+
+def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, resume: bool,
+           progress: bool | None) -> TrainResult:
     # ---------------------------------------------------------------- setup
     task, reward = setup.build_task(config)
     if policy is None:
@@ -158,7 +167,8 @@ def train(
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(config.to_json())
-        writer = RecordWriter(run_dir / "records.csv", resume_step=start if start > 0 else None)
+        writer = RecordWriter(run_dir / "records.csv", resume_step=start if start > 0 else None,
+                              last_row=state.get("last_row") if start > 0 else None)
         if resume and start > 0:
             rows = read_records(run_dir / "records.csv").to_dict("records")
 
@@ -298,12 +308,12 @@ def train(
         if config.checkpoint_every and step % config.checkpoint_every == 0:
             save_checkpoint(run_dir, step, model, optimizer, {"train": train_gen},
                             {"counters": counters, "detector": detector.state_dict(),
-                             "config": config.to_dict()}, keep=config.keep_checkpoints)
+                             "config": config.to_dict(), "last_row": row},
+                            keep=config.keep_checkpoints)
     bar.close()
     if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
         stopped = "token_budget"
-    df = pd.DataFrame(rows).reindex(columns=list(FIELDS))
-    df["step"] = df["step"].astype(int)
+    df = as_records(pd.DataFrame(rows))  # float64 columns, as a resumed run reads them back
     return TrainResult(records=df, policy=policy, run_dir=run_dir, stopped=stopped)
 
 

@@ -2,7 +2,8 @@
 
 Each row is flushed and fsynced when written, so an interrupted run keeps every finished step.
 A resumed run first truncates the file to the checkpoint's step (rows written after the last
-checkpoint are recomputed, identically, by the resumed run). Keys are namespaced like cleanrl's
+checkpoint are recomputed, identically, by the resumed run), after checking the history it keeps
+is whole and ends in the checkpoint's own last row. Keys are namespaced like cleanrl's
 (``train/...``, ``eval/...``); a value that was not measured at a step is empty (NaN).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from varbench._util.checks import UsageFileNotFoundError
+from varbench._util.checks import UsageError, UsageFileNotFoundError
 from varbench._util.io import atomic_write
 
 # The fixed column set, in file order. Row 0 is the starting policy (evaluation only).
@@ -77,15 +78,25 @@ def _fmt(value: object) -> str:
 class RecordWriter:
     """Append-only CSV writer of per-step records (one row per call to :meth:`write`)."""
 
-    def __init__(self, path: str | Path, *, resume_step: int | None = None) -> None:
+    def __init__(self, path: str | Path, *, resume_step: int | None = None,
+                 last_row: Mapping[str, object] | None = None) -> None:
         """Open ``path``; with ``resume_step`` keep only rows with ``step <= resume_step``.
 
-        Without ``resume_step`` an existing file is replaced (a fresh run).
+        Without ``resume_step`` an existing file is replaced (a fresh run). With it, the kept
+        history must be whole: steps 0..resume_step once each, and (when the checkpoint saved
+        it) the last row equal to ``last_row``; otherwise UsageError naming the file and the
+        gap, duplicate or differing value (a resumed run never continues a broken history).
         """
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
+        if resume_step is not None:
+            if not self.path.is_file():
+                raise UsageError(
+                    f"cannot resume: records file {str(self.path)!r} is missing but the "
+                    f"checkpoint is at step {resume_step} (the history would have a gap); "
+                    "restore it or start the run afresh")
             kept = [r for r in _read_rows(self.path) if int(r["step"]) <= resume_step]
+            check_history(self.path, kept, resume_step, last_row)
             buf = io.StringIO(newline="")
             w = csv.DictWriter(buf, fieldnames=FIELDS)
             w.writeheader()
@@ -106,6 +117,37 @@ class RecordWriter:
             os.fsync(fh.fileno())
 
 
+def check_history(path: Path, rows: list[dict[str, str]], step: int,
+                  last_row: Mapping[str, object] | None) -> None:
+    """UsageError unless ``rows`` are steps 0..``step`` once each, ending in ``last_row``."""
+    steps = [int(r["step"]) for r in rows]
+    if steps != list(range(step + 1)):
+        seen = set(steps)
+        gaps = [s for s in range(step + 1) if s not in seen]
+        dups = sorted({s for s in steps if steps.count(s) > 1})
+        what = (f"missing steps {gaps[:10]}{'...' if len(gaps) > 10 else ''}" if gaps
+                else f"duplicated steps {dups[:10]}" if dups else "steps out of order")
+        raise UsageError(
+            f"cannot resume: records file {str(path)!r} does not match the checkpoint at step "
+            f"{step}: {what} (it holds {len(steps)} row(s) up to that step, expected "
+            f"{step + 1}); restore it or start the run afresh")
+    if last_row is not None:
+        diff = [k for k in FIELDS if rows[-1].get(k, "") != _fmt(last_row.get(k))]
+        if diff:
+            raise UsageError(
+                f"cannot resume: the last row (step {step}) of {str(path)!r} differs from the "
+                f"checkpoint's in {diff[:5]}: the records and the checkpoint come from "
+                "different runs; restore it or start the run afresh")
+
+
+def as_records(df: pd.DataFrame) -> pd.DataFrame:
+    """The records' one layout: the :data:`FIELDS` columns as float64, ``step`` int64 (the same
+    whether the rows were kept in memory or read back on resume)."""
+    df = df.reindex(columns=list(FIELDS)).replace("", float("nan")).astype(float)
+    df["step"] = df["step"].astype(int)
+    return df
+
+
 def _csv_cell(text: str) -> str:
     return f'"{text}"' if ("," in text or '"' in text) else text
 
@@ -124,8 +166,4 @@ def read_records(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise UsageFileNotFoundError(f"records file {str(path)!r} does not exist")
-    rows = _read_rows(path)
-    df = pd.DataFrame(rows, columns=list(FIELDS))
-    df = df.replace("", float("nan")).astype(float)
-    df["step"] = df["step"].astype(int)
-    return df
+    return as_records(pd.DataFrame(_read_rows(path), columns=list(FIELDS)))

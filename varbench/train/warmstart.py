@@ -26,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, check_positive_int
-from varbench._util.io import atomic_dir
+from varbench._util.io import atomic_dir, verify_digest, write_digest
+from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.models.forward import forward_logits
 from varbench.models.io import load_policy, save_policy
@@ -198,21 +199,43 @@ def warm_start(
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     label = Path(preset).name if is_dir else preset
     entry = root / "warmstart" / f"{Path(task.name).stem}-{label}-{key}"
-    if use_cache and entry.exists():
-        try:
-            policy = load_policy(entry)
-            saved = json.loads(json.dumps(policy.meta.get("warmstart", {}).get("config"),
-                                          default=str))
-            if saved != json.loads(json.dumps(cfg, default=str)):
-                raise UsageError(f"metadata in {str(entry / 'varbench_meta.json')!r} "
-                                 "does not match the requested config")
-            task.bind(policy.tokenizer)
-            return policy
-        except ValueError as err:
-            warnings.warn(f"warm-start cache entry {str(entry)!r} is corrupt ({err}); "
-                          "rebuilding it", stacklevel=2)
-            shutil.rmtree(entry, ignore_errors=True)
+    if not use_cache:
+        return _build(preset, task, cfg, entry, False, is_dir, seed, tie_embeddings, threads,
+                      lo, hi, max_steps, batch_size, lr, eval_every, eval_prompts, reward,
+                      progress, target, add_task_tokens, trust_remote_code)
+    # One builder per entry; a second process asking for it waits, then loads the result.
+    with dir_lock(entry, what="warm-start cache entry", wait=_LOCK_WAIT_S,
+                  lock_file=root / ".locks" / f"warmstart-{entry.name}.lock"):
+        if entry.exists():
+            try:
+                verify_digest(entry, "warm-start cache entry")
+                policy = load_policy(entry)
+                saved = json.loads(json.dumps(policy.meta.get("warmstart", {}).get("config"),
+                                              default=str))
+                if saved != json.loads(json.dumps(cfg, default=str)):
+                    raise UsageError(f"metadata in {str(entry / 'varbench_meta.json')!r} "
+                                     "does not match the requested config")
+                task.bind(policy.tokenizer)
+                return policy
+            except PermissionError as err:  # another user's entry: say so, never delete it
+                raise UsageError(f"cannot read warm-start cache entry {str(entry)!r}: "
+                                 f"permission denied ({err.filename or entry}); use a cache "
+                                 "directory of your own (cache_dir / VARBENCH_CACHE)") from None
+            except ValueError as err:
+                warnings.warn(f"warm-start cache entry {str(entry)!r} is corrupt ({err}); "
+                              "rebuilding it", stacklevel=2)
+                shutil.rmtree(entry, ignore_errors=True)
+        return _build(preset, task, cfg, entry, True, is_dir, seed, tie_embeddings, threads,
+                      lo, hi, max_steps, batch_size, lr, eval_every, eval_prompts, reward,
+                      progress, target, add_task_tokens, trust_remote_code)
 
+
+_LOCK_WAIT_S = 3600.0  # a warm start of the largest preset takes minutes, not hours
+
+
+def _build(preset, task, cfg, entry, use_cache, is_dir, seed, tie_embeddings, threads, lo, hi,
+           max_steps, batch_size, lr, eval_every, eval_prompts, reward, progress, target,
+           add_task_tokens, trust_remote_code) -> Policy:
     if is_dir:
         policy = load_policy(preset, trust_remote_code=trust_remote_code)
         stored = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
@@ -245,6 +268,7 @@ def warm_start(
         info["cache"] = str(entry)
         with atomic_dir(entry) as tmp:  # a crash mid-save never leaves a half-written entry
             save_policy(policy, tmp)
+            write_digest(tmp)  # checked on load: a flipped bit is rebuilt, never used
     return policy
 
 

@@ -1,0 +1,586 @@
+"""Bad-input audit of the command line and the API: every case is run and classified.
+
+    python tests/audit_cli.py          # prints the table (and one line per case with -v)
+
+A case is a command line (run in process through ``varbench.app.cli.main``) or an API call,
+with the exit code (or exception) it should produce and a word its message must contain (the
+offending key, value or path). Each outcome is one of
+
+- ``clear``: the expected exit code (2 bad input, 1 a failed check's verdict) or a UsageError,
+  one line, naming what was wrong;
+- ``unclear``: refused, but the message does not name it (or a different exit code);
+- ``traceback``: an exception other than a user error escaped (a crash);
+- ``accepted``: nothing was refused (the work would have started, or the call returned).
+
+Work that a refused case must never reach is replaced by a tripwire (``_Accepted``): a suite
+case executing, a training loop starting, a warm start being built. So an accepted case costs
+nothing and is counted, not run. The test ``tests/test_audit_cli.py`` requires zero tracebacks,
+zero unclear and zero accepted cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+OUTCOMES = ("clear", "unclear", "traceback", "accepted")
+
+
+class _Accepted(Exception):
+    """Raised by a tripwire: the bad input got through to the work."""
+
+
+@dataclass
+class Case:
+    name: str
+    argv: list[str] | None = None  # a command line, or
+    call: Callable[[], Any] | None = None  # an API call
+    token: str = ""  # a word the message must contain
+    code: int = 2  # expected exit code of a command line
+    verdict: Callable[[Any], bool] | None = None  # API: a returned result that is right
+
+
+ONE_CASE = """
+[suite]
+name = {name}
+
+[[cases]]
+name = {case}
+kind = "check"
+estimator = "centered"
+num_steps = 10
+baselines = []
+{extra}
+"""
+
+CHECK_OK = """
+[suite]
+name = "okay"
+
+[[cases]]
+name = "c"
+kind = "check"
+estimator = "centered"
+num_steps = 10
+baselines = []
+"""
+
+
+def _suite(root: Path, label: str, name: str = '"s"', case: str = '"c"', extra: str = "",
+           body: str | None = None) -> str:
+    path = root / f"{label}.toml"
+    path.write_text(body if body is not None else ONE_CASE.format(name=name, case=case,
+                                                                  extra=extra))
+    return str(path)
+
+
+def _second(kind_body: str) -> str:
+    return (f'\n[[cases]]\nname = "second"\n{kind_body}\n')
+
+
+def build_cases(root: Path) -> list[Case]:
+    """Every audited case; files they need are written under ``root``."""
+    import torch
+
+    blocker = root / "a_file"
+    blocker.write_text("x")
+    victim = root / "victim.json"
+    victim.write_text('{"keep": true}')
+    shard = root / "shard"
+    _run_suite(_suite(root, "okay", body=CHECK_OK), str(shard))
+    manifest = json.loads((shard / "suite.json").read_text())
+
+    def hostile_shard(label: str, change: Callable[[dict], None]) -> str:
+        d = root / label
+        shutil.copytree(shard, d)
+        m = json.loads(json.dumps(manifest))
+        change(m)
+        (d / "suite.json").write_text(json.dumps(m))
+        return str(d)
+
+    symlinked = hostile_shard("sym", lambda m: None)
+    (Path(symlinked) / "cases" / "evil.json").symlink_to(victim)
+    other = hostile_shard("other", lambda m: m.update(digest="0" * 16))
+    nomani = root / "nomanifest"
+    nomani.mkdir()
+    corrupt = hostile_shard("corrupt", lambda m: None)
+    (Path(corrupt) / "suite.json").write_text("{not json")
+    summ = root / "summaries"
+    summ.mkdir()
+
+    def summary(label: str, data: Any, raw: str | None = None) -> str:
+        d = summ / label
+        d.mkdir()
+        (d / "summary.json").write_text(raw if raw is not None else json.dumps(data))
+        return str(d)
+
+    good = summary("good", {"schema": "varbench.report/1", "analyses": [
+        {"name": "a", "headlines": [{"key": "x", "value": 1.0, "se": 0.1}]}]})
+    (root / "zero_est.py").write_text(
+        "import torch\ndef zeros(rewards, mask, **kw):\n"
+        "    return torch.zeros(mask.shape, dtype=rewards.dtype)\n")
+    locked = root / "locked"
+    s = _suite(root, "plain")
+    r, m = torch.rand(2, 4), torch.ones(2, 4, 3)
+
+    def adv(**kw):
+        import varbench as vb
+
+        args = {"logprobs": -torch.rand(2, 4, 3), "sum_pi_sq": torch.rand(2, 4, 3), **kw}
+        rewards = args.pop("rewards", r)
+        return vb.advantages(args.pop("scheme", "otb"), rewards, args.pop("mask", m), **args)
+
+    def nan_at(t: torch.Tensor, v: float = float("nan")) -> torch.Tensor:
+        t = t.clone()
+        t[0, 1, 2] = v
+        return t
+
+    def api(name, call, token, verdict=None):
+        return Case(name, call=call, token=token, verdict=verdict)
+
+    def checkpoint_flipped():
+        from varbench.train.checkpoint import load_checkpoint, save_checkpoint
+
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        ck = save_checkpoint(root / "ck", 1, model, opt, {}, {})
+        data = bytearray((ck / "model.safetensors").read_bytes())
+        data[-2] ^= 1
+        (ck / "model.safetensors").write_bytes(bytes(data))
+        return load_checkpoint(ck, model, opt, {})
+
+    def records_gap():
+        from varbench.train.records import RecordWriter
+
+        w = RecordWriter(root / "rec.csv")
+        for step in (0, 1, 3):
+            w.write({"step": step})
+        return RecordWriter(root / "rec.csv", resume_step=3)
+
+    def import_order():
+        # In this process varbench.train (the package) is imported by now: the order that
+        # used to bind the name to the module. tests/test_api_imports.py tries fresh orders.
+        import types
+
+        ns: dict = {}
+        exec("from varbench import TrainConfig, train", ns)
+        return "module" if isinstance(ns["train"], types.ModuleType) else "function"
+
+    from varbench._util.checks import check_device
+
+    cases = [
+        # ---- run: the suite file
+        Case("run: missing suite file", ["run", str(root / "nope.toml")], "does not exist"),
+        Case("run: not TOML", ["run", _suite(root, "nottoml", body="[suite\nname=")],
+             "not valid TOML"),
+        Case("run: no [suite]", ["run", _suite(root, "nosuite", body="[[cases]]\nname='c'\n")],
+             "[suite]"),
+        Case("run: suite name absolute", ["run", _suite(root, "abs", name='"/tmp/x"')],
+             "not a safe name"),
+        Case("run: suite name ../", ["run", _suite(root, "dotdot", name='"../../x"')],
+             "not a safe name"),
+        Case("run: suite name baselines/quickstart",
+             ["run", _suite(root, "golden", name='"baselines/quickstart"')], "not a safe name"),
+        Case("run: suite name NUL", ["run", _suite(root, "nul", name='"a\\u0000b"')],
+             "not a safe name"),
+        Case("run: suite name 300 chars", ["run", _suite(root, "long", name='"' + "x" * 300 + '"')],
+             "not a safe name"),
+        Case("run: suite name not a string", ["run", _suite(root, "nstr", name="3")], "'name'"),
+        Case("run: case name ../", ["run", _suite(root, "cdot", case='"../c"')], "'name'"),
+        Case("run: case name absolute", ["run", _suite(root, "cabs", case='"/c"')], "'name'"),
+        Case("run: duplicate case names",
+             ["run", _suite(root, "dup", extra=_second('kind = "check"\nestimator = "rloo"')
+                            .replace('"second"', '"c"'))], "duplicate"),
+        Case("run: unknown kind", ["run", _suite(root, "kind", extra=_second('kind = "nope"'))],
+             "'kind'"),
+        Case("run: unknown key", ["run", _suite(root, "ukey", extra="bogus = 1")],
+             "unknown key 'bogus'"),
+        Case("run: wrong type", ["run", _suite(root, "type", extra='G = "four"')], "'G'"),
+        Case("run: case 2 G = 0",
+             ["run", _suite(root, "g0", extra=_second('kind = "check"\nestimator = "rloo"\n'
+                                                      "G = 0"))], "cases[1] ('second') key 'G'"),
+        Case("run: G = -3", ["run", _suite(root, "gneg", extra="G = -3")], "'G'"),
+        Case("run: num_steps = 1", ["run", _suite(root, "steps1", body=ONE_CASE.format(
+            name='"s"', case='"c"', extra="").replace("num_steps = 10", "num_steps = 1"))],
+             "'num_steps'"),
+        Case("run: alpha = inf", ["run", _suite(root, "ainf", extra="alpha = inf")], "'alpha'"),
+        Case("run: alpha = nan", ["run", _suite(root, "anan", extra="alpha = nan")], "'alpha'"),
+        Case("run: tolerance = inf", ["run", _suite(root, "tinf", extra="tolerance = inf")],
+             "'tolerance'"),
+        Case("run: variance Gs = []", ["run", _suite(root, "gs", extra=_second(
+            'kind = "variance"\nGs = []'))], "'Gs'"),
+        Case("run: variance schemes = []", ["run", _suite(root, "sch", extra=_second(
+            'kind = "variance"\nschemes = []'))], "'schemes'"),
+        Case("run: variance Gs = [2, 0]", ["run", _suite(root, "gs0", extra=_second(
+            'kind = "variance"\nGs = [2, 0]'))], "'Gs'"),
+        Case("run: variance sketch_dim = -1", ["run", _suite(root, "sk", extra=_second(
+            'kind = "variance"\nsketch_dim = -1'))], "'sketch_dim'"),
+        Case("run: variance M huge", ["run", _suite(root, "m", extra=_second(
+            'kind = "variance"\nM = 3200000000'))], "'M'"),
+        Case("run: variance n_ref = 0", ["run", _suite(root, "nref", extra=_second(
+            'kind = "variance"\nn_ref = 0'))], "'n_ref'"),
+        Case("run: variance unknown scheme", ["run", _suite(root, "usch", extra=_second(
+            'kind = "variance"\nschemes = ["nope"]'))], "'nope'"),
+        Case("run: variance unknown task", ["run", _suite(root, "utask", extra=_second(
+            'kind = "variance"\ntask = "nope"'))], "'nope'"),
+        Case("run: variance unknown preset", ["run", _suite(root, "upre", extra=_second(
+            'kind = "variance"\npreset = "nope"'))], "'nope'"),
+        Case("run: variance missing checkpoint", ["run", _suite(root, "uck", extra=_second(
+            'kind = "variance"\ncheckpoint = "/no/such/dir"'))], "checkpoint"),
+        Case("run: train lr = inf", ["run", _suite(root, "lr", extra=_second(
+            'kind = "train"\nlr = inf'))], "'lr'"),
+        Case("run: train lr = -1", ["run", _suite(root, "lrn", extra=_second(
+            'kind = "train"\nlr = -1.0'))], "lr"),
+        Case("run: train device bogus", ["run", _suite(root, "dev", extra=_second(
+            'kind = "train"\ndevice = "bogus"'))], "'device'"),
+        Case("run: train device cuda:97", ["run", _suite(root, "dev97", extra=_second(
+            'kind = "train"\ndevice = "cuda:97"'))], "'device'"),
+        Case("run: train steps = 0", ["run", _suite(root, "st0", extra=_second(
+            'kind = "train"\nsteps = 0'))], "steps"),
+        Case("run: train unknown scheme", ["run", _suite(root, "tsch", extra=_second(
+            'kind = "train"\nscheme = "nope"'))], "'nope'"),
+        Case("run: estimator module missing", ["run", _suite(root, "est", extra=_second(
+            'kind = "check"\nestimator = "no_such_mod_xyz:f"'))], "no_such_mod_xyz"),
+        Case("run: --shard 0/3", ["run", s, "--shard", "0/3"], "--shard"),
+        Case("run: --shard x", ["run", s, "--shard", "x"], "--shard"),
+        Case("run: --out is a file", ["run", s, "--out", str(blocker)], str(blocker)),
+        Case("run: --out under a file", ["run", s, "--out", str(blocker / "sub")], str(blocker)),
+        Case("run: --out 300-char name", ["run", s, "--out", str(root / ("y" * 300))],
+             "not a valid path"),
+        Case("run: --out held by another run", ["run", s, "--out", str(locked)],
+             "in use by process"),
+        # ---- merge
+        Case("merge: not a run output", ["merge", str(nomani), "--out", str(root / "m1")],
+             "suite.json"),
+        Case("merge: corrupt suite.json", ["merge", corrupt, "--out", str(root / "m2")],
+             "is corrupt"),
+        Case("merge: absolute case key", ["merge", hostile_shard(
+            "abskey", lambda m: m["cases"].append(str(victim.with_suffix("")))), "--out",
+            str(root / "m3")], "not a safe name"),
+        Case("merge: ../ case key", ["merge", hostile_shard(
+            "dotkey", lambda m: m["cases"].append("../../victim")), "--out", str(root / "m4")],
+             "not a safe name"),
+        Case("merge: NUL case key", ["merge", hostile_shard(
+            "nulkey", lambda m: m["cases"].append("a\x00b")), "--out", str(root / "m5")],
+             "not a safe name"),
+        Case("merge: case key not a string", ["merge", hostile_shard(
+            "intkey", lambda m: m["cases"].append(7)), "--out", str(root / "m6")],
+             "not a safe name"),
+        Case("merge: cases not a list", ["merge", hostile_shard(
+            "dictcases", lambda m: m.update(cases={"a": 1})), "--out", str(root / "m7")],
+             "'cases'"),
+        Case("merge: symlink to a file outside", ["merge", symlinked, "--out",
+                                                  str(root / "m8")], "outside"),
+        Case("merge: shards of different suites", ["merge", str(shard), other, "--out",
+                                                   str(root / "m9")], "different suites"),
+        Case("merge: missing cases", ["merge", hostile_shard(
+            "missing", lambda m: m["cases"].append("ghost-0123456789abcdef")), "--out",
+            str(root / "m10")], "missing"),
+        Case("merge: --out is a file", ["merge", str(shard), "--out", str(blocker)],
+             str(blocker)),
+        # ---- compare
+        Case("compare: no summary.json", ["compare", str(root / "nope"), good], "summary.json"),
+        Case("compare: not JSON", ["compare", summary("nj", None, "{x"), good],
+             "not a varbench summary"),
+        Case("compare: other schema", ["compare", summary("sch", {
+            "schema": "varbench.report/99", "analyses": []}), good], "schema"),
+        Case("compare: no schema", ["compare", summary("nosch", {"analyses": []}), good],
+             "schema"),
+        Case("compare: analyses not a list", ["compare", summary("al", {
+            "schema": "varbench.report/1", "analyses": 3}), good], "'analyses'"),
+        Case("compare: value a string", ["compare", summary("vs", {
+            "schema": "varbench.report/1", "analyses": [
+                {"name": "a", "headlines": [{"key": "x", "value": "1"}]}]}), good],
+             "not a number"),
+        Case("compare: negative SE", ["compare", summary("nse", {
+            "schema": "varbench.report/1", "analyses": [
+                {"name": "a", "headlines": [{"key": "x", "value": 1.0, "se": -1}]}]}), good],
+             "se="),
+        Case("compare: inf SE hides a change", ["compare", good, summary("ise", None, json.dumps(
+            {"schema": "varbench.report/1", "analyses": [
+                {"name": "a", "headlines": [{"key": "x", "value": 99.0,
+                                             "se": float("inf")}]}]}))], "undefined", code=1),
+        Case("compare: huge integer value", ["compare", good, summary("hv", None, (
+            '{"schema": "varbench.report/1", "analyses": [{"name": "a", "headlines": '
+            '[{"key": "x", "value": 1' + "0" * 400 + ', "se": 0.1}]}]}'))], "undefined",
+             code=1),
+        Case("compare: huge SEs", ["compare", good, summary("hse", {
+            "schema": "varbench.report/1", "analyses": [
+                {"name": "a", "headlines": [{"key": "x", "value": 1e308, "se": 1e300}]}]})],
+             "regression", code=1),
+        Case("compare: --tolerance inf", ["compare", good, good, "--tolerance", "inf"],
+             "tolerance"),
+        Case("compare: --tolerance nan", ["compare", good, good, "--tolerance", "nan"],
+             "tolerance"),
+        Case("compare: --rel-tolerance -1", ["compare", good, good, "--rel-tolerance", "-1"],
+             "rel_tolerance"),
+        Case("compare: path is a file", ["compare", str(blocker), good], str(blocker)),
+        # ---- check
+        Case("check: module not found", ["check", "no_such_mod_xyz:f"], "no_such_mod_xyz"),
+        Case("check: unknown scheme", ["check", "nope_scheme"], "nope_scheme"),
+        Case("check: -G 0", ["check", "centered", "-G", "0"], "G=0"),
+        Case("check: --steps 1", ["check", "centered", "--steps", "1"], "num_steps"),
+        Case("check: --alpha 2", ["check", "centered", "--alpha", "2"], "alpha"),
+        Case("check: --alpha nan", ["check", "centered", "--alpha", "nan"], "alpha"),
+        Case("check: --tolerance inf", ["check", "centered", "--tolerance", "inf"], "tolerance"),
+        Case("check: --max-variance-ratio -1", ["check", "centered",
+                                               "--max-variance-ratio", "-1"],
+             "max_variance_ratio"),
+        Case("check: unknown baseline", ["check", "centered", "--baselines", "nope"], "nope"),
+        Case("check: all-zero estimator", ["check", "zero_est:zeros", "--steps", "30",
+                                           "--baselines", ""], "no gradient signal", code=1),
+        Case("check: centered -G 1", ["check", "centered", "-G", "1", "--steps", "30",
+                                      "--baselines", ""], "G=1", code=1),
+        # ---- train
+        Case("train: --out is a file", ["train", "--out", str(blocker), "--policy", "micro",
+                                        "--no-warm-start"], str(blocker)),
+        Case("train: --lr inf", ["train", "--out", str(root / "t1"), "--lr", "inf"], "lr"),
+        Case("train: --lr nan", ["train", "--out", str(root / "t2"), "--lr", "nan"], "lr"),
+        Case("train: --device bogus", ["train", "--out", str(root / "t3"), "--device",
+                                       "bogus"], "device"),
+        Case("train: --device cuda:97", ["train", "--out", str(root / "t4"), "--device",
+                                         "cuda:97"], "device"),
+        Case("train: --steps 0", ["train", "--out", str(root / "t5"), "--steps", "0"], "steps"),
+        Case("train: -G 0", ["train", "--out", str(root / "t6"), "-G", "0"], "G"),
+        Case("train: unknown scheme", ["train", "--out", str(root / "t7"), "--scheme", "nope"],
+             "nope"),
+        Case("train: unknown task", ["train", "--out", str(root / "t8"), "--task", "nope"],
+             "nope"),
+        Case("train: missing --config", ["train", "--out", str(root / "t9"), "--config",
+                                         str(root / "none.toml")], "does not exist"),
+        # ---- analyses
+        Case("variance: --n-ref 0", ["variance", "--out", str(root / "v1"), "--n-ref", "0"],
+             "n_ref"),
+        Case("variance: -M 0", ["variance", "--out", str(root / "v2"), "-M", "0"], "'M'"),
+        Case("variance: -M huge", ["variance", "--out", str(root / "v3"), "-M", "3200000000"],
+             "'M'"),
+        Case("variance: -G 0", ["variance", "--out", str(root / "v4"), "-G", "0"], "'Gs'"),
+        Case("variance: --sketch-dim -1", ["variance", "--out", str(root / "v5"),
+                                           "--sketch-dim", "-1"], "sketch_dim"),
+        Case("variance: unknown scheme", ["variance", "--out", str(root / "v6"), "--schemes",
+                                          "nope"], "nope"),
+        Case("variance: --out is a file", ["variance", "--out", str(blocker)], str(blocker)),
+        Case("cancellation: --inner-steps -1", ["cancellation", "--out", str(root / "c1"),
+                                                "--inner-steps", "-1"], "inner_steps"),
+        Case("cancellation: -G 0", ["cancellation", "--out", str(root / "c2"), "-G", "0"],
+             "'G'"),
+        Case("proxy: --prompts 0", ["proxy", "--out", str(root / "p1"), "--prompts", "0"],
+             "n_prompts"),
+        # ---- foundation
+        Case("warmstart: unknown preset", ["warmstart", "--preset", "nope"], "nope"),
+        Case("warmstart: unknown task", ["warmstart", "--task", "nope"], "nope"),
+        Case("warmstart: --cache-dir is a file", ["warmstart", "--preset", "micro",
+                                                  "--cache-dir", str(blocker)], str(blocker)),
+        # ---- API entry points
+        api("advantages: NaN logprobs", lambda: adv(logprobs=nan_at(-torch.rand(2, 4, 3))),
+            "logprobs"),
+        api("advantages: inf token_weights", lambda: adv(token_weights=nan_at(
+            torch.ones(2, 4, 3), float("inf"))), "token_weights"),
+        api("advantages: NaN importance_weights", lambda: adv(importance_weights=nan_at(
+            torch.ones(2, 4, 3))), "importance_weights"),
+        api("advantages: NaN sum_pi_sq", lambda: adv(sum_pi_sq=nan_at(torch.rand(2, 4, 3))),
+            "sum_pi_sq"),
+        api("advantages: rewards +/-3e38", lambda: adv(scheme="centered", rewards=torch.tensor(
+            [[3e38, -3e38, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]])), "rewards"),
+        api("advantages: NaN reward", lambda: adv(scheme="centered", rewards=torch.tensor(
+            [[float("nan"), 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]])), "rewards"),
+        api("advantages: all-zero mask", lambda: adv(scheme="centered",
+                                                     mask=torch.zeros(2, 4, 3)), "mask"),
+        api("advantages: unknown scheme", lambda: adv(scheme="nope"), "nope"),
+        api("advantages: unknown option", lambda: adv(scheme="centered", bogus=1), "bogus"),
+        api("TrainConfig(lr=inf)", lambda: _train_config(lr=float("inf")), "lr"),
+        api("TrainConfig(lr=nan)", lambda: _train_config(lr=float("nan")), "lr"),
+        api("TrainConfig(kl_coef=inf)", lambda: _train_config(kl_coef=float("inf")), "kl_coef"),
+        api("train(device='bogus')", lambda: _train_call(device="bogus"), "device"),
+        api("check_device('cuda:97')", lambda: check_device("device", "cuda:97"), "cuda:97"),
+        api("check_estimator(tolerance=inf)", lambda: _check_estimator(tolerance=float("inf")),
+            "tolerance"),
+        api("check_estimator(G=1) verdict", lambda: _check_estimator(G=1, num_steps=30,
+                                                                     baselines=()),
+            "", verdict=lambda res: not res.passed),
+        api("compare_reports(NUL path)", lambda: _compare("a\x00b", good), "not a valid path"),
+        api("run_suite(out_dir with NUL)", lambda: _run_suite(s, str(root / "a\x00b")),
+            "not a valid path"),
+        api("CaseCache.path('../x')", lambda: _case_path(root, "../x"), "not a safe name"),
+        api("CaseCache.path('/abs')", lambda: _case_path(root, "/abs"), "not a safe name"),
+        api("load_checkpoint: flipped bit", checkpoint_flipped, "content hash"),
+        api("resume over a gapped records.csv", records_gap, "missing steps"),
+        api("from varbench import TrainConfig, train", import_order, "",
+            verdict=lambda got: got == "function"),
+    ]
+    return cases
+
+
+def _train_config(**kw):
+    from varbench.train.config import TrainConfig
+
+    return TrainConfig(**kw)
+
+
+def _train_call(**kw):
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    return train(TrainConfig(**kw), progress=False)
+
+
+def _check_estimator(**kw):
+    from varbench.testing.check import check_estimator
+
+    return check_estimator("centered", **kw)
+
+
+def _compare(a, b):
+    from varbench.app.compare import compare_reports
+
+    return compare_reports(a, b)
+
+
+def _run_suite(suite, out):
+    from varbench.app.runner import run_suite
+
+    return run_suite(suite, out)
+
+
+def _case_path(root: Path, key: str):
+    from varbench.app.cache import CaseCache
+
+    return CaseCache(root / "cc").path(key)
+
+
+@contextlib.contextmanager
+def _tripwires():
+    """Replace the work a refused input must never reach with :class:`_Accepted`."""
+    import varbench.app.executors as ex
+    from varbench.train import loop
+    from varbench.train import warmstart as ws
+
+    def trip(*a, **k):
+        raise _Accepted
+
+    saved = (dict(ex._EXECUTORS), loop._train, ws._build)
+    real_check = ex._EXECUTORS["check"]
+
+    def check_or_trip(kind, name, params, *rest):
+        # `check` cases of the audit's own valid suites are cheap: let them run (they must),
+        # but a case named "second" only exists in suites that must be refused.
+        if name == "second":
+            raise _Accepted
+        return real_check(kind, name, params, *rest)
+
+    for k in ex._EXECUTORS:
+        ex._EXECUTORS[k] = check_or_trip if k == "check" else trip
+    loop._train = trip
+    ws._build = trip
+    try:
+        yield
+    finally:
+        ex._EXECUTORS.clear()
+        ex._EXECUTORS.update(saved[0])
+        loop._train, ws._build = saved[1], saved[2]
+
+
+def classify(case: Case) -> tuple[str, str]:
+    """``(outcome, message)`` of one case."""
+    from varbench._util.checks import UsageError
+    from varbench.app.cli import main
+
+    if case.argv is not None:
+        err, out = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                code = main(case.argv)
+        except _Accepted:
+            return "accepted", "reached the work"
+        except SystemExit as e:  # argparse: a bad flag value, exit 2 with its usage line
+            code = e.code
+        except BaseException as e:  # noqa: BLE001 - the audit counts crashes
+            return "traceback", f"{type(e).__name__}: {e}"
+        text = err.getvalue() + out.getvalue()
+        msg = err.getvalue().strip().splitlines()[-1:] or out.getvalue().strip().splitlines()[-1:]
+        msg = msg[0] if msg else ""
+        if code == 0:
+            return "accepted", f"exit 0: {msg}"
+        if "Traceback" in text:
+            return "traceback", msg
+        if code == case.code and case.token in text:
+            if code == 2 and len(err.getvalue().strip().splitlines()) > 3:
+                return "unclear", f"exit 2 but a long message: {msg}"
+            return "clear", msg
+        return "unclear", f"exit {code}: {msg}"
+    try:
+        got = case.call()
+    except _Accepted:
+        return "accepted", "reached the work"
+    except UsageError as e:
+        if case.verdict is None and case.token in str(e):
+            return "clear", str(e)
+        return "unclear", str(e)
+    except Exception as e:  # noqa: BLE001 - the audit counts crashes
+        return "traceback", f"{type(e).__name__}: {e}"
+    if case.verdict is not None:
+        return ("clear", "right result") if case.verdict(got) else ("accepted", repr(got))
+    return "accepted", f"returned {type(got).__name__}"
+
+
+def audit(verbose: bool = False) -> dict[str, Any]:
+    """Run every case; returns ``{"counts": {outcome: n}, "cases": [(name, outcome, msg)]}``."""
+    import warnings
+
+    from varbench._util.locks import dir_lock
+
+    env = os.environ.get("VARBENCH_CACHE")
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = Path(tmp)
+        sys.path.insert(0, str(root))
+        os.environ["VARBENCH_CACHE"] = str(root / "vbcache")
+        cases = build_cases(root)
+        # another writer holds this output directory (a second lock in one process is
+        # refused like one from another process)
+        with dir_lock(root / "locked", what="output directory"):
+            rows = []
+            with _tripwires():
+                for case in cases:
+                    t0 = time.perf_counter()
+                    outcome, msg = classify(case)
+                    rows.append((case.name, outcome, msg))
+                    if verbose:
+                        print(f"{outcome:9} {time.perf_counter() - t0:5.1f}s  {case.name}: "
+                              f"{msg[:150]}", flush=True)
+        sys.path.remove(str(root))
+        if env is None:
+            os.environ.pop("VARBENCH_CACHE", None)
+        else:
+            os.environ["VARBENCH_CACHE"] = env
+    counts = {k: sum(1 for r in rows if r[1] == k) for k in OUTCOMES}
+    return {"counts": counts, "cases": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    c = result["counts"]
+    return ("| cases tried | clear error | unclear | traceback | silently accepted |\n"
+            "|---|---|---|---|---|\n"
+            f"| {len(result['cases'])} | {c['clear']} | {c['unclear']} | {c['traceback']} | "
+            f"{c['accepted']} |")
+
+
+if __name__ == "__main__":
+    res = audit(verbose="-v" in sys.argv)
+    print(table(res))
+    for name, outcome, msg in res["cases"]:
+        if outcome != "clear":
+            print(f"  {outcome}: {name}: {msg[:200]}")
