@@ -334,13 +334,16 @@ def test_to_flat_shuffled_and_unequal_groups():
         want = (R[rows] - R[rows].mean()).unsqueeze(-1).expand(-1, 3)
         torch.testing.assert_close(adv[rows], want)
     assert ret is adv
-    with pytest.raises(ValueError, match="equal group sizes.*\\[2, 3\\]"):
-        E.to_flat("reinforce_pp_baseline")(tok, mask, ids)
     with pytest.raises(ValueError, match="index has shape"):
         E.to_flat("centered")(tok, mask, ids[:3])
-    with pytest.raises(TypeError, match="unknown option 'config'"):
-        E.to_flat("centered")(tok, mask, ids, config=None)
-    E.to_flat("centered", ignore_unknown=True)(tok, mask, ids, config=None)
+    # verl's compute_advantage always passes config: accepted; an unknown option raises
+    E.to_flat("centered")(tok, mask, ids, config=None)
+    with pytest.raises(TypeError, match="unknown option 'reward_baselines'.*ignore="):
+        E.to_flat("centered")(tok, mask, ids, reward_baselines=R)
+    got, _ = E.to_flat("centered", ignore=("reward_baselines",))(tok, mask, ids,
+                                                                 reward_baselines=R)
+    assert torch.equal(got, adv)
+    E.to_flat("centered", ignore_unknown=True)(tok, mask, ids, reward_baselines=R)
 
 
 @pytest.mark.parametrize("variant", ["verl", "verl_keyword_only", "keywords"])
