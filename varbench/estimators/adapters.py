@@ -578,6 +578,8 @@ def _by_size(
         if not bool(m.any()):
             continue  # every response of these groups is empty: advantages 0
         opts = {k: _regroup(v, rows, B, T) for k, v in options.items()}
+        if size == 1 and scheme in _RETURNS_TO_GO and opts.get("conventions") == "verl":
+            opts["handle_zero_tail"] = True  # verl: a lone response has no baseline, A = G_t
         adv = advantages(scheme, rewards[rows], m, **opts)
         out[rows.reshape(-1)] = adv.reshape(-1, T).to(out.dtype)
     return out
@@ -605,7 +607,8 @@ def _ragged(
         c = torch.where(n[g] == 1, R, c)
     if scheme == "reinforce_pp_baseline":
         lengths = m.sum(-1).to(R.dtype)
-        a = batch_whiten(c, lengths, options.get("whiten_eps", OPTION_DEFAULTS["whiten_eps"]))
+        a = batch_whiten(c, lengths, options.get("whiten_eps", OPTION_DEFAULTS["whiten_eps"]),
+                         verl=options.get("conventions") == "verl")
     else:
         a = c / (batch_std(R) + options.get("eps", OPTION_DEFAULTS["eps"]))
     return torch.where(m, a.unsqueeze(-1), 0)

@@ -81,7 +81,9 @@ def normalized(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -
     """
     R = outcome_rewards(rewards, mask)
     if R.shape[1] == 1:
-        return _lone(R, mask, opts, "R", verl_scale=1 + opts.eps)
+        # verl's lone std is torch.tensor(1.0), float32: its divisor is float32(1 + eps)
+        scale = float(torch.tensor(1.0, dtype=torch.float32) + opts.eps)
+        return _lone(R, mask, opts, "R", verl_scale=scale)
     c = group_centered(R)
     sigma = c.std(dim=1, keepdim=True, correction=1 if opts.unbiased_std else 0)
     return _broadcast(c / (sigma + opts.eps), mask)
@@ -146,19 +148,26 @@ def reinforce_pp_baseline(
     lone = R.shape[1] == 1 and opts.conventions == "verl"  # verl: a lone response keeps R
     c = R if lone else group_centered(R)  # [P, G]
     L = valid_lengths(mask).to(c.dtype)
-    return _broadcast(batch_whiten(c, L, opts.whiten_eps), mask)
+    return _broadcast(batch_whiten(c, L, opts.whiten_eps, verl=opts.conventions == "verl"), mask)
 
 
-def batch_whiten(c: torch.Tensor, lengths: torch.Tensor, eps: float) -> torch.Tensor:
+def batch_whiten(
+    c: torch.Tensor, lengths: torch.Tensor, eps: float, *, verl: bool = False
+) -> torch.Tensor:
     """``(c - mu) / sqrt(var + eps)`` with mu, var over every valid token of the batch.
 
     ``c``: per-response values (any shape, e.g. ``[P, G]`` or ``[B]``), broadcast over each
     response's ``lengths`` valid tokens; the variance is Bessel-corrected over tokens, as verl's
-    ``masked_whiten``. Used by reinforce_pp_baseline and by adapters for unequal group sizes.
+    ``masked_whiten``. ``verl=True`` also takes verl's means over ``n + 1e-8`` tokens (its
+    ``masked_mean``). Used by reinforce_pp_baseline and by adapters for unequal group sizes.
     """
     n = lengths.sum()
-    mu = (c * lengths).sum() / n
-    var = (lengths * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
+    if verl:
+        mu = (c * lengths).sum() / (n + 1e-8)
+        var = (lengths * (c - mu) ** 2).sum() / (n + 1e-8) * (n / (n - 1).clamp(min=1))
+    else:
+        mu = (c * lengths).sum() / n
+        var = (lengths * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
     return (c - mu) * torch.rsqrt(var + eps)
 
 
