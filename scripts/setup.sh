@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+# EXTRAS: the optional-dependency groups (make test: dev,peers); PIN: one more requirement,
+# e.g. "transformers==5.0.0" for the lowest-version venv of `make test-compat`.
+EXTRAS=${EXTRAS:-dev}
+PIN=${PIN:-}
 STAMP="$VENV/.varbench-installed"
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
     exit 0
@@ -25,5 +29,8 @@ else
     fi
     "${PIP[@]}" install "torch==$TORCH_VERSION"  # pulls torch's own dependencies
 fi
-"${PIP[@]}" install -e ".[dev]"
+"${PIP[@]}" install -e ".[$EXTRAS]" $PIN
+case ",$EXTRAS," in
+    *,peers,*) "${PIP[@]}" install --no-deps "verl==0.9.1" ;;  # deps: the peers extra
+esac
 touch "$STAMP"
