@@ -1,6 +1,8 @@
 """Print the max relative difference of each varbench counterpart against the real peer
-function (verl 0.9.1), over the random batches of tests/_fixtures_peers.py (the tests' seeds 0-2): the
-figures of docs/peers.md. Needs the peers extra (`make setup`). Run: python benchmarks/peers_maxdiff.py
+function (verl 0.9.1) over the random batches of tests/_fixtures_peers.py (the tests' seeds
+0-2): the figures of docs/peers.md. Needs the peers extra (`make setup`).
+
+    .venv/bin/python benchmarks/peers_maxdiff.py
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ SEEDS = (0, 1, 2)  # the seeds of tests/test_peers_verl.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _fixtures_peers import rel_diff, verl_batch  # noqa: E402
-
-import varbench.estimators as E  # noqa: E402
 from verl.trainer.ppo import core_algos as core  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
+
+import varbench.estimators as E  # noqa: E402
 
 
 def rows(b, dtype):
