@@ -15,7 +15,13 @@ import torch
 SEEDS = (0, 1, 2)  # the seeds of tests/test_peers_verl.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _fixtures_peers import rel_diff, verl_batch  # noqa: E402
+from _fixtures_peers import (  # noqa: E402
+    TRL_LOSSES,
+    opacus_case,
+    rel_diff,
+    trl_loss_case,
+    verl_batch,
+)
 from verl.trainer.ppo import core_algos as core  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
 
@@ -68,6 +74,47 @@ def rows(b, dtype):
             E.kl_penalty(logp, ref, kind, clamp=kind == "k3")
 
 
+def trl_rows(tmp: Path):
+    """TRL 1.16.0: its four losses (value and max over parameter gradients) on a real
+    GRPOTrainer, and the advantages of a real one-step run for each scale_rewards."""
+    import datasets
+    import trl
+
+    from varbench.integrations.trl import VarbenchCallback
+    from varbench.models import build_policy
+
+    def reward(completions, **kwargs):
+        return [float(c.count("1")) - 0.5 * float(c.count("2")) for c in completions]
+
+    def trainer(**kw):
+        policy = build_policy("micro", seed=0)
+        ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2="] * 8})
+        args = trl.GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8,
+                              num_generations=4, max_completion_length=6, max_steps=1,
+                              report_to=[], save_strategy="no", use_cpu=True, seed=0, **kw)
+        return trl.GRPOTrainer(model=policy.model, reward_funcs=reward, args=args,
+                               train_dataset=ds, processing_class=policy.tokenizer)
+
+    for loss_type in TRL_LOSSES:
+        tr = trainer(loss_type=loss_type, bf16=False, epsilon=0.2, epsilon_high=0.28)
+        ours, theirs, g_ours, g_theirs, _ = trl_loss_case(tr, loss_type)
+        grad = max(rel_diff(a, b) for a, b in zip(g_ours, g_theirs, strict=True))
+        yield f"GRPOTrainer._compute_loss[{loss_type}] (loss; gradients)", \
+            rel_diff(ours, theirs.detach()), grad
+    for scale, (scheme, kw) in {"group": ("normalized", {"eps": 1e-4}),
+                                "batch": ("normalized_batch", {"eps": 1e-4}),
+                                "none": ("centered", {})}.items():
+        tr = trainer(scale_rewards=scale)
+        cb = VarbenchCallback(every=1, measures=("counts",)).attach(tr)
+        tr.train()
+        b = cb._last
+        R = b["rewards"].reshape(2, 4)
+        m = torch.ones(2, 4, 1, dtype=torch.bool)
+        want = E.advantages(scheme, R, m, **kw)[..., 0].reshape(-1)
+        yield f"GRPOTrainer advantages, scale_rewards={scale!r} (f32 run)", \
+            rel_diff(want, b["advantages"]), float("nan")
+
+
 def main() -> None:
     table: dict[str, dict[torch.dtype, float]] = {}
     for dtype in (torch.float32, torch.float64):
@@ -80,6 +127,17 @@ def main() -> None:
     print("|---|---|---|")
     for name, d in table.items():
         print(f"| {name} | {d[torch.float32]:.2g} | {d[torch.float64]:.2g} |")
+    o32, t32 = opacus_case(torch.float32)
+    o64, t64 = opacus_case(torch.float64)
+    print(f"| opacus GradSampleModule grad_sample | {rel_diff(o32, t32):.2g} | "
+          f"{rel_diff(o64, t64):.2g} |")
+    import tempfile
+
+    print("\n| TRL 1.16.0 | max rel diff (loss or advantages) | max rel diff (gradients) |")
+    print("|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, a, g in trl_rows(Path(tmp)):
+            print(f"| {name} | {a:.2g} | {g:.2g} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fixtures_peers import require
+from _fixtures_peers import TRL_LOSSES, rel_diff, require, trl_loss_case
 
 trl = require("trl")
 datasets = require("datasets")
@@ -21,7 +21,7 @@ def _reward(completions, **kwargs):
     return [float(c.count("1")) - 0.5 * float(c.count("2")) for c in completions]
 
 
-def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2):
+def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, **config):
     policy = build_policy("micro", seed=0)
     tok = policy.tokenizer
     ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2=", "<sort>2,2,1",
@@ -30,7 +30,7 @@ def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2):
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=True, seed=0, scale_rewards=scale_rewards,
-        temperature=1.0, dataloader_num_workers=0,
+        temperature=1.0, dataloader_num_workers=0, **config,
     )
     cls = cls or trl.GRPOTrainer
     return cls(model=policy.model, reward_funcs=_reward, args=args, train_dataset=ds,
@@ -86,3 +86,19 @@ def test_subclass_hook_puts_varbench_advantages_into_trl(tmp_path):
     want = E.advantages("rloo", b["rewards"].reshape(2, 4).float(), mask)
     assert b["advantages"].shape == mask.reshape(8, -1).shape
     torch.testing.assert_close(b["advantages"].float(), want.reshape(8, -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss_type", list(TRL_LOSSES))
+def test_trl_losses_and_gradients_match_varbench_policy_loss(tmp_path, loss_type):
+    """TRL's own _compute_loss on a batch with an empty completion and padding, against
+    policy_loss on the same log-probs: loss and every parameter gradient."""
+    trainer = _trainer(tmp_path, steps=1, loss_type=loss_type, bf16=False, epsilon=0.2,
+                       epsilon_high=0.28)
+    ours, theirs, g_ours, g_theirs, (logp, old, A, mask) = trl_loss_case(trainer, loss_type)
+    assert rel_diff(ours, theirs.detach()) <= 4.8e-7
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        assert rel_diff(a, b) <= 4.8e-7
+    if loss_type == "dr_grpo":  # the constant is TRL's max_completion_length, not the width
+        wide, _ = E.policy_loss(logp, old, A, mask, TRL_LOSSES[loss_type][0], clip=(0.2, 0.28),
+                                max_len=12)
+        assert rel_diff(wide, theirs.detach()) > 1e-3
