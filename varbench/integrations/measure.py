@@ -70,8 +70,8 @@ def cancellation_record(tokens: torch.Tensor, adv: torch.Tensor, mask: torch.Ten
     return [_row(step, "cancellation_residual", rel.mean(), len(rel))]
 
 
-def _surrogate_sketch(model, ids, attn, start, comp_mask, adv, probes) -> torch.Tensor:
-    """Gradient of sum_i A_i sum_t log pi(y_t) (token-mean over the rows) projected on probes."""
+def surrogate_grad(model, ids, attn, start, comp_mask, adv) -> torch.Tensor:
+    """Flat float64 gradient of ``sum_i A_i sum_t m log pi(y_t) / sum m`` (token-mean)."""
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, start - 1 : -1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None])[..., 0]
@@ -79,9 +79,8 @@ def _surrogate_sketch(model, ids, attn, start, comp_mask, adv, probes) -> torch.
     loss = (adv.to(logp.dtype)[:, None] * logp * m).sum() / m.sum().clamp(min=1)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
                       for g, p in zip(grads, params, strict=True)])
-    return probes @ flat
 
 
 def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int,
@@ -100,7 +99,7 @@ def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G:
     half = (P // 2) * G
     halves = [slice(0, half), slice(half, 2 * half)]
     with torch.enable_grad():
-        s = [_surrogate_sketch(model, ids[h], attn[h], start, comp_mask[h], adv[h], probes)
+        s = [probes @ surrogate_grad(model, ids[h], attn[h], start, comp_mask[h], adv[h])
              for h in halves]
     model.zero_grad(set_to_none=True)
     # E (z . d)^2 = ||d||^2 for z ~ N(0, I): the mean over the k probes estimates ||g_1 - g_2||^2
