@@ -257,14 +257,28 @@ def test_kl_penalty_matches_verl(kind, dtype):
         assert rel_diff(E.kl_penalty(logp, ref, kind), want) > 1
 
 
-def test_verl_integration_records_over_a_dataproto_dict():
-    """varbench.integrations.verl measures a verl batch (DataProto's tensors as a dict)."""
-    from varbench.integrations.verl import batch_records
+def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
+    """varbench.integrations.verl measures a real verl DataProto's batch (with the actor model
+    for the variance and proxy measures) and the records render in a report."""
+    from varbench.integrations.verl import batch_records, records_result
+    from varbench.models import build_policy
+    from varbench.report import write_report
 
-    b = verl_batch(0, torch.float64)
-    batch = {"token_level_rewards": b["tok"], "response_mask": b["mask"],
-             "uid": b["index"], "old_log_probs": b["logp"], "sum_pi_squared": b["sum_pi_sq"]}
-    records = batch_records(batch, step=3)
+    b = verl_batch(0, torch.float32)
+    B, T = b["mask"].shape
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 30, (B, 3), generator=gen)
+    responses = torch.randint(4, 30, (B, T), generator=gen)
+    data = _data_proto(b)
+    data.batch["prompts"], data.batch["responses"] = prompts, responses
+    data.batch["attention_mask"] = torch.cat([torch.ones(B, 3, dtype=torch.long),
+                                              b["mask"].long()], 1)
+    batch = {**{k: data.batch[k] for k in data.batch.keys()}, "uid": data.non_tensor_batch["uid"]}
+    records = batch_records(batch, step=3, model=build_policy("micro", seed=0).model,
+                            sketch_dim=8, proxy_rows=4)
     by = {r["metric"]: r for r in records}
     assert by["all_agree_groups"]["value"] == 2  # the all-equal group and the G = 1 group
     assert by["groups"]["value"] == 7 and all(r["step"] == 3 for r in records)
+    assert by["grad_var_split"]["value"] >= 0 and -1 <= by["proxy_exact_corr"]["value"] <= 1
+    out = write_report([records_result(records, name="verl batch", source="verl")], tmp_path)
+    assert "all_agree_groups" in (out / "report.md").read_text()
