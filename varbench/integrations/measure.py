@@ -28,7 +28,8 @@ import torch
 from varbench.analysis.trie import shared_steps
 from varbench.estimators import aggregation_weights, outcome_rewards
 from varbench.grads.exact import token_grad_norms
-from varbench.models.logits import pi_stats, proxy_from_logprobs
+from varbench.grads.stats import forward_stats
+from varbench.models.logits import token_logprobs
 from varbench.report.result import AnalysisResult, Headline
 
 __all__ = ["measure_groups", "records_result", "METRICS"]
@@ -73,8 +74,8 @@ def cancellation_record(tokens: torch.Tensor, adv: torch.Tensor, mask: torch.Ten
 def surrogate_grad(model, ids, attn, start, comp_mask, adv) -> torch.Tensor:
     """Flat float64 gradient of ``sum_i A_i sum_t m log pi(y_t) / sum m`` (token-mean)."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, start - 1 : -1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None])[..., 0]
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    logp = token_logprobs(logits, ids)[:, start:]  # the completion's tokens
     m = comp_mask.to(logp.dtype)
     loss = (adv.to(logp.dtype)[:, None] * logp * m).sum() / m.sum().clamp(min=1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -118,14 +119,11 @@ def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
     resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)[rows]
     if int(resp.sum()) < 3:
         return []
-    exact = token_grad_norms(model, ids, resp, attn).token_sq  # [n, L]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    st = pi_stats(logits[:, :-1], ids[:, 1:])
-    proxy = proxy_from_logprobs(st.logp, st.sum_pi_sq)  # [n, L - 1] for tokens 1..L-1
-    sel = resp[:, 1:] != 0
+    exact = token_grad_norms(model, ids, resp, attn).token_sq  # [n, L], column t = token t
+    proxy = forward_stats(model, ids, resp, attn).proxy  # same alignment
+    sel = resp != 0
     x = proxy[sel].double().cpu().numpy()
-    y = exact[:, 1:][sel].double().cpu().numpy()
+    y = exact[sel].double().cpu().numpy()
     if x.size < 3 or np.std(x) == 0 or np.std(y) == 0:
         return []
     return [_row(step, "proxy_exact_corr", np.corrcoef(x, y)[0, 1], x.size, rows=len(rows))]
