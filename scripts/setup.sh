@@ -5,7 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-STAMP="$VENV/.varbench-installed"
+# EXTRAS: the optional-dependency groups (make test: dev,peers); PIN: one more requirement,
+# e.g. "transformers==5.0.0" for the lowest-version venv of `make test-compat`.
+EXTRAS=${EXTRAS:-dev}
+PIN=${PIN:-}
+# One stamp per set of extras: `make run` (dev) never stands in for `make test` (dev,peers).
+STAMP="$VENV/.varbench-installed-${EXTRAS//,/-}${PIN:+-pinned}"
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
     exit 0
 fi
@@ -25,5 +30,8 @@ else
     fi
     "${PIP[@]}" install "torch==$TORCH_VERSION"  # pulls torch's own dependencies
 fi
-"${PIP[@]}" install -e ".[dev]"
+"${PIP[@]}" install -e ".[$EXTRAS]" $PIN
+case ",$EXTRAS," in
+    *,peers,*) "${PIP[@]}" install --no-deps "verl==0.9.1" ;;  # deps: the peers extra
+esac
 touch "$STAMP"

@@ -334,13 +334,16 @@ def test_to_flat_shuffled_and_unequal_groups():
         want = (R[rows] - R[rows].mean()).unsqueeze(-1).expand(-1, 3)
         torch.testing.assert_close(adv[rows], want)
     assert ret is adv
-    with pytest.raises(ValueError, match="equal group sizes.*\\[2, 3\\]"):
-        E.to_flat("reinforce_pp_baseline")(tok, mask, ids)
     with pytest.raises(ValueError, match="index has shape"):
         E.to_flat("centered")(tok, mask, ids[:3])
-    with pytest.raises(TypeError, match="unknown option 'config'"):
-        E.to_flat("centered")(tok, mask, ids, config=None)
-    E.to_flat("centered", ignore_unknown=True)(tok, mask, ids, config=None)
+    # verl's compute_advantage always passes config: accepted; an unknown option raises
+    E.to_flat("centered")(tok, mask, ids, config=None)
+    with pytest.raises(TypeError, match="unknown option 'reward_baselines'.*ignore="):
+        E.to_flat("centered")(tok, mask, ids, reward_baselines=R)
+    got, _ = E.to_flat("centered", ignore=("reward_baselines",))(tok, mask, ids,
+                                                                 reward_baselines=R)
+    assert torch.equal(got, adv)
+    E.to_flat("centered", ignore_unknown=True)(tok, mask, ids, reward_baselines=R)
 
 
 @pytest.mark.parametrize("variant", ["verl", "verl_keyword_only", "keywords"])
@@ -365,3 +368,92 @@ def test_registered_verl_function_with_unequal_groups_matches_itself(variant):
         E.unregister_scheme(name)
     want, _ = shapes_verl(tok, mask, ids, old_log_probs=lp, sum_pi_squared=sp, scale=0.5)
     assert torch.equal(got, want)
+
+
+# ---- verl drop-in: config, verl keywords, ignore, ragged batch-coupled schemes ---------------
+
+
+def _ragged_batch(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    ids = np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 3])[torch.randperm(10, generator=gen).numpy()]
+    B, T = len(ids), 4
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T) < lengths[:, None]).double()
+    R = torch.randn(B, generator=gen, dtype=torch.float64)
+    tok = torch.zeros(B, T, dtype=torch.float64).scatter_(1, (lengths - 1)[:, None], R[:, None])
+    return ids, R, mask, tok, lengths
+
+
+@pytest.mark.parametrize("conventions", ["varbench", "verl", "trl"])
+def test_to_flat_batch_coupled_schemes_over_unequal_groups_match_a_loop(conventions):
+    ids, R, mask, tok, lengths = _ragged_batch()
+    c = torch.zeros_like(R)
+    for g in np.unique(ids):
+        rows = np.nonzero(ids == g)[0]
+        lone = len(rows) == 1
+        c[rows] = R[rows] if lone and conventions == "verl" else R[rows] - R[rows].mean()
+    L = lengths.double()
+    n = L.sum()
+    mu = (c * L).sum() / n
+    var = (L * (c - mu) ** 2).sum() / (n - 1)
+    if conventions == "verl":  # verl's masked_mean divides by n + 1e-8
+        mu = (c * L).sum() / (n + 1e-8)
+        var = (L * (c - mu) ** 2).sum() / (n + 1e-8) * n / (n - 1)
+    want = ((c - mu) / torch.sqrt(var + 1e-8))[:, None] * mask
+    got, _ = E.to_flat("reinforce_pp_baseline", conventions=conventions)(tok, mask, ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want = (c / (R.std() + 1e-4))[:, None] * mask
+    got, _ = E.to_flat("normalized_batch", conventions=conventions)(tok, mask, ids, eps=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_to_flat_reads_verl_config_and_keywords_and_refuses_the_rest():
+    ids, R, mask, tok, _ = _ragged_batch(6)
+    fn = E.to_flat("normalized")
+    centered, _ = E.to_flat("centered")(tok, mask, ids)
+    for kw in ({"config": {"norm_adv_by_std_in_grpo": False}},
+               {"norm_adv_by_std_in_grpo": False}):
+        got, _ = fn(tok, mask, ids, **kw)
+        torch.testing.assert_close(got, centered, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="contradicts config"):
+        fn(tok, mask, ids, norm_adv_by_std_in_grpo=True,
+           config={"norm_adv_by_std_in_grpo": False})
+    a, _ = fn(tok, mask, ids, epsilon=0.5)
+    b, _ = fn(tok, mask, ids, eps=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, fn(tok, mask, ids)[0])
+    fn(tok, mask, ids, epsilon=1e-6)  # verl's default is accepted for any scheme
+    with pytest.raises(TypeError, match="epsilon=0.5 has no meaning for scheme 'rloo'"):
+        E.to_flat("rloo")(tok, mask, ids, epsilon=0.5)
+    with pytest.raises(TypeError, match="unknown option 'gamma'"):
+        E.to_flat("rloo")(tok, mask, ids, gamma=0.9)
+    E.to_flat("rloo", ignore=("gamma",))(tok, mask, ids, gamma=0.9)
+    with pytest.raises(ValueError, match="index=None"):
+        E.to_flat("rloo")(tok, mask, None)
+
+
+def test_to_flat_otb_returns_reward_to_go_and_empty_groups_get_zero():
+    ids, R, mask, tok, _ = _ragged_batch(7)
+    w = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    adv, ret = E.to_flat("otb")(tok, mask, ids, token_weights=w)
+    torch.testing.assert_close(ret, (tok * mask).flip(-1).cumsum(-1).flip(-1))
+    assert adv is not ret
+    mask[ids == 0] = 0  # the lone response of group 0 is empty: no call, advantages 0
+    adv, _ = E.to_flat("rloo")(tok, mask, ids)
+    assert torch.all(adv[ids == 0] == 0)
+
+
+@pytest.mark.parametrize("scheme, varbench, verl, trl", [
+    ("normalized", "R", "R/(1+eps)", "0"), ("rloo", "R", "R", "0"),
+    ("centered", "0", "R", "0"), ("opo", "0", "R", "0"),
+])
+def test_conventions_for_groups_of_one(scheme, varbench, verl, trl):
+    R = torch.tensor([[0.7], [-1.5]], dtype=torch.float64)
+    mask = torch.ones(2, 1, 3, dtype=torch.bool)
+    scale = float(torch.tensor(1.0) + 1e-6)  # verl's float32 std of 1 plus epsilon
+    values = {"R": R, "0": torch.zeros_like(R), "R/(1+eps)": R / scale}
+    for conv, want in (("varbench", varbench), ("verl", verl), ("trl", trl)):
+        got = E.advantages(scheme, R, mask, conventions=conv)
+        torch.testing.assert_close(got, values[want].unsqueeze(-1).expand(2, 1, 3),
+                                   rtol=0, atol=0)
+    with pytest.raises(ValueError, match="conventions='tf'"):
+        E.advantages(scheme, R, mask, conventions="tf")

@@ -64,3 +64,13 @@ def test_kl_estimators_against_closed_forms(seed):
     kl_near = float((p * (logp - logq_near)).sum())
     e2 = float((p * kl_penalty(logp, logq_near, "k2")).sum())
     assert abs(e2 - kl_near) / kl_near < 0.05
+
+
+def test_k3_clamp_is_verls():
+    x = torch.tensor([-40.0, -5.0, 0.0, 3.0, 25.0], dtype=torch.float64)  # logp - logp_ref
+    got = E.kl_penalty(x, torch.zeros_like(x), "k3", clamp=True)
+    neg = (-x).clamp(-20, 20)
+    want = (torch.exp(neg) - neg - 1).clamp(-10, 10)
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
+    plain = E.kl_penalty(x, torch.zeros_like(x), "k3")
+    assert float(plain[0]) > 1e16 and float(got[0]) == 10.0

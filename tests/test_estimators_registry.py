@@ -24,7 +24,7 @@ def test_float32_in_float32_out_and_int_rewards():
 
 
 def test_schemes_lists_builtins_in_order():
-    assert E.schemes()[:10] == OUTCOME + ["passk", "otb", "otb_loo"]
+    assert E.schemes()[:11] == OUTCOME + ["passk", "normalized_batch", "otb", "otb_loo"]
 
 
 def test_register_custom_scheme_and_duplicates():

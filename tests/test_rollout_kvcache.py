@@ -3,6 +3,8 @@ DynamicCache (identical sampled batches) and its layer grows, crops and selects 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -52,3 +54,25 @@ def test_preallocated_cache_layer_grows_crops_and_selects():
     assert torch.equal(layer.keys, k[1:, :, :2])
     layer.batch_repeat_interleave(2)
     assert torch.equal(layer.values, -k[[1, 1], :, :2])
+
+
+def test_layer_kinds_without_transformers_helper_reads_the_config(micro, monkeypatch):
+    """transformers < 5.11 has no get_layer_types_and_kwargs: the config is read directly, the
+    fast path is still taken for full attention, and a sliding or shared config gets None."""
+    from varbench.rollout import kvcache
+
+    cfg = micro.model.config.get_text_config(decoder=True)
+    if kvcache.get_layer_types_and_kwargs is not None:
+        expected = kvcache._layer_kinds(cfg)
+    else:
+        expected = ["full_attention"] * cfg.num_hidden_layers
+    monkeypatch.setattr(kvcache, "get_layer_types_and_kwargs", None)
+    assert kvcache._layer_kinds(cfg) == expected
+    assert kvcache.grow_cache(micro.model, 8) is not None
+    sliding = copy.deepcopy(cfg)
+    sliding.layer_types = None
+    sliding.sliding_window = 4
+    assert kvcache._layer_kinds(sliding) == ["sliding_attention"] * cfg.num_hidden_layers
+    shared = copy.deepcopy(cfg)
+    shared.num_kv_shared_layers = 1
+    assert kvcache._layer_kinds(shared) is None

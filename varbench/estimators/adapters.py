@@ -13,7 +13,8 @@ told apart by the signature (:func:`scheme_shape`, rules in its docstring):
   (advantages[B, T], returns[B, T])``: groups are flattened to rows ``b = p * G + i`` with
   ``index[b] = p`` (a numpy int array, like verl's uids), outcome rewards are placed on each
   response's last valid token, and the per-token statistics go under verl's keyword names
-  (:data:`VERL_OPTION_NAMES`). verl's ``config`` argument is not supplied.
+  (:data:`VERL_OPTION_NAMES`). verl's ``config`` argument is not supplied (verl's estimators
+  take ``config=None``).
 
 Options (keyword and verl shapes): a keyword parameter named after an option receives it when
 the caller gave it (``SchemeOptions.given``) or when the parameter has no default; ``**kw``
@@ -23,10 +24,13 @@ given (non-None) and accepted, dropped silently otherwise (the trainer hands ``l
 extra option, that the function cannot take raises :class:`~varbench._util.checks.UsageTypeError`
 naming the option, its value and the options the function accepts.
 
-The other direction, :func:`to_flat`, exposes a registered scheme in verl's shape. Groups of
-unequal size are handled by running the scheme once per distinct group size (vectorised within
-each size); a batch-coupled scheme (``register_scheme(..., batch_coupled=True)``) cannot be split
-that way and raises instead. :func:`from_flat` registers a verl-shaped function under a name.
+The other direction, :func:`to_flat`, exposes a registered scheme as a verl estimator that
+verl's ``compute_advantage`` calls unchanged (``config``, verl's keyword names, verl's tuple).
+Groups of unequal size are handled by running the scheme once per distinct group size
+(vectorised within each size); the built-in batch-coupled schemes are centred per group and
+coupled over the batch; a user's batch-coupled scheme (``register_scheme(...,
+batch_coupled=True)``) cannot be split that way and raises instead. :func:`from_flat`
+registers a verl-shaped function under a name.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ __all__ = [
     "from_flat",
     "to_flat",
     "outcome_to_token_rewards",
+    "VERL_KEYWORDS",
 ]
 
 FlatFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -388,23 +393,75 @@ def from_flat(
 
 _FROM_VERL = {v: k for k, v in VERL_OPTION_NAMES.items()}
 
+VERL_KEYWORDS: Mapping[str, Mapping[str, str | None]] = MappingProxyType({
+    "epsilon": MappingProxyType({"normalized": "eps", "normalized_batch": "eps",
+                                 "otb": "baseline_eps", "otb_loo": "baseline_eps"}),
+    "norm_adv_by_std_in_grpo": MappingProxyType({"normalized": None}),
+})
+"""verl keyword -> {scheme: the varbench option it sets}; ``None``: read by the adapter
+(``norm_adv_by_std_in_grpo=False`` turns normalized into centered, as verl's GRPO does).
+For another scheme the keyword has no meaning: its verl default is accepted (verl's own
+estimators take and ignore it), any other value raises unless named in ``ignore``."""
+_VERL_DEFAULTS = {"epsilon": (1e-6, 1e-8), "norm_adv_by_std_in_grpo": (True,)}
+_RETURNS_TO_GO = ("otb", "otb_loo")  # verl's OTB returns (advantages, reward-to-go)
+_RAGGED = ("reinforce_pp_baseline", "normalized_batch")  # batch-coupled, built from centered
 
-def to_flat(scheme: str, *, ignore_unknown: bool = False, **defaults: Any) -> FlatFn:
-    """Expose the registered ``scheme`` as ``fn(token_level_rewards, response_mask, index, **kw)``.
 
-    Returns ``(advantages, advantages)`` as verl's critic-free estimators do. ``index``: any
-    array-like of hashable group ids (numpy, list, tensor). Keyword options are ``defaults``
-    updated by ``kw``, under varbench's names or verl's (:data:`VERL_OPTION_NAMES`, e.g.
-    ``old_log_probs``); ``[B, T]`` tensors among them are regrouped like the rewards.
-    ``ignore_unknown=True`` drops options the scheme does not know (verl passes e.g. ``config``).
+def _config_get(config: Any, key: str) -> Any:
+    """``config[key]`` of verl's AlgoConfig, a DictConfig, a dict or None (None if absent)."""
+    if config is None:
+        return None
+    get = getattr(config, "get", None)
+    if callable(get):
+        return get(key, None)
+    return getattr(config, key, None)
+
+
+def to_flat(
+    scheme: str,
+    *,
+    ignore: Iterable[str] = (),
+    conventions: str = "verl",
+    ignore_unknown: bool = False,
+    **defaults: Any,
+) -> FlatFn:
+    """The registered ``scheme`` as a verl advantage estimator, to register unchanged with
+    verl's ``register_adv_est`` and call from its ``compute_advantage``.
+
+    ``fn(token_level_rewards[B, T], response_mask[B, T], index[B], config=None, **kw) ->
+    (advantages[B, T], returns[B, T])``; ``returns`` is the reward-to-go for otb/otb_loo (as
+    verl's OTB) and the advantages otherwise (as verl's critic-free estimators). ``index``: any
+    array-like of hashable group ids (numpy, list, tensor); groups may have any sizes (one call
+    per distinct size; the batch-coupled reinforce_pp_baseline and normalized_batch are
+    centred per group, then coupled over the whole batch).
+
+    Options, from ``defaults`` updated by ``kw``: varbench's names (:class:`SchemeOptions`, the
+    scheme's extra options), verl's names for the token statistics (:data:`VERL_OPTION_NAMES`:
+    ``old_log_probs``, ``sum_pi_squared``, ``rollout_is_weights``) and verl's estimator keywords
+    (:data:`VERL_KEYWORDS`: ``epsilon``, ``norm_adv_by_std_in_grpo``; ``handle_zero_tail`` is
+    the same name). ``config`` (verl's AlgoConfig, a dict or None) is read for what verl reads
+    from it for this estimator: ``norm_adv_by_std_in_grpo`` (normalized). Any other option
+    raises :class:`~varbench._util.checks.UsageTypeError` naming it, unless listed in
+    ``ignore`` (then dropped); ``ignore_unknown=True`` drops every unknown one (not advised).
+
+    ``conventions`` (default ``"verl"``): the G = 1 convention passed to schemes that take it
+    (:class:`SchemeOptions`); with ``"verl"`` the outcome of a non-OTB scheme is
+    ``token_level_rewards.sum(-1)`` over every position, as verl sums it (an empty response
+    keeps the reward placed under its mask), otherwise the sum over valid tokens.
     """
-    _, extra, batch_coupled = scheme_info(scheme)
+    fn_scheme, extra, batch_coupled = scheme_info(scheme)
     known = set(OPTION_NAMES) | set(extra)
+    ignored = {ignore} if isinstance(ignore, str) else set(ignore)
+    check_choice("conventions", conventions, ("varbench", "verl", "trl"))
+    # scheme-shaped functions read opts.conventions; an adapted one only by its own keyword
+    takes_conventions = not isinstance(fn_scheme, _Adapted) or "conventions" in fn_scheme.keywords
+    ragged_ok = scheme in _RAGGED
 
     def fn(
         token_level_rewards: torch.Tensor,
         response_mask: torch.Tensor,
-        index: Any,
+        index: Any = None,
+        config: Any = None,
         **kw: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = response_mask.shape
@@ -413,49 +470,148 @@ def to_flat(scheme: str, *, ignore_unknown: bool = False, **defaults: Any) -> Fl
                 f"token_level_rewards has shape {list(token_level_rewards.shape)}, "
                 f"expected response_mask's {[B, T]}"
             )
+        if index is None:
+            raise UsageError("index=None is not valid: give the group id of each row (verl's uid)")
         ids = index.cpu().numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
         if ids.shape != (B,):
             raise UsageError(f"index has shape {list(ids.shape)}, expected [{B}]")
-        options: dict[str, Any] = {}
-        for key, value in {**defaults, **kw}.items():
-            ours = _FROM_VERL.get(key, key) if key not in known else key
-            if ours in options:
-                raise UsageError(f"option {ours!r} given twice (as {ours!r} and as {key!r})")
-            options[ours] = value
-        if ignore_unknown:
-            options = {k: v for k, v in options.items() if k in known}
+        options, center_only = _options(scheme, known, ignored, ignore_unknown,
+                                        {**defaults, **kw}, config)
+        if takes_conventions and "conventions" not in options:
+            options["conventions"] = conventions
+        name = "centered" if center_only else scheme
+        tok = _float(token_level_rewards)
+        mask_f = response_mask.to(tok.dtype)
+        verl_sum = options.get("conventions", conventions) == "verl"
+        if name in _RETURNS_TO_GO or not verl_sum:
+            rewards = tok
+        else:  # verl: scores = token_level_rewards.sum(-1), every position
+            rewards = tok.sum(-1)
         _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
         inverse = inverse.reshape(-1)
         sizes = np.unique(counts)
-        if batch_coupled and len(sizes) > 1:
-            raise UsageError(
-                f"scheme {scheme!r} couples groups across the batch and needs equal group sizes; "
-                f"index has groups of sizes {sizes.tolist()}"
-            )
-        order = np.argsort(inverse, kind="stable")  # rows grouped, original order inside
-        starts = np.cumsum(counts) - counts
-        out = torch.zeros_like(token_level_rewards, dtype=_float(token_level_rewards).dtype)
-        for size in sizes:  # one vectorised call per distinct group size, not per group
-            groups = np.nonzero(counts == size)[0]
-            rows = torch.as_tensor(order[starts[groups][:, None] + np.arange(size)[None, :]])
-            rows = rows.to(response_mask.device)
-
-            def take(x: torch.Tensor, rows: torch.Tensor = rows) -> torch.Tensor:
-                return x[rows]  # [P_s, size, T]
-
-            opts = {
-                k: take(v) if isinstance(v, torch.Tensor) and v.shape == (B, T) else v
-                for k, v in options.items()
-            }
-            adv = advantages(
-                scheme, take(_float(token_level_rewards)), take(response_mask), **opts
-            )
-            out[rows.reshape(-1)] = adv.reshape(-1, T).to(out.dtype)
-        return out, out
+        if batch_coupled and len(sizes) > 1 and not center_only:
+            if not ragged_ok:
+                raise UsageError(
+                    f"scheme {scheme!r} couples groups across the batch and needs equal group "
+                    f"sizes; index has groups of sizes {sizes.tolist()}"
+                )
+            adv = _ragged(scheme, rewards, tok, mask_f, inverse, options)
+        else:
+            adv = _by_size(name, rewards, mask_f, inverse, counts, sizes, options, B, T)
+        if name in _RETURNS_TO_GO:  # verl's OTB: reward-to-go as the second value
+            return adv, (tok * mask_f).flip(-1).cumsum(-1).flip(-1)
+        return adv, adv
 
     fn.__name__ = f"to_flat_{scheme}"
     fn.__doc__ = f"verl-shaped view of the varbench scheme {scheme!r} (see varbench.to_flat)."
     return fn
+
+
+def _options(
+    scheme: str, known: set[str], ignored: set[str], ignore_unknown: bool,
+    given: Mapping[str, Any], config: Any,
+) -> tuple[dict[str, Any], bool]:
+    """varbench options from verl's keywords and config; ``True``: normalized without std."""
+    options: dict[str, Any] = {}
+    center_only = False
+    norm = _config_get(config, "norm_adv_by_std_in_grpo") if scheme == "normalized" else None
+    for key, value in given.items():
+        if key in ignored:
+            continue
+        if key in VERL_KEYWORDS:
+            target = VERL_KEYWORDS[key].get(scheme, "-")
+            if target is None:  # norm_adv_by_std_in_grpo for normalized
+                if norm is not None and bool(norm) != bool(value):
+                    raise UsageError(
+                        f"norm_adv_by_std_in_grpo={value!r} contradicts config's "
+                        f"norm_adv_by_std_in_grpo={norm!r}"
+                    )
+                norm = value
+                continue
+            if target == "-":
+                if any(value == d for d in _VERL_DEFAULTS[key]):
+                    continue  # verl's own default: verl's estimators take and ignore it too
+                raise UsageTypeError(
+                    f"option {key}={value!r} has no meaning for scheme {scheme!r} (verl reads it "
+                    f"for {sorted(VERL_KEYWORDS[key])}); pass to_flat(..., ignore=({key!r},)) "
+                    "to drop it"
+                )
+            key = target
+        ours = _FROM_VERL.get(key, key) if key not in known else key
+        if ours not in known:
+            if ignore_unknown:
+                continue
+            raise UsageTypeError(
+                f"scheme {scheme!r} got unknown option {key!r}; valid: varbench's "
+                f"{sorted(known)}, verl's {sorted(VERL_OPTION_NAMES.values())} and "
+                f"{sorted(VERL_KEYWORDS)}; pass to_flat(..., ignore=({key!r},)) to drop it"
+            )
+        if ours in options:
+            raise UsageError(f"option {ours!r} given twice (as {ours!r} and as {key!r})")
+        options[ours] = value
+    if norm is not None and not bool(norm):
+        center_only = True
+        options.pop("eps", None)  # verl's epsilon only divides the std
+    return options, center_only
+
+
+def _regroup(x: Any, rows: torch.Tensor, B: int, T: int) -> Any:
+    if isinstance(x, torch.Tensor) and x.shape in ((B, T), (B,)):
+        return x[rows]
+    return x
+
+
+def _by_size(
+    scheme: str, rewards: torch.Tensor, mask: torch.Tensor, inverse: np.ndarray,
+    counts: np.ndarray, sizes: np.ndarray, options: Mapping[str, Any], B: int, T: int,
+) -> torch.Tensor:
+    """One vectorised :func:`advantages` call per distinct group size, scattered back."""
+    order = np.argsort(inverse, kind="stable")  # rows grouped, original order inside
+    starts = np.cumsum(counts) - counts
+    out = torch.zeros(B, T, dtype=mask.dtype, device=mask.device)
+    for size in sizes:  # one vectorised call per distinct group size, not per group
+        groups = np.nonzero(counts == size)[0]
+        rows = torch.as_tensor(order[starts[groups][:, None] + np.arange(size)[None, :]])
+        rows = rows.to(mask.device)
+        m = mask[rows]  # [P_s, size, T]
+        if not bool(m.any()):
+            continue  # every response of these groups is empty: advantages 0
+        opts = {k: _regroup(v, rows, B, T) for k, v in options.items()}
+        if size == 1 and scheme in _RETURNS_TO_GO and opts.get("conventions") == "verl":
+            opts["handle_zero_tail"] = True  # verl: a lone response has no baseline, A = G_t
+        adv = advantages(scheme, rewards[rows], m, **opts)
+        out[rows.reshape(-1)] = adv.reshape(-1, T).to(out.dtype)
+    return out
+
+
+def _ragged(
+    scheme: str, rewards: torch.Tensor, tok: torch.Tensor, mask: torch.Tensor,
+    inverse: np.ndarray, options: Mapping[str, Any],
+) -> torch.Tensor:
+    """reinforce_pp_baseline / normalized_batch over groups of unequal sizes: centre each
+    group (a lone response under ``conventions="verl"`` keeps R), then couple over the batch
+    with the schemes' own helpers."""
+    from varbench.estimators.schemes import batch_std, batch_whiten
+
+    unknown = sorted(set(options) - {"conventions", "whiten_eps", "eps"} - set(TENSOR_OPTIONS))
+    if unknown:
+        raise UsageTypeError(f"scheme {scheme!r} over unequal groups takes no option {unknown}")
+    m = mask != 0
+    R = rewards if rewards.dim() == 1 else torch.where(m, tok, 0).sum(-1)
+    g = torch.as_tensor(inverse, device=R.device)
+    n = torch.bincount(g).to(R.dtype)
+    mean = torch.zeros_like(n).index_add_(0, g, R) / n
+    c = R - mean[g]
+    if options.get("conventions", "varbench") == "verl":
+        c = torch.where(n[g] == 1, R, c)
+    if scheme == "reinforce_pp_baseline":
+        lengths = m.sum(-1).to(R.dtype)
+        a = batch_whiten(c, lengths, options.get("whiten_eps", OPTION_DEFAULTS["whiten_eps"]),
+                         verl=options.get("conventions") == "verl")
+    else:
+        a = c / (batch_std(R) + options.get("eps", OPTION_DEFAULTS["eps"]))
+    return torch.where(m, a.unsqueeze(-1), 0)
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:

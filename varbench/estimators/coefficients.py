@@ -5,6 +5,8 @@ indicator ``act_{i,t} = 1`` unless the clip has taken over (its term is strictly
 
     token ratio:     c_{i,t}  = omega_{i,t} (-A_{i,t}) r_{i,t} act_{i,t}
     sequence (GSPO): c_{i,t'} = m_{i,t'} / |o_i| * sum_t omega_{i,t} (-A_{i,t}) s_i act_{i,t}
+    GSPO-token:      c_{i,t}  = omega_{i,t} (-A_{i,t}) s_i act_{i,t}
+(act is also 0 where the dual clip ``clip_ratio_c`` has taken over.)
 
 In the GSPO case a token's coefficient depends on every token of its response (coupling).
 """
@@ -33,6 +35,8 @@ def token_coefficients(
     clip: tuple[float, float] = (0.2, 0.2),
     ratio: str = "token",
     max_len: int | None = None,
+    clip_ratio_c: float | None = None,
+    conventions: str = "varbench",
 ) -> torch.Tensor:
     """``c[P, G, T]``: the scalar multiplying ``grad logp_{i,t}`` in ``grad policy_loss``.
 
@@ -40,10 +44,13 @@ def token_coefficients(
     ascent direction's coefficient is ``-c``. Exactly 0 where mask is 0. At the measure-zero
     points where ``r`` equals a clip bound exactly, autograd's subgradient is used (clip inactive).
     """
-    t = _terms(logp.detach(), logp_old, adv, mask, mode, clip, ratio, max_len)
-    act = (-t.adv * t.clipped <= -t.adv * t.ratio).to(t.ratio.dtype)
-    per = t.omega * (-t.adv) * t.ratio * act  # dloss/dlog r at each token
-    if ratio == "token":
+    t = _terms(logp.detach(), logp_old, adv, mask, mode, clip, ratio, max_len, clip_ratio_c,
+               conventions)
+    act = -t.adv * t.clipped <= -t.adv * t.ratio
+    if t.dual is not None:
+        act = act & ~t.dual
+    per = t.omega * (-t.adv) * t.ratio * act.to(t.ratio.dtype)  # dloss/dlog r at each token
+    if ratio in ("token", "sequence-token"):
         return torch.where(t.m, per, 0)
     length = t.m.sum(-1, keepdim=True).clamp(min=1).to(per.dtype)
     return torch.where(t.m, per.sum(-1, keepdim=True) / length, 0)

@@ -2,10 +2,14 @@
 
     r_{i,t} = exp(logp_{i,t} - logp_old_{i,t})                          ratio="token"  (PPO)
     r_{i,t} = s_i = exp(sum_t m (logp - logp_old) / |o_i|)              ratio="sequence" (GSPO)
+    r_{i,t} = sg[s_i] exp(logp_{i,t} - sg[logp_{i,t}])                  ratio="sequence-token"
     loss    = sum_{i,t} omega_{i,t} max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    dual clip (clip_ratio_c = c > 1): where A < 0 the term is min(that, -A c)   (verl's default 3)
 
 The sequence ratio keeps its gradient through every token of response i (no stop-gradient), so
 the gradient of token t' of i involves all tokens of i: GSPO's sequence-level coupling.
+"sequence-token" is GSPO-token (verl's ``gspo`` loss): the same value, but each token's
+gradient flows only through its own log-prob, so token-level advantages stay per token.
 ``token_coefficients`` in ``coefficients.py`` gives the exact per-token gradient weights.
 """
 
@@ -21,7 +25,7 @@ from varbench.estimators.kl import kl_penalty
 
 __all__ = ["RATIO_KINDS", "policy_loss"]
 
-RATIO_KINDS: tuple[str, ...] = ("token", "sequence")
+RATIO_KINDS: tuple[str, ...] = ("token", "sequence", "sequence-token")
 
 
 @dataclass
@@ -34,6 +38,7 @@ class _Terms:
     adv: torch.Tensor  # detached advantages, 0 under mask
     lo: float
     hi: float
+    dual: torch.Tensor | None  # bool [..., T]: where the dual clip -A c has taken over, or None
 
 
 def _check_clip(clip: tuple[float, float]) -> tuple[float, float]:
@@ -55,6 +60,8 @@ def _terms(
     clip: tuple[float, float],
     ratio: str,
     max_len: int | None,
+    clip_ratio_c: float | None = None,
+    conventions: str = "varbench",
 ) -> _Terms:
     """Shared by the loss and the coefficients so both read one formula."""
     check_choice("ratio", ratio, RATIO_KINDS)
@@ -63,17 +70,30 @@ def _terms(
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UsageError(f"{name} has shape {shape}, expected logp's {list(logp.shape)}")
     lo, hi = _check_clip(clip)
+    if clip_ratio_c is not None and not (isinstance(clip_ratio_c, (int, float))
+                                         and clip_ratio_c > 1):
+        raise UsageError(f"clip_ratio_c={clip_ratio_c!r} is not valid; expected a float > 1 "
+                         "(or None: no dual clip)")
     m = mask != 0
-    omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype)
+    omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype,
+                                conventions=conventions)
     diff = torch.where(m, logp - logp_old.detach(), 0)
-    if ratio == "sequence":
+    if ratio in ("sequence", "sequence-token"):
         length = m.sum(-1, keepdim=True).clamp(min=1).to(logp.dtype)
-        log_ratio = torch.where(m, (diff.sum(-1, keepdim=True) / length).expand_as(diff), 0)
+        seq = diff.sum(-1, keepdim=True) / length
+        if ratio == "sequence-token":  # value of the sequence ratio, gradient of the token's own
+            own = torch.where(m, logp, 0)
+            seq = seq.detach() + (own - own.detach())
+        log_ratio = torch.where(m, seq.expand_as(diff), 0)
     else:
         log_ratio = diff
     r = torch.exp(log_ratio)
     a = torch.where(m, adv.detach(), 0)
-    return _Terms(m, omega, log_ratio, r, r.clamp(1 - lo, 1 + hi), a, lo, hi)
+    dual = None
+    if clip_ratio_c is not None:
+        surrogate = torch.maximum(-a * r, -a * r.clamp(1 - lo, 1 + hi))
+        dual = (a < 0) & (-a * clip_ratio_c < surrogate.detach()) & m
+    return _Terms(m, omega, log_ratio, r, r.clamp(1 - lo, 1 + hi), a, lo, hi, dual)
 
 
 def policy_loss(
@@ -86,13 +106,21 @@ def policy_loss(
     clip: tuple[float, float] = (0.2, 0.2),
     ratio: str = "token",
     max_len: int | None = None,
+    clip_ratio_c: float | None = None,
+    conventions: str = "varbench",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss (scalar, to minimise) and detached metrics.
 
     Shapes: ``logp`` (differentiable), ``logp_old``, ``adv``, ``mask`` all ``[P, G, T]`` (any
     ``[..., T]`` works; sequences are the leading dims). ``mode``: an ``AGGREGATION_MODES``
-    entry; ``clip=(eps_low, eps_high)``; ``ratio``: ``"token"`` (PPO) or ``"sequence"`` (GSPO,
-    length-normalised sequence ratio). ``logp_old`` and ``adv`` are detached here.
+    entry; ``clip=(eps_low, eps_high)``; ``ratio``: ``"token"`` (PPO), ``"sequence"`` (GSPO,
+    length-normalised sequence ratio) or ``"sequence-token"`` (GSPO-token: the sequence ratio's
+    value with a per-token gradient). ``clip_ratio_c``: dual clip (verl's ``clip_ratio_c``,
+    default there 3.0; None here: off), the term of a token with A < 0 is capped at ``-A c``.
+    ``max_len``: the constant of ``seq-mean-token-sum-norm`` (TRL's dr_grpo:
+    ``max_completion_length``; default the mask width T). ``conventions``: ``"verl"`` leaves
+    fully masked rows out of the sequence count (:func:`aggregation_weights`).
+    ``logp_old`` and ``adv`` are detached here.
 
     Metrics (0-dim tensors, over valid tokens): ``clip_frac`` (fraction whose gradient the clip
     removes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``approx_kl`` (k3 estimate of
@@ -100,10 +128,12 @@ def policy_loss(
     Caveat: asymmetric clipping and ``ratio="sequence"`` make the per-token coefficient differ
     between responses sharing a step (docs/science.md section 4).
     """
-    t = _terms(logp, logp_old, adv, mask, mode, clip, ratio, max_len)
+    t = _terms(logp, logp_old, adv, mask, mode, clip, ratio, max_len, clip_ratio_c, conventions)
     unclipped = -t.adv * t.ratio
     clipped = -t.adv * t.clipped
     per_token = torch.maximum(unclipped, clipped)
+    if t.dual is not None:
+        per_token = torch.where(t.dual, -t.adv * clip_ratio_c, per_token)
     loss = (t.omega * per_token).sum()
     with torch.no_grad():
         n = t.m.sum().clamp(min=1)
@@ -111,6 +141,8 @@ def policy_loss(
         big = torch.finfo(r.dtype).max
         metrics = {
             "clip_frac": ((clipped > unclipped) & t.m).sum().to(r.dtype) / n,
+            "clip_frac_lower": (t.dual.sum().to(r.dtype) / n if t.dual is not None
+                                else r.new_zeros(())),
             "ratio_mean": torch.where(t.m, r, 0).sum() / n,
             "ratio_min": torch.where(t.m, r, big).min(),
             "ratio_max": torch.where(t.m, r, -big).max(),

@@ -30,9 +30,16 @@ from typing import Any
 
 import torch
 
-from varbench._util.checks import UsageError, UsageTypeError, check_scheme_tensors, check_shape
+from varbench._util.checks import (
+    UsageError,
+    UsageTypeError,
+    check_choice,
+    check_scheme_tensors,
+    check_shape,
+)
 
 __all__ = [
+    "CONVENTIONS",
     "SchemeOptions",
     "SchemeFn",
     "advantages",
@@ -78,6 +85,11 @@ class SchemeOptions:
     """otb/otb_loo: added to sum_i W_t^i in the baseline's denominator."""
     whiten_eps: float = 1e-8
     """reinforce_pp_baseline: added to the batch variance before the square root."""
+    conventions: str = "varbench"
+    """Edge cases where the libraries disagree (:data:`CONVENTIONS`): a group of one response
+    (G = 1). ``"varbench"``: normalized/rloo return A = R, centered/opo return 0; ``"verl"``
+    (verl 0.9.1's loop estimators): no baseline, A = R (normalized: R / (1 + eps)),
+    reinforce_pp_baseline centres a lone response at 0 baseline; ``"trl"`` (TRL 1.16.0): A = 0."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Options a user scheme declared with ``register_scheme(name, extra_options=...)``."""
     given: frozenset[str] | None = field(default=None, repr=False, compare=False)
@@ -102,6 +114,8 @@ TENSOR_OPTIONS = (
 OPTION_NAMES = tuple(f.name for f in fields(SchemeOptions) if f.name not in ("extra", "given"))
 """The option fields of :class:`SchemeOptions` (every keyword :func:`advantages` knows)."""
 OPTION_DEFAULTS = {f.name: f.default for f in fields(SchemeOptions) if f.name in OPTION_NAMES}
+CONVENTIONS: tuple[str, ...] = ("varbench", "verl", "trl")
+"""The values of the ``conventions`` option (G = 1 and empty-response edge cases)."""
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -377,6 +391,8 @@ def _build_options(
     for key in ("eps", "baseline_eps", "whiten_eps"):
         if key in known and not (isinstance(known[key], (int, float)) and known[key] >= 0):
             raise UsageError(f"{key}={known[key]!r} is not valid; expected a float >= 0")
+    if "conventions" in known:
+        check_choice("conventions", known["conventions"], CONVENTIONS)
     if "k" in known and (isinstance(known["k"], bool) or not isinstance(known["k"], int)
                          or known["k"] < 1):
         raise UsageError(f"k={known['k']!r} is not valid; expected an integer >= 1")

@@ -8,8 +8,11 @@ Precision: group means are taken of ``R - min_j R_j`` rather than ``R``. For the
 of a near-constant group the subtraction is exact (Sterbenz), so float32 keeps the full relative
 precision of the reward *differences* and an all-equal group gives exactly 0.
 
-Groups of size G = 1 (the verl convention where a formula is undefined): normalized and rloo
-have no baseline and return A = R; centered, topk and opo follow their formula and return 0.
+Groups of size G = 1 follow the ``conventions`` option (``SchemeOptions.conventions``):
+``"varbench"`` (default): normalized and rloo have no baseline and return A = R; centered, topk
+and opo follow their formula and return 0. ``"verl"`` (verl 0.9.1's loop estimators): every
+baseline of a lone response is 0, so A = R (normalized: R / (1 + eps), verl's std of 1);
+``"trl"`` (TRL 1.16.0): the group mean is the response itself, A = 0.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from varbench.estimators.registry import (
     valid_lengths,
 )
 
-__all__ = ["group_centered"]
+__all__ = ["group_centered", "batch_whiten"]
 
 
 def _broadcast(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,15 @@ def group_centered(R: torch.Tensor) -> torch.Tensor:
     """``[P, G] -> [P, G]`` ``R_i - mean_j R_j``, computed from ``R - min_j R_j`` (exact shift)."""
     d = R - R.amin(dim=1, keepdim=True)
     return d - d.mean(dim=1, keepdim=True)
+
+
+def _lone(R: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions, varbench: str,
+          verl_scale: float = 1.0) -> torch.Tensor:
+    """Advantages of G = 1 groups under ``opts.conventions``; ``varbench``: "R" or "0"."""
+    keep = {"varbench": varbench == "R", "verl": True, "trl": False}[opts.conventions]
+    if not keep:
+        return _broadcast(torch.zeros_like(R), mask)
+    return _broadcast(R / verl_scale if opts.conventions == "verl" else R, mask)
 
 
 @register_scheme("raw")
@@ -50,14 +62,18 @@ def centered(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> 
 
     Caveat: the mean contains sample i, so ``E[g_hat] = (G-1)/G g*`` (a positive rescaling).
     """
-    return _broadcast(group_centered(outcome_rewards(rewards, mask)), mask)
+    R = outcome_rewards(rewards, mask)
+    if R.shape[1] == 1:
+        return _lone(R, mask, opts, "0")
+    return _broadcast(group_centered(R), mask)
 
 
 @register_scheme("normalized")
 def normalized(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     """GRPO: ``A_{i,t} = (R_i - mu) / (sigma + eps)``; sigma unbiased unless ``unbiased_std=False``.
 
-    Options: ``eps`` (1e-6), ``unbiased_std`` (True). G = 1 returns A = R (no std exists).
+    Options: ``eps`` (1e-6), ``unbiased_std`` (True). G = 1 returns A = R (no std exists;
+    ``conventions``: verl R / (1 + eps), trl 0). TRL's ``scale_rewards="group"`` is ``eps=1e-4``.
     Bound (any reward scale, exact arithmetic): ``|A_i| <= (G-1)/sqrt(G)`` with the unbiased std,
     ``|A_i| <= sqrt(G-1)`` with the biased one; a near-constant group (1.0 vs 1.00001) therefore
     gets O(1) advantages, not ~0: normalisation amplifies tiny reward differences to full size.
@@ -65,7 +81,9 @@ def normalized(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -
     """
     R = outcome_rewards(rewards, mask)
     if R.shape[1] == 1:
-        return _broadcast(R, mask)
+        # verl's lone std is torch.tensor(1.0), float32: its divisor is float32(1 + eps)
+        scale = float(torch.tensor(1.0, dtype=torch.float32) + opts.eps)
+        return _lone(R, mask, opts, "R", verl_scale=scale)
     c = group_centered(R)
     sigma = c.std(dim=1, keepdim=True, correction=1 if opts.unbiased_std else 0)
     return _broadcast(c / (sigma + opts.eps), mask)
@@ -80,7 +98,7 @@ def rloo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torc
     R = outcome_rewards(rewards, mask)
     G = R.shape[1]
     if G == 1:
-        return _broadcast(R, mask)
+        return _lone(R, mask, opts, "R")
     return _broadcast(group_centered(R) * (G / (G - 1)), mask)
 
 
@@ -106,6 +124,8 @@ def opo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch
     sample (O(1/G) bias, as for centered).
     """
     R = outcome_rewards(rewards, mask)
+    if R.shape[1] == 1:
+        return _lone(R, mask, opts, "0")
     L = valid_lengths(mask).to(R.dtype)  # [P, G]
     d = R - R.amin(dim=1, keepdim=True)
     b = (L * d).sum(1, keepdim=True) / L.sum(1, keepdim=True).clamp(min=1)
@@ -124,12 +144,36 @@ def reinforce_pp_baseline(
     re-centring gives an all-agree group ``-mean(c)/std`` rather than 0 (0 when all responses
     have equal length, since then mean(c) = 0).
     """
-    c = group_centered(outcome_rewards(rewards, mask))  # [P, G]
+    R = outcome_rewards(rewards, mask)
+    lone = R.shape[1] == 1 and opts.conventions == "verl"  # verl: a lone response keeps R
+    c = R if lone else group_centered(R)  # [P, G]
     L = valid_lengths(mask).to(c.dtype)
-    n = L.sum()
-    mu = (c * L).sum() / n
-    var = (L * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
-    return _broadcast((c - mu) * torch.rsqrt(var + opts.whiten_eps), mask)
+    return _broadcast(batch_whiten(c, L, opts.whiten_eps, verl=opts.conventions == "verl"), mask)
+
+
+def batch_whiten(
+    c: torch.Tensor, lengths: torch.Tensor, eps: float, *, verl: bool = False
+) -> torch.Tensor:
+    """``(c - mu) / sqrt(var + eps)`` with mu, var over every valid token of the batch.
+
+    ``c``: per-response values (any shape, e.g. ``[P, G]`` or ``[B]``), broadcast over each
+    response's ``lengths`` valid tokens; the variance is Bessel-corrected over tokens, as verl's
+    ``masked_whiten``. ``verl=True`` also takes verl's means over ``n + 1e-8`` tokens (its
+    ``masked_mean``). Used by reinforce_pp_baseline and by adapters for unequal group sizes.
+    """
+    n = lengths.sum()
+    if verl:
+        mu = (c * lengths).sum() / (n + 1e-8)
+        var = (lengths * (c - mu) ** 2).sum() / (n + 1e-8) * (n / (n - 1).clamp(min=1))
+    else:
+        mu = (c * lengths).sum() / n
+        var = (lengths * (c - mu) ** 2).sum() / (n - 1).clamp(min=1)
+    return (c - mu) * torch.rsqrt(var + eps)
+
+
+def batch_std(R: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected std of every response's return in the batch (0-dim; 0 for one response)."""
+    return R.reshape(-1).std() if R.numel() > 1 else R.new_zeros(())
 
 
 def _binom_ratio(a: torch.Tensor, b: int, k: int) -> torch.Tensor:
@@ -163,3 +207,20 @@ def passk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> tor
     num = torch.where(R == 1, 1 - rbar, 1 - rbar - fail_hit)
     adv = torch.where(sigma > 0, num / torch.where(sigma > 0, sigma, 1), 0)
     return _broadcast(adv.to(R.dtype), mask)
+
+
+@register_scheme("normalized_batch", batch_coupled=True)
+def normalized_batch(
+    rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions
+) -> torch.Tensor:
+    """TRL's ``scale_rewards="batch"``: ``A_i = (R_i - mu_group) / (sigma_batch + eps)``.
+
+    sigma_batch: the Bessel-corrected std of all returns of the batch (TRL's ``nanstd``); TRL
+    adds ``eps=1e-4``. Caveat: batch-coupled (one group's advantages depend on the others' rewards
+    through sigma_batch), and biased like normalized. G = 1 follows ``conventions`` (varbench and
+    trl: 0, the group mean is the response; verl has no such estimator: R / (sigma + eps)).
+    """
+    R = outcome_rewards(rewards, mask)
+    lone = R.shape[1] == 1 and opts.conventions == "verl"
+    c = R if lone else group_centered(R)
+    return _broadcast(c / (batch_std(R) + opts.eps), mask)

@@ -10,7 +10,12 @@ batches against DynamicCache bit for bit).
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
+
+try:  # transformers >= 5.11: per-layer kinds (sliding, chunked, shared, dummy) in one helper
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # older 5.x: no helper; grow_cache reads the config itself (see _layer_kinds)
+    get_layer_types_and_kwargs = None
 
 
 class GrowLayer(DynamicLayer):
@@ -89,9 +94,33 @@ def grow_cache(model, capacity: int) -> Cache | None:
     linear-attention layers keep state that only transformers' own layer classes handle.
     """
     try:
-        kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        kinds = _layer_kinds(model.config.get_text_config(decoder=True))
     except Exception:  # a config without per-layer metadata: leave the cache to the model
         return None
     if not kinds or any(k != "full_attention" for k in kinds):
         return None
     return Cache(layers=[GrowLayer(capacity) for _ in kinds])
+
+
+def _layer_kinds(config) -> list[str] | None:
+    """The attention kind of each cached layer of a decoder ``config`` (None: unsure).
+
+    transformers >= 5.11 answers with ``get_layer_types_and_kwargs``. Before it, this reads what
+    transformers' own ``DynamicCache(config=...)`` reads: ``layer_types``, else one kind per
+    hidden layer from ``sliding_window`` / ``attention_chunk_size``; a config that shares KV
+    layers (``num_kv_shared_layers``, ``kv_sharing_modes``) gives None, so the model keeps its
+    own cache rather than a fast path that might not match it.
+    """
+    if get_layer_types_and_kwargs is not None:
+        kinds, _ = get_layer_types_and_kwargs(config)
+        return list(kinds)
+    if getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None):
+        return None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return list(kinds)
+    if getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * config.num_hidden_layers
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return ["chunked_attention"] * config.num_hidden_layers
+    return ["full_attention"] * config.num_hidden_layers

@@ -1,0 +1,71 @@
+"""varbench.integrations.measure (no peer needed): builder counts, the cancellation residual,
+the split-group sketched variance against the exact one, the proxy correlation, records that
+the report writer renders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from varbench.integrations import measure_groups, records_result
+from varbench.integrations.measure import surrogate_grad
+from varbench.models import build_policy
+from varbench.report import write_report
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _batch(seed=0, P=4, G=3, Lp=3, T=5):
+    gen = torch.Generator().manual_seed(seed)
+    B = P * G
+    prompt = torch.randint(4, 30, (B, Lp), generator=gen)
+    comp = torch.randint(4, 30, (B, T), generator=gen)
+    comp[0:3, 0] = 7  # group 0 shares its first step
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    cmask = (torch.arange(T) < lengths[:, None]).long()
+    R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 2.0, 1.0, 0.5, 0.5, 0.0])
+    return prompt, torch.ones(B, Lp, dtype=torch.long), comp, cmask, R
+
+
+def test_builder_counts_and_cancellation_known_answers():
+    _, _, comp, cmask, R = _batch()
+    recs = measure_groups(step=5, rewards=R, completion_ids=comp, completion_mask=cmask, G=3,
+                          measures=("counts", "cancellation"))
+    by = {r["metric"]: r for r in recs}
+    assert by["groups"]["value"] == 4 and by["all_agree_groups"]["value"] == 1
+    assert by["nonzero_raw"]["value"] == 8 and by["nonzero_centered"]["value"] == 8
+    # group 0 shares step t = 0 with A = R - mean = (2/3, -1/3, -1/3): residual exactly 0
+    assert by["cancellation_residual"]["value"] == pytest.approx(0.0, abs=1e-12)
+    assert all(r["step"] == 5 for r in recs)
+
+
+def test_split_variance_sketch_estimates_the_exact_half_difference():
+    policy = build_policy("micro", seed=0)
+    model = policy.model
+    prompt, pmask, comp, cmask, R = _batch(1)
+    adv = R - R.reshape(4, 3).mean(1).repeat_interleave(3)
+    k = 800
+    rec = measure_groups(step=0, rewards=R, completion_ids=comp, completion_mask=cmask,
+                         advantages=adv, model=model, prompt_ids=prompt, prompt_mask=pmask,
+                         G=3, sketch_dim=k, measures=("variance",))[0]
+    ids = torch.cat([prompt, comp], 1)
+    attn = torch.cat([pmask, cmask], 1)
+    with torch.enable_grad():
+        g = [surrogate_grad(model, ids[h], attn[h], 3, cmask[h], adv[h])
+             for h in (slice(0, 6), slice(6, 12))]
+    exact = float(((g[0] - g[1]) ** 2).sum() / 4)
+    # mean of k squared Gaussian projections: relative SD sqrt(2 / k) = 5% (3 SD: 15%)
+    assert rec["value"] == pytest.approx(exact, rel=0.15)
+
+
+def test_proxy_correlation_and_report(tmp_path):
+    policy = build_policy("micro", seed=0)
+    prompt, pmask, comp, cmask, R = _batch(2)
+    recs = measure_groups(step=1, rewards=R, completion_ids=comp, completion_mask=cmask,
+                          model=policy.model, prompt_ids=prompt, prompt_mask=pmask, G=3,
+                          sketch_dim=4, proxy_rows=4)
+    by = {r["metric"]: r for r in recs}
+    assert -1 <= by["proxy_exact_corr"]["value"] <= 1 and by["proxy_exact_corr"]["n"] >= 3
+    res = records_result(recs, name="unit run", source="test")
+    out = write_report([res], tmp_path)
+    assert "proxy_exact_corr" in (out / "report.md").read_text()

@@ -1,0 +1,197 @@
+"""The measurements shared by the TRL and verl integrations, on one batch of groups.
+
+Inputs are a batch as the peers hold it, regrouped to ``[P, G, T]``: response tokens, their
+mask, outcome rewards ``[P, G]`` and (optionally) the model, the prompt and the per-token
+statistics. Records (one dict per measured quantity, tidy: ``step, metric, value, n``):
+
+- builder-test counts: groups whose rewards all agree, responses whose raw advantage (R) is
+  non-zero and whose centred advantage (R - mean) is non-zero;
+- ``grad_var_split``: the variance of the gradient estimate, sketched: the groups are split in
+  two halves, the GRPO surrogate gradient of each half is projected on ``k`` Gaussian
+  directions, and ``||s_1 - s_2||^2 / 4`` estimates tr Cov of the full-batch estimate (the
+  halves are independent given the policy; a sketch of k directions keeps the trace unbiased);
+- ``proxy_exact_corr``: Pearson correlation of the logit proxy ``1 - 2 pi + sum pi^2`` with
+  the exact per-token gradient norm ``||grad log pi(y_t)||^2`` on a subsample of responses;
+- ``cancellation_residual``: the mean relative residual ``|sum c_i A_i| / sum |c_i A_i|`` at
+  steps shared by >= 2 responses of a group (token-mean weights), from the prefix trie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from varbench.analysis.trie import shared_steps
+from varbench.estimators import aggregation_weights, outcome_rewards
+from varbench.grads.exact import token_grad_norms
+from varbench.grads.stats import forward_stats
+from varbench.models.logits import token_logprobs
+from varbench.report.result import AnalysisResult, Headline
+
+__all__ = ["measure_groups", "records_result", "METRICS"]
+
+METRICS = ("groups", "all_agree_groups", "nonzero_raw", "nonzero_centered", "responses",
+           "cancellation_residual", "grad_var_split", "proxy_exact_corr")
+
+
+def _row(step: int, metric: str, value: float, n: int, **extra: Any) -> dict[str, Any]:
+    return {"step": int(step), "metric": metric, "value": float(value), "n": int(n), **extra}
+
+
+def builder_counts(rewards: torch.Tensor, step: int) -> list[dict[str, Any]]:
+    """Builder-test counts of ``[P, G]`` rewards (groups of one count as all-agree)."""
+    R = rewards.double()
+    agree = (R == R[:, :1]).all(1)
+    centred = R - R.mean(1, keepdim=True)
+    return [
+        _row(step, "groups", R.shape[0], R.shape[0]),
+        _row(step, "responses", R.numel(), R.numel()),
+        _row(step, "all_agree_groups", int(agree.sum()), R.shape[0]),
+        _row(step, "nonzero_raw", int((R != 0).sum()), R.numel()),
+        _row(step, "nonzero_centered", int((centred.abs() > 1e-12 * (1 + R.abs())).sum()),
+             R.numel()),
+    ]
+
+
+def cancellation_record(tokens: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                        step: int) -> list[dict[str, Any]]:
+    """Mean relative residual at shared steps (token-mean weights); none without shared steps."""
+    m = mask != 0
+    if not bool(m.any()):
+        return []
+    coef = aggregation_weights(m, "token-mean", dtype=torch.float64)
+    df = shared_steps(tokens, adv.double(), coef, m)
+    rel = df["rel_residual"].dropna()
+    if rel.empty:
+        return []
+    return [_row(step, "cancellation_residual", rel.mean(), len(rel))]
+
+
+def surrogate_grad(model, ids, attn, start, comp_mask, adv) -> torch.Tensor:
+    """Flat float64 gradient of ``sum_i A_i sum_t m log pi(y_t) / sum m`` (token-mean)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    logp = token_logprobs(logits, ids)[:, start:]  # the completion's tokens
+    m = comp_mask.to(logp.dtype)
+    loss = (adv.to(logp.dtype)[:, None] * logp * m).sum() / m.sum().clamp(min=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                      for g, p in zip(grads, params, strict=True)])
+
+
+def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int,
+                    *, k: int, seed: int) -> list[dict[str, Any]]:
+    """``||s_1 - s_2||^2 / 4`` of the sketched surrogate gradients of two halves of the groups."""
+    B = comp_ids.shape[0]
+    P = B // G
+    if P < 2:
+        return []
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    gen = torch.Generator().manual_seed(seed)
+    probes = torch.randn(k, n_params, generator=gen, dtype=torch.float64).to(comp_ids.device)
+    ids = torch.cat([prompt_ids, comp_ids], 1)
+    attn = torch.cat([prompt_mask, comp_mask], 1)
+    start = prompt_ids.shape[1]
+    half = (P // 2) * G
+    halves = [slice(0, half), slice(half, 2 * half)]
+    with torch.enable_grad():
+        s = [probes @ surrogate_grad(model, ids[h], attn[h], start, comp_mask[h], adv[h])
+             for h in halves]
+    model.zero_grad(set_to_none=True)
+    # E (z . d)^2 = ||d||^2 for z ~ N(0, I): the mean over the k probes estimates ||g_1 - g_2||^2
+    value = float(((s[0] - s[1]) ** 2).mean() / 4)
+    return [_row(step, "grad_var_split", value, P, sketch_dim=k)]
+
+
+def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int, *,
+                 n_sub: int, seed: int) -> list[dict[str, Any]]:
+    """Pearson correlation of the logit proxy with exact per-token norms on ``n_sub`` rows."""
+    B = comp_ids.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(B, generator=gen)[: min(n_sub, B)].to(comp_ids.device)
+    ids = torch.cat([prompt_ids, comp_ids], 1)[rows]
+    attn = torch.cat([prompt_mask, comp_mask], 1)[rows]
+    resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)[rows]
+    if int(resp.sum()) < 3:
+        return []
+    exact = token_grad_norms(model, ids, resp, attn).token_sq  # [n, L], column t = token t
+    proxy = forward_stats(model, ids, resp, attn).proxy  # same alignment
+    sel = resp != 0
+    x = proxy[sel].double().cpu().numpy()
+    y = exact[sel].double().cpu().numpy()
+    if x.size < 3 or np.std(x) == 0 or np.std(y) == 0:
+        return []
+    return [_row(step, "proxy_exact_corr", np.corrcoef(x, y)[0, 1], x.size, rows=len(rows))]
+
+
+def measure_groups(
+    *,
+    step: int,
+    rewards: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor | None = None,
+    model: torch.nn.Module | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    G: int,
+    sketch_dim: int = 16,
+    proxy_rows: int = 4,
+    seed: int = 0,
+    measures: Sequence[str] = ("counts", "cancellation", "variance", "proxy"),
+) -> list[dict[str, Any]]:
+    """varbench records for one batch of ``B = P * G`` rows, groups contiguous (row p * G + i).
+
+    ``rewards`` ``[B]``; ``completion_ids``/``completion_mask`` ``[B, T]``; ``advantages``
+    ``[B]`` or ``[B, T]`` (default: centred rewards); ``model`` with ``prompt_ids``/
+    ``prompt_mask`` ``[B, Lp]`` enables the variance and proxy measures (skipped otherwise).
+    Caveat: ``grad_var_split`` is one two-half split (an unbiased but noisy estimate); average
+    it over steps.
+    """
+    B, T = completion_mask.shape
+    if B % G:
+        raise ValueError(f"batch of {B} rows is not a whole number of groups of G={G}")
+    P = B // G
+    R = rewards.reshape(P, G).double()
+    mask3 = completion_mask.reshape(P, G, T) != 0
+    if advantages is None:
+        adv = (R - R.mean(1, keepdim=True)).reshape(B)
+    else:
+        adv = advantages.double()
+    adv3 = (adv.reshape(B, 1).expand(B, T) if adv.dim() == 1 else adv).reshape(P, G, T)
+    out: list[dict[str, Any]] = []
+    if "counts" in measures:
+        out += builder_counts(outcome_rewards(R, mask3), step)
+    if "cancellation" in measures:
+        out += cancellation_record(completion_ids.reshape(P, G, T), adv3, mask3, step)
+    if model is not None and prompt_ids is not None and prompt_mask is not None:
+        adv_row = adv if adv.dim() == 1 else adv3.reshape(B, T)[:, 0]
+        if "variance" in measures:
+            out += variance_record(model, prompt_ids, prompt_mask, completion_ids,
+                                   completion_mask, adv_row, G, step, k=sketch_dim, seed=seed)
+        if "proxy" in measures:
+            out += proxy_record(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                step, n_sub=proxy_rows, seed=seed)
+    return out
+
+
+def records_result(records: Sequence[dict[str, Any]], *, name: str, source: str,
+                   config: dict[str, Any] | None = None) -> AnalysisResult:
+    """The records as an :class:`~varbench.report.AnalysisResult` (kind ``"training"``) with
+    one headline per metric (its mean over the recorded steps and the SE across steps)."""
+    df = pd.DataFrame(list(records), columns=None)
+    heads: list[Headline] = []
+    for metric, g in df.groupby("metric", sort=False) if not df.empty else []:
+        v = g["value"].astype(float)
+        se = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
+        heads.append(Headline(metric, float(v.mean()), se,
+                              f"{metric}: {v.mean():.4g} (mean over {len(v)} recorded steps)"))
+    return AnalysisResult(kind="training", name=name, records={"steps": df}, headlines=heads,
+                          config=dict(config or {}), summary={"source": source,
+                                                              "steps": sorted(set(df["step"]))
+                                                              if not df.empty else []})
