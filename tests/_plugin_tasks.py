@@ -1,5 +1,8 @@
 """A user's task module for the tests: a Task subclass, a factory and things that are not
-Tasks, named by MODULE:ATTR (``tests._plugin_tasks:EchoTask``)."""
+Tasks, named by MODULE:ATTR (``_plugin_tasks:EchoTask``; pytest puts tests/ on sys.path).
+
+Not ``tests._plugin_tasks``: verl 0.9.1 installs a top-level regular package ``tests``, which
+wins over this directory's namespace package."""
 
 from __future__ import annotations
 

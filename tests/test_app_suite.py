@@ -95,7 +95,7 @@ def test_task_specs_in_suites_are_resolved_before_any_case(tmp_path):
     data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "3+3?", "answer": "6"}\n')
     assert load_suite(ok).cases[0].key != key  # changed data, new key
     assert "no such file" in _bad(tmp_path, HEAD + case.format(t=tmp_path / "missing.jsonl"))
-    msg = _bad(tmp_path, HEAD + case.format(t="tests._plugin_tasks:NOT_A_TASK"))
+    msg = _bad(tmp_path, HEAD + case.format(t="_plugin_tasks:NOT_A_TASK"))
     assert "cases[0] ('p') key 'task'" in msg and "not a Task subclass" in msg
     msg = _bad(tmp_path, HEAD + case.format(t="sortt").replace(
         'knobs = { verifier = "number" }', ""))

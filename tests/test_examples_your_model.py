@@ -134,7 +134,7 @@ def test_every_command_takes_the_checkpoint_the_data_file_and_bfloat16(workdir, 
 
 def test_a_users_task_class_and_the_bpe_tokenizer_on_sort(workdir, capsys):
     ck = workdir / "runs" / "your-model" / "ckpt"
-    assert _cli("sample", "--policy", ck, "--task", "tests._plugin_tasks:EchoTask", "--knob",
+    assert _cli("sample", "--policy", ck, "--task", "_plugin_tasks:EchoTask", "--knob",
                 "word=yo", "-G", 2, "--prompts", 1) == 0
     assert "say yo 0:" in capsys.readouterr().out
     # byte-level BPE splits <sort>: a clear error before any work, then --add-task-tokens

@@ -129,13 +129,13 @@ def test_demonstrations_only_with_solution_key(tmp_path):
 
 def test_a_raising_verifier_scores_zero_and_is_counted(tmp_path):
     t = get_task(str(_jsonl(tmp_path / "v.jsonl")),
-                 verifier="tests._plugin_tasks:raising_verifier")
+                 verifier="_plugin_tasks:raising_verifier")
     p = t.prompts(1)[0]
-    before = error_counts().get("tests._plugin_tasks:raising_verifier", (0, ""))[0]
+    before = error_counts().get("_plugin_tasks:raising_verifier", (0, ""))[0]
     assert t.score(p, "ab") == 1.0
     assert t.score(p, "abc") == 0.0 and t.score(p, "x") == 0.0
     assert t.verifier_errors == 2 and "RuntimeError: odd response" in t.first_verifier_error
-    n, first = error_counts()["tests._plugin_tasks:raising_verifier"]
+    n, first = error_counts()["_plugin_tasks:raising_verifier"]
     assert n - before == 2 and "odd response" in first
 
 
@@ -171,23 +171,23 @@ def test_missing_file_is_file_not_found_and_bad_knobs_name_the_choices(tmp_path)
 
 
 def test_module_attr_task_class_factory_and_refusals():
-    t = get_task("tests._plugin_tasks:EchoTask", word="yo")
+    t = get_task("_plugin_tasks:EchoTask", word="yo")
     assert t.name == "echo" and t.prompts(2)[1] == Prompt("say yo 1:", "yo")
-    assert get_task("tests._plugin_tasks:make_echo", word="x").knobs == {"word": "x"}
+    assert get_task("_plugin_tasks:make_echo", word="x").knobs == {"word": "x"}
     with pytest.raises(UsageError, match=r"cannot import module 'no_such_mod'"):
         get_task("no_such_mod:Task")
     with pytest.raises(UsageError, match=r"has no attribute 'Nope'"):
-        get_task("tests._plugin_tasks:Nope")
+        get_task("_plugin_tasks:Nope")
     with pytest.raises(UsageError, match=r"names a int, not a Task subclass or a factory"):
-        get_task("tests._plugin_tasks:NOT_A_TASK")
+        get_task("_plugin_tasks:NOT_A_TASK")
     with pytest.raises(UsageError, match=r"the factory returned str, not a varbench Task"):
-        get_task("tests._plugin_tasks:not_a_factory")
+        get_task("_plugin_tasks:not_a_factory")
     with pytest.raises(UsageError, match=r"class Prompt, which is not a varbench Task"):
         get_task("varbench.tasks:Prompt")
 
 
 def test_register_task_public_and_entry_points(monkeypatch):
-    from tests._plugin_tasks import EchoTask, make_echo
+    from _plugin_tasks import EchoTask, make_echo
     from varbench.tasks import base
 
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
@@ -197,7 +197,7 @@ def test_register_task_public_and_entry_points(monkeypatch):
         register_task(make_echo, name="echo2")
 
     class FakeEP:
-        name, value = "plugged", "tests._plugin_tasks:EchoTask"
+        name, value = "plugged", "_plugin_tasks:EchoTask"
 
         def load(self):
             return EchoTask

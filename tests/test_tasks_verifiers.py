@@ -45,13 +45,13 @@ def test_math_verifier_uses_math_verify():
 
 
 def test_user_verifier_and_refusals():
-    assert resolve_verifier("tests._plugin_tasks:raising_verifier")("q", "ab", "x") == 1.0
+    assert resolve_verifier("_plugin_tasks:raising_verifier")("q", "ab", "x") == 1.0
     with pytest.raises(UsageError, match=r"verifier='nope' is not valid; choose one of "
                                          r"\['exact', 'number', 'math', 'choice'\]"):
         resolve_verifier("nope")
-    with pytest.raises(UsageError, match=r"verifier='tests._plugin_tasks:NOT_A_TASK' is not "
+    with pytest.raises(UsageError, match=r"verifier='_plugin_tasks:NOT_A_TASK' is not "
                                          "callable"):
-        resolve_verifier("tests._plugin_tasks:NOT_A_TASK")
+        resolve_verifier("_plugin_tasks:NOT_A_TASK")
 
 
 def test_failures_score_zero_and_are_tallied():
