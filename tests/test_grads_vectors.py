@@ -12,7 +12,13 @@ from reference_grads import brute_group_gradients, brute_token_grads, dense_coun
 from scipy.stats import norm
 
 from varbench.grads import exact_float64
-from varbench.grads.vectors import CountSketch, TokenVectors, combine, token_vectors
+from varbench.grads.vectors import (
+    CountSketch,
+    TokenVectors,
+    combine,
+    param_blocks,
+    token_vectors,
+)
 
 RTOL = 1e-8  # float64 throughout (exact_float64), as the other exact-path tests
 # Sketch vs its dense matrix: the same float64 terms summed in a different order.
@@ -265,3 +271,38 @@ def test_token_vectors_of_a_bf16_model_are_float32_on_the_models_device():
     # same weights (bf16 values are exact in float32): only the bf16 backward rounds
     rel = (tv.token_sq - ref.token_sq).abs().sum() / ref.token_sq.abs().sum()
     assert rel < 0.05
+
+
+def test_param_blocks_fit_the_budget_and_partition_in_order():
+    numels = [10, 3, 50, 2, 7]
+    # everything fits: one block at the requested chunk
+    assert param_blocks(numels, 4, 10**9, 8) == [([0, 1, 2, 3, 4], 4)]
+    blocks = param_blocks(numels, 4, 4 * 13 * 8, 8)  # room for 13 numbers per row at C = 4
+    assert [i for idx, _ in blocks for i in idx] == list(range(len(numels)))
+    for idx, c in blocks:
+        size = sum(numels[i] for i in idx)
+        if len(idx) > 1:
+            assert c == 4 and c * size * 8 <= 4 * 13 * 8
+        else:  # a lone parameter: C lowered until it fits, never below 1
+            assert 1 <= c <= 4 and (c * size * 8 <= 4 * 13 * 8 or c == 1)
+    assert param_blocks([50], 4, 8, 8) == [([0], 1)]  # larger than the budget at C = 1
+
+
+@pytest.mark.parametrize("block_bytes", [1, 8 * 3 * 40, 8 * 3 * 400])
+def test_token_vectors_in_parameter_blocks_equal_the_brute_force(block_bytes):
+    """Streaming the parameters in blocks under a memory budget (down to one parameter and one
+    token per harness pass) gives the same vectors and exact norms (float64, RTOL)."""
+    model = exact_float64(tiny_llama())
+    rb = rollout_batch()
+    ref = _brute_vectors(model, rb)
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    assert len(param_blocks(numels, 3, block_bytes, 8)) > 1  # really more than one block
+    flat = token_vectors(model, rb, sketch_dim=None, chunk_size=3, block_bytes=block_bytes)
+    torch.testing.assert_close(flat.vec, ref, rtol=RTOL, atol=1e-14)
+    torch.testing.assert_close(flat.token_sq, ref.pow(2).sum(-1), rtol=RTOL, atol=0)
+    sk = CountSketch.for_model(model, 8, seed=5)
+    blocked = token_vectors(model, rb, sketch=sk, chunk_size=3, block_bytes=block_bytes)
+    torch.testing.assert_close(blocked.vec, ref @ dense_count_sketch(sk).T, rtol=RTOL,
+                               atol=1e-13)
+    with pytest.raises(ValueError, match="block_bytes"):
+        token_vectors(model, rb, sketch=sk, block_bytes=0)

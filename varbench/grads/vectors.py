@@ -271,10 +271,18 @@ class CountSketch:
                 "build it on the parameters' device (CountSketch.for_model(..., device=...))"
             )
 
-    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``[..., numel_i]`` per parameter -> ``[..., K]``: ``S`` of the concatenation."""
-        if len(grads) != len(self.numels):
-            raise UsageError(f"expected {len(self.numels)} gradient tensors, got {len(grads)}")
+    def __call__(self, grads: Sequence[torch.Tensor],
+                 indices: Sequence[int] | None = None) -> torch.Tensor:
+        """``[..., numel_i]`` per parameter -> ``[..., K]``: ``S`` of the concatenation.
+
+        ``indices``: the parameters ``grads`` belong to (default all, in order); S is linear, so
+        summing the results over a partition of the parameters gives ``S`` of the whole vector
+        (how :func:`token_vectors` streams parameter blocks)."""
+        idx = list(range(len(self.numels))) if indices is None else [int(i) for i in indices]
+        if len(grads) != len(idx):
+            raise UsageError(f"expected {len(idx)} gradient tensors, got {len(grads)}")
+        if any(not 0 <= i < len(self.numels) for i in idx):
+            raise UsageError(f"indices {idx} out of range for {len(self.numels)} parameters")
         g0 = grads[0]
         if g0.device != self.device:
             raise UsageError(
@@ -284,8 +292,8 @@ class CountSketch:
         if not g0.dtype.is_floating_point:
             raise UsageTypeError(f"inputs must be floating point, got {g0.dtype}")
         out = torch.zeros(*g0.shape[:-1], self.dim, dtype=g0.dtype, device=self.device)
-        for i, g in enumerate(grads):
-            check_shape(f"grads[{i}]", g, [*g0.shape[:-1], self.numels[i]])
+        for j, (i, g) in enumerate(zip(idx, grads, strict=True)):
+            check_shape(f"grads[{j}]", g, [*g0.shape[:-1], self.numels[i]])
             if g.dtype != g0.dtype or g.device != g0.device:
                 raise UsageError("all gradient tensors must share one dtype and device")
             for start, b, s in self._chunks(i, g0.dtype):
@@ -305,6 +313,29 @@ class CountSketch:
         return self(torch.split(x, list(self.numels), dim=-1))
 
 
+BLOCK_BYTES = 1 << 28  # 256 MiB of per-token gradients per harness pass
+
+
+def param_blocks(numels: Sequence[int], chunk_size: int, block_bytes: int,
+                 itemsize: int) -> list[tuple[list[int], int]]:
+    """Consecutive parameter blocks ``(indices, C)`` with ``C x sum(numel) x itemsize <=
+    block_bytes`` where it can hold (``C = chunk_size``, lowered for a lone parameter too large
+    for the budget at that C, down to 1). One block when everything fits."""
+    blocks: list[tuple[list[int], int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if cur and chunk_size * (size + n) * itemsize > block_bytes:
+            blocks.append((cur, chunk_size))
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        blocks.append((cur, chunk_size))
+    return [(idx, max(1, min(c, block_bytes // max(1, sum(numels[i] for i in idx) * itemsize))))
+            if len(idx) == 1 else (idx, c) for idx, c in blocks]
+
+
 def token_vectors(
     model: torch.nn.Module,
     batch,
@@ -316,6 +347,7 @@ def token_vectors(
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
     out_device: str | torch.device | None = None,
+    block_bytes: int = BLOCK_BYTES,
 ) -> TokenVectors:
     """Per-token gradient vectors of every response token of ``batch`` (a RolloutBatch).
 
@@ -325,9 +357,15 @@ def token_vectors(
     when ``sketch_dim`` is None or ``>= D``. Results are stored on ``out_device`` (default the
     model's device: ``B*L*K`` floats); the model runs where its parameters are.
 
-    Memory beyond the model: the ``[B, L, K]`` result, one chunk of ``chunk_size`` per-token
-    gradients (the exact harness's ``[C, numel]`` blocks) and the sketch's state (O(chunk) when
-    streamed, see :class:`CountSketch`); nothing else grows with D. Precision: vectors and
+    Memory beyond the model: the ``[B, L, K]`` result, one block of per-token gradients and the
+    sketch's state (O(chunk) when streamed, see :class:`CountSketch`). The parameters are cut
+    into consecutive blocks whose ``[C, numel]`` per-token gradients fit in ``block_bytes``
+    (``C = chunk_size``, lowered to fit down to 1 for a single parameter larger than the
+    budget): each block runs the exact harness on its own and its sketch and squared norms are
+    summed in (S is linear), so peak extra memory is ``max(block_bytes, one gradient of the
+    largest parameter)`` whatever D; the price is one harness pass per block (one block, the
+    default cost, whenever ``C x D`` fits). Flat vectors (no sketch) are ``B*L*D`` floats by
+    definition. Precision: vectors and
     ``token_sq`` are float32 (float64 for a float64 model) whatever the model dtype: bf16
     gradients are upcast before they are squared or sketched.
     Cost: the exact harness's per-token backward (about one backward per token over its prefix).
@@ -357,13 +395,23 @@ def token_vectors(
     dtype = torch.float64 if plist[0].dtype == torch.float64 else torch.float32
     vec = torch.zeros(B, L, K, dtype=dtype, device=out_device)
     tsq = torch.zeros(B, L, dtype=dtype, device=out_device)
-    for b, cols, grads in iter_token_grads(model, ids, rmask, amask, plist, chunk_size,
-                                           progress=progress):
-        if grads[0].dtype != dtype:
-            grads = [g.to(dtype) for g in grads]
-        at = cols.to(out_device)
-        tsq[b, at] = sum(g.pow(2).sum(1) for g in grads).to(out_device)
-        vec[b, at] = (torch.cat(grads, 1) if sk is None else sk(grads)).to(out_device)
+    check_positive_int("block_bytes", block_bytes)
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    for idx, chunk in param_blocks(numels, chunk_size, block_bytes, dtype.itemsize):
+        block = [plist[i] for i in idx]
+        for b, cols, grads in iter_token_grads(model, ids, rmask, amask, block, chunk,
+                                               progress=progress):
+            if grads[0].dtype != dtype:
+                grads = [g.to(dtype) for g in grads]
+            at = cols.to(out_device)
+            tsq[b, at] += sum(g.pow(2).sum(1) for g in grads).to(out_device)
+            if sk is None:
+                vec[b, at, offsets[idx[0]]:offsets[idx[-1] + 1]] = torch.cat(grads, 1).to(
+                    out_device)
+            else:
+                vec[b, at] += sk(grads, idx).to(out_device)
     return TokenVectors(
         vec=batch.to_groups(vec),
         token_sq=batch.to_groups(tsq),

@@ -12,7 +12,7 @@ from varbench._util.checks import UsageError, UsageTypeError, check_choice, chec
 from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
 from varbench.models import Policy
 from varbench.rollout import RolloutBatch, sample
-from varbench.tasks import Prompt, Task, get_task, task_names
+from varbench.tasks import Prompt, Task, get_task
 from varbench.train.config import TrainConfig
 
 EXACT = "exact"  # the exact-match reward every task defines (held-out accuracy)
@@ -24,8 +24,8 @@ def check_config(config: TrainConfig) -> None:
         raise UsageTypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     check_choice("scheme", config.scheme, schemes())
     check_choice("agg", config.agg, AGGREGATION_MODES)
-    check_choice("task", config.task, task_names())
     check_device("device", config.device)  # a typo or an absent GPU, before any work
+    build_task(config)  # any task spec (name, MODULE:ATTR, data file), resolved before any work
 
 
 def build_task(config: TrainConfig) -> tuple[Task, str]:
