@@ -127,7 +127,7 @@ def self_check(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: d
     with torch.enable_grad():
         auto = [None if x is None else x.detach() for x in torch.autograd.grad(
             out, params, D, retain_graph=True, allow_unused=True)]
-    a = factored_inputs(module, form, args, kwargs)
+    a = factored_inputs(module, form, args, kwargs).detach()
     acc = acc_dtype(out.dtype)
     mine = factored_grads(module, form, a, D.reshape(-1, D.shape[-1]).to(acc))
     tol = _check_tol(out.dtype)
