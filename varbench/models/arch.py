@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from varbench._util.checks import UsageError
+from varbench._util.checks import UsageError, UsageTypeError
 
 # ---------------------------------------------------------------------------------------------
 # parameter naming (default groups of the per-group breakdown)
@@ -254,8 +254,8 @@ def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
             blocks = getattr(holder, attr, None)
             if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
                 return holder, blocks
-    raise UsageError(
-        f"cannot find the decoder blocks of {type(model).__name__}; pass modules={{name: module}}"
+    raise UsageTypeError(
+        f"cannot find the tail (the decoder blocks) of {type(model).__name__}; pass modules={{name: module}}"
     )
 
 
