@@ -106,6 +106,9 @@ def _check_tol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
 
 
+# non-empty while the self-check re-runs a module: CallRecorder ignores those calls
+_QUIET: list[bool] = []
+
 # modules that passed the self-check: module -> (kind, scale, dtype); one check per module
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -124,9 +127,20 @@ def self_check(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: d
         return  # nothing to check against (no graph); the caller's own backward has none either
     g = torch.Generator(device="cpu").manual_seed(1234)
     D = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
-    with torch.enable_grad():
-        auto = [None if x is None else x.detach() for x in torch.autograd.grad(
-            out, params, D, retain_graph=True, allow_unused=True)]
+
+    def detach(x):
+        return x.detach() if isinstance(x, torch.Tensor) else x
+
+    # re-run the module's own forward on detached inputs: its output then depends on the weight
+    # directly only (a tied weight also reaches the original output through the embedding)
+    _QUIET.append(True)
+    try:
+        with torch.enable_grad():
+            again = module(*[detach(x) for x in args], **{k: detach(v) for k, v in kwargs.items()})
+            auto = [None if x is None else x.detach() for x in torch.autograd.grad(
+                again, params, D, allow_unused=True)]
+    finally:
+        _QUIET.pop()
     a = factored_inputs(module, form, args, kwargs).detach()
     acc = acc_dtype(out.dtype)
     mine = factored_grads(module, form, a, D.reshape(-1, D.shape[-1]).to(acc))
@@ -324,7 +338,8 @@ class CallRecorder:
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in modules]
 
     def _hook(self, mod, args, kwargs, out) -> None:
-        self.calls[id(mod)].append((args, kwargs, out))
+        if not _QUIET:
+            self.calls[id(mod)].append((args, kwargs, out))
 
     def clear(self) -> None:
         for v in self.calls.values():
