@@ -9,7 +9,7 @@ import warnings
 import torch
 import transformers as tf
 
-V = 23
+V = 32  # covers the embedded char tokenizer (30 ids), so `sample` runs on every model
 _LLAMA = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 _HD = dict(_LLAMA, head_dim=4)
@@ -55,7 +55,7 @@ def build(name: str, *, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
         model = model_cls(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:  # norm weights and biases
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
     return model.eval()

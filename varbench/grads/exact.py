@@ -216,6 +216,8 @@ def token_grad_norms(
                     with torch.enable_grad():
                         logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
                         lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
+                        if bool(torch.isnan(lp).any()):
+                            check_finite_logits(model, logits, "the gradient harness's forward")
                         if any(c != 1 for c in calls.values()):
                             raise RuntimeError(
                                 "a Linear/Embedding ran more or less than once per forward; "

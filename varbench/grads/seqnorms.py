@@ -247,7 +247,7 @@ def sequence_grad_norms(
                                     "recognised or position-separable module")
             # a parameter reached through both factored and generic calls: slow route
             kinds: dict[int, set] = {}
-            for m, _, f, own in plan:
+            for _, _, f, own in plan:
                 for _, p in own:
                     kinds.setdefault(id(p), set()).add("g" if f == "generic" else "f")
             for pid, k in kinds.items():
@@ -267,19 +267,17 @@ def sequence_grad_norms(
             cots = torch.autograd.grad(loss, outs, allow_unused=True,
                                        retain_graph=bool(slow)) if outs else []
             work: dict[int, _ParamWork] = {}
-            for m, call, f, own in fast_plan:
+            for m, call, f, _own in fast_plan:
                 o = call[2]
                 D = cots[index[id(o)]] if id(o) in index else None
                 if D is None:
                     D = torch.zeros_like(o)
                 if f == "generic":
-                    names = [n.rsplit(".", 1)[-1] for n, _ in own]
                     local = [k for k, _ in m.named_parameters(recurse=False)
                              if id(getattr(m, k)) in chosen_name]
                     grads = _generic_grads(m, call, D, local)
                     for k, g in zip(local, grads, strict=True):
                         work.setdefault(id(getattr(m, k)), _ParamWork()).dense.append(g.to(acc))
-                    del names
                     continue
                 w, b = m.weight, getattr(m, "bias", None)
                 if id(w) in chosen_name:
@@ -288,7 +286,7 @@ def sequence_grad_norms(
                     db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
                     work.setdefault(id(b), _ParamWork()).dense.append(db)
             total = torch.zeros(B, dtype=acc, device=dev)
-            for pid, wk in work.items():
+            for wk in work.values():
                 total += _param_norm(wk)
             if slow:
                 total += _slow_norms(lp, c, slow, acc)

@@ -38,6 +38,12 @@ def default_tail_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return tail_modules(model)
 
 
+def _by_position(x: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """``[B, L, ...]`` view of a tail tensor, also when the module saw ``[B*L, ...]`` (OPT's
+    MLP flattens its input row-major)."""
+    return x if x.shape[:2] == (B, L) else x.reshape(B, L, *x.shape[1:])
+
+
 def _check_position_wise(lp, response_mask, outs, modules) -> None:
     """One backward of a single response token: a tail module's output cotangent must vanish
     at every other position and row (exactly: no path links them), else raise naming it."""
@@ -50,7 +56,7 @@ def _check_position_wise(lp, response_mask, outs, modules) -> None:
     for name, g in zip(modules, grads, strict=True):
         if g is None:
             continue
-        g = g.clone()
+        g = _by_position(g, *response_mask.shape).clone()
         g[b, t - 1] = 0
         if bool(g.ne(0).any()):
             raise UsageError(
@@ -118,9 +124,10 @@ def tail_token_norms(
     finally:
         for h in handles:
             h.remove()
-    cots = {n: g.detach() for n, g in zip(modules, grads, strict=True)}
-    acc = acc_dtype(next(model.parameters()).dtype)
     B, L = input_ids.shape
+    cots = {n: _by_position(g.detach(), B, L) for n, g in zip(modules, grads, strict=True)}
+    acts = {n: _by_position(a, B, L) for n, a in acts.items()}
+    acc = acc_dtype(next(model.parameters()).dtype)
     # position s predicts token s + 1: shift the token mask onto positions
     pos_mask = torch.nn.functional.pad(response_mask[:, 1:], (0, 1)).to(acc)
     tok = torch.zeros(B, L, len(modules), dtype=acc, device=dev)

@@ -255,7 +255,8 @@ def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
             if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
                 return holder, blocks
     raise UsageTypeError(
-        f"cannot find the tail (the decoder blocks) of {type(model).__name__}; pass modules={{name: module}}"
+        f"cannot find the tail (the decoder blocks) of {type(model).__name__}; "
+        "pass modules={name: module}"
     )
 
 
