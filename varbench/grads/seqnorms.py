@@ -32,6 +32,7 @@ from torch.func import functional_call, vjp, vmap
 from varbench._util.checks import UsageError, check_shape
 from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.ghost import (
+    _QUIET,
     CallRecorder,
     acc_dtype,
     checked_form,
@@ -139,6 +140,62 @@ def _generic_grads(module, call, D: torch.Tensor, names: list[str]) -> list[torc
         return [g[n].reshape(-1) for n in names]
 
     return list(vmap(one)(x, D.to(x.dtype)))
+
+
+def _per_sequence_params(module, call, local: list[str], B: int):
+    """Re-run ``module`` on its detached input with each parameter in ``local`` replaced by a
+    per-sequence copy ``[B, 1.., *shape]`` (broadcast over positions). Returns (output, copies)
+    when that reproduces the recorded output (an elementwise-affine module: RMS norms), else
+    None (the module needs the vmapped vjp)."""
+    x = call[0][0].detach()
+    out = call[2]
+    own = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
+    copies = {}
+    for n in local:
+        p = own[n]
+        lead = x.dim() - 1 - p.dim()
+        if lead < 0:
+            return None
+        copies[n] = p.reshape(1, *([1] * lead), *p.shape).repeat(B, *([1] * (lead + p.dim())))
+        copies[n].requires_grad_(True)
+    _QUIET.append(True)
+    try:
+        with torch.enable_grad():
+            y = functional_call(module, {**own, **copies}, (x,))
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    finally:
+        _QUIET.pop()
+    if not isinstance(y, torch.Tensor) or y.shape != out.shape:
+        return None
+    tol = 1e-6 if y.dtype in (torch.float32, torch.float64) else 1e-2
+    if not bool(((y.detach() - out.detach()).abs() <= tol * (1 + out.detach().abs())).all()):
+        return None
+    return y, [copies[n] for n in local]
+
+
+def _generic_all(generic, B: int):
+    """Per-sequence gradients ``[B, numel]`` of every generic module call: ONE small backward
+    over per-sequence parameter copies for elementwise-affine modules, a vmapped vjp of the
+    module's own forward for the others. Yields ``(module, names, grads)``."""
+    fast, ys, cots, leaves = [], [], [], []
+    for m, call, D, local in generic:
+        got = _per_sequence_params(m, call, local, B)
+        if got is None:
+            yield m, local, _generic_grads(m, call, D, local)
+            continue
+        y, copies = got
+        fast.append((m, local, len(leaves), len(copies)))
+        ys.append(y)
+        cots.append(D.to(y.dtype))
+        leaves += copies
+    if not fast:
+        return
+    grads = torch.autograd.grad(ys, leaves, cots, allow_unused=True)
+    for m, local, i0, n in fast:
+        gs = [torch.zeros_like(leaves[i]) if grads[i] is None else grads[i]
+              for i in range(i0, i0 + n)]
+        yield m, local, [g.reshape(B, -1) for g in gs]
 
 
 def _check_rows(module, form, call, B, n_rows) -> None:
@@ -267,6 +324,7 @@ def sequence_grad_norms(
             cots = torch.autograd.grad(loss, outs, allow_unused=True,
                                        retain_graph=bool(slow)) if outs else []
             work: dict[int, _ParamWork] = {}
+            generic = []
             for m, call, f, _own in fast_plan:
                 o = call[2]
                 D = cots[index[id(o)]] if id(o) in index else None
@@ -275,9 +333,7 @@ def sequence_grad_norms(
                 if f == "generic":
                     local = [k for k, _ in m.named_parameters(recurse=False)
                              if id(getattr(m, k)) in chosen_name]
-                    grads = _generic_grads(m, call, D, local)
-                    for k, g in zip(local, grads, strict=True):
-                        work.setdefault(id(getattr(m, k)), _ParamWork()).dense.append(g.to(acc))
+                    generic.append((m, call, D, local))
                     continue
                 w, b = m.weight, getattr(m, "bias", None)
                 if id(w) in chosen_name:
@@ -285,6 +341,9 @@ def sequence_grad_norms(
                 if b is not None and f.kind != "embedding" and id(b) in chosen_name:
                     db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
                     work.setdefault(id(b), _ParamWork()).dense.append(db)
+            for m, local, grads in _generic_all(generic, B):
+                for k, g in zip(local, grads, strict=True):
+                    work.setdefault(id(getattr(m, k)), _ParamWork()).dense.append(g.to(acc))
             total = torch.zeros(B, dtype=acc, device=dev)
             for wk in work.values():
                 total += _param_norm(wk)
