@@ -24,6 +24,7 @@ weight gradient. Accumulation in float32 at least (float64 for a float64 model o
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,12 @@ from varbench.grads.ghost import (
     factored_inputs,
 )
 from varbench.grads.params import ParamFilter, select_params
-from varbench.models.arch import ModuleForm, check_finite_logits, is_factorable_type
+from varbench.models.arch import (
+    ModuleForm,
+    check_finite_logits,
+    is_factorable_type,
+    rms_norm_form,
+)
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs, upcast
 
@@ -174,12 +180,32 @@ def _per_sequence_params(module, call, local: list[str], B: int):
     return y, [copies[n] for n in local]
 
 
+# module -> its RMS norm form (or None), from models.arch.rms_norm_form (a probe per module)
+_RMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rms_form(module: torch.nn.Module):
+    if module not in _RMS:
+        _RMS[module] = rms_norm_form(module)
+    return _RMS[module]
+
+
 def _generic_all(generic, B: int):
     """Per-sequence gradients ``[B, numel]`` of every generic module call: ONE small backward
     over per-sequence parameter copies for elementwise-affine modules, a vmapped vjp of the
     module's own forward for the others. Yields ``(module, names, grads)``."""
     fast, ys, cots, leaves = [], [], [], []
     for m, call, D, local in generic:
+        form = _rms_form(m)
+        if form is not None and local == ["weight"]:
+            # y = (w or 1 + w) * x_hat: the weight's per-sequence gradient is sum_t D * x_hat
+            x = call[0][0].detach()
+            acc = acc_dtype(D.dtype)
+            xa = x.to(acc)
+            x_hat = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + form[1])
+            g = (D.to(acc) * x_hat).reshape(B, -1, x.shape[-1]).sum(1)
+            yield m, local, [g]
+            continue
         got = _per_sequence_params(m, call, local, B)
         if got is None:
             yield m, local, _generic_grads(m, call, D, local)
