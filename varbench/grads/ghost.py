@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from varbench._util.checks import UsageError
 from varbench.models.arch import (
     ModuleForm,
     embedding_rows,
@@ -49,6 +50,7 @@ from varbench.models.arch import (
     module_form,
     weight_in_features,
 )
+from varbench.models.logits import stat_dtype
 
 # Switch to weight mode once the ghost cost exceeds WEIGHT_RATIO x the weight cost (see
 # GhostModule.use_weight_mode); 1.0: both paths ran at about the same multiply-adds per second
@@ -68,9 +70,9 @@ def acc_dtype(dtype: torch.dtype, want: torch.dtype | None = None) -> torch.dtyp
     else float64 for float64 parameters and float32 for every other dtype."""
     if want is not None:
         if want not in (torch.float32, torch.float64):
-            raise ValueError(f"accumulation dtype must be float32 or float64, got {want}")
+            raise UsageError(f"accumulate must be torch.float32 or torch.float64, got {want}")
         return want
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return stat_dtype(dtype)  # the statistics' rule: float64 stays, everything else float32
 
 
 def factored_inputs(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: dict):
