@@ -4,8 +4,10 @@ Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / p
 (``exact`` with the ghost-norm engine in ``ghost``), the one seeded sketch (``CountSketch``) and
 the one "per-token vectors once, many coefficient sets" path (``token_vectors`` + ``combine``,
 in ``vectors``), per-sequence gradients (``sequence``) and their norms from one backward
-(``seqnorms``), tail-exact norms from one backward (``tail``), forward-mode sketched norms (``sketch``), group-gradient estimates (``group``),
-parameter filters and groups (``params``), float64-throughout models (``precision``).
+(``seqnorms``), tail-exact norms from one backward (``tail``), forward-mode sketched norms
+(``sketch``), group-gradient estimates (``group``), parameter filters and groups (``params``),
+float64-throughout models (``precision``). What varbench knows about architectures lives in
+``varbench.models.arch``.
 """
 
 # the logits formulas live below rollout and grads; re-exported here for convenience
