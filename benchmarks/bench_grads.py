@@ -9,7 +9,7 @@ heads, intermediate 1536, vocabulary 32768 (untied): the realistic shape of issu
 embedded presets have a 30-token vocabulary, which hides the head's cost).
 
 ``--seqnorm``: per-sequence squared norms ``||sum_t g_t||^2``, all contenders IN ONE PROCESS,
-interleaved (rounds of s, b, o, q; median of the rounds), on the embedded presets (and
+interleaved (each round runs b, s, q, o once; median over rounds), on the embedded presets (and
 ``--model qwen2``):
   (b) one plain forward + backward of the summed loss (parameter gradients),
   (s) varbench.sequence_grad_norms (one activation-only backward + Gram products),
