@@ -1,6 +1,23 @@
-"""Benchmark of the gradient harness on the `small` preset (issue 4), side by side.
+"""Benchmark of the gradient harness on the `small` preset or a Qwen2-shaped model, side by side.
 
 Run: .venv/bin/python benchmarks/bench_grads.py [--T 32 128 512] [--full] [--threads 1]
+     .venv/bin/python benchmarks/bench_grads.py --model qwen2 --batch 1 --T 128 512
+     .venv/bin/python benchmarks/bench_grads.py --seqnorm [--presets tiny small] [--B 16 64]
+
+``--model qwen2``: a Qwen2ForCausalLM with random weights, hidden 512, 4 layers, 8 heads / 2 KV
+heads, intermediate 1536, vocabulary 32768 (untied): the realistic shape of issue 12 (the
+embedded presets have a 30-token vocabulary, which hides the head's cost).
+
+``--seqnorm``: per-sequence squared norms ``||sum_t g_t||^2``, all contenders IN ONE PROCESS,
+interleaved (each round runs b, s, q, o once; median over rounds), on the embedded presets (and
+``--model qwen2``):
+  (b) one plain forward + backward of the summed loss (parameter gradients),
+  (s) varbench.sequence_grad_norms (one activation-only backward + Gram products),
+  (o) Opacus ghost clipping's norm pass (GradSampleModuleFastGradientClipping, use_ghost_clipping:
+      forward + backward with its hooks + get_norm_sample; a full DP step adds a second
+      backward, not counted here), needs ``pip install varbench[bench]``,
+  (q) varbench.sequence_grads (one backward per sequence), the previous route.
+Agreement of (s) and (o) with (q) is printed (max relative difference).
 
 Contenders, each in its own subprocess (peak memory = the subprocess's peak RSS from
 getrusage, which sees tensor memory; the 'delta' column subtracts the RSS after the model
@@ -28,6 +45,29 @@ import sys
 import time
 
 B, LP = 4, 8
+QWEN2 = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+             tie_word_embeddings=False)
+
+
+def build_model(kind: str):
+    """The benchmarked model: an embedded preset's, or the Qwen2 shape (random, float32)."""
+    import torch
+
+    if kind == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        cfg = Qwen2Config(**QWEN2)
+        cfg._attn_implementation = "sdpa"
+        return Qwen2ForCausalLM(cfg).eval()
+    from varbench.models import build_policy
+
+    return build_policy(kind).model
+
+
+def _vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
 
 
 def _rss_mb() -> float:
@@ -38,17 +78,17 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
+def worker(name: str, T: int, full: bool, threads: int, chunk: int, kind: str = "small") -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from varbench.grads import forward_stats, token_grad_norms, token_logprobs
-    from varbench.models import build_policy
     from varbench.models.forward import forward_logits
 
-    model = build_policy("small").model
+    model = build_model(kind)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 30, (B, LP + T), generator=g)
+    ids = torch.randint(4, min(30, _vocab(model)) if kind != "qwen2" else _vocab(model),
+                        (B, LP + T), generator=g)
     rm = torch.zeros(B, LP + T)
     rm[:, LP:] = 1
     am = torch.ones_like(ids)
@@ -148,7 +188,7 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
             token_grad_norms(model, ids[:1, short], rm[:1, short], am[:1, short], progress=False)
             if T >= 512 and not full:
                 # every sequence has the same length, so one sequence costs a quarter of four
-                nb, scale, note = 1, B, "1 of 4 sequences, x4"
+                nb, scale, note = 1, B, f"1 of {B} sequences, x{B}" if B > 1 else ""
             fn = ours
         elif name == "e":
             brute(None, short)
@@ -162,6 +202,24 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
                 per_token = n_tok
             fn = lambda: brute(n_tok)  # noqa: E731
         else:
+            n_params = sum(p.numel() for p in plist)
+            if kind == "qwen2" and not full:
+                # the T x P Jacobian of even one sequence is T * P * 4 bytes (23 GB at T=128
+                # here): take the last 16 rows (full-length forward; rows cost alike), x T/16
+                jac_rows_save = jac_rows
+                jac_rows, nb = 4, 1
+                jac()
+                jac_rows, jac_chunk = 16, 16
+                scale = B * T / 16
+                note = (f"16 of {T} rows of 1 sequence, x{B * T // 16}; chunk_size=16 "
+                        f"(memory: lower bound; P={n_params / 1e6:.1f}M)")
+                w0, c0 = time.perf_counter(), time.process_time()
+                jac()
+                wall = (time.perf_counter() - w0) * scale
+                cpu = (time.process_time() - c0) * scale
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                return dict(name=name, T=T, wall=wall, cpu=cpu, peak_mb=peak,
+                            delta_mb=peak - base, note=note)
             jac_rows_save = jac_rows
             jac_rows = 4
             nb = 1
@@ -188,6 +246,93 @@ def worker(name: str, T: int, full: bool, threads: int, chunk: int) -> dict:
             cpu = B * (cpu - out[1]) + k * out[1]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(name=name, T=T, wall=wall, cpu=cpu, peak_mb=peak, delta_mb=peak - base, note=note)
+
+
+def _set_batch(b: int) -> None:
+    global B
+    B = b
+
+
+def seqnorm_bench(kind: str, nb: int, T: int, rounds: int) -> None:
+    """Per-sequence norms: (b) fwd+bwd, (s) sequence_grad_norms, (o) Opacus ghost clipping's
+    norm pass, (q) sequence_grads; interleaved in this process, median of ``rounds``."""
+    import copy
+    import statistics
+    import warnings
+
+    import torch
+
+    from varbench.grads import sequence_grad_norms, sequence_grads, token_logprobs
+    from varbench.models.forward import forward_logits
+
+    model = build_model(kind)
+    g = torch.Generator().manual_seed(0)
+    V = _vocab(model)
+    ids = torch.randint(4, V if V > 1000 else 30, (nb, LP + T), generator=g)
+    rm = torch.zeros(nb, LP + T)
+    rm[:, LP:] = 1
+    am = torch.ones_like(ids)
+    plist = [p for p in model.parameters() if p.requires_grad]
+
+    def fwd_bwd():
+        lp = token_logprobs(forward_logits(model, ids, am).logits, ids)
+        torch.autograd.grad((lp * rm).sum(), plist)
+
+    def ours():
+        return sequence_grad_norms(model, ids, rm, am)
+
+    def seq_grads():
+        return sequence_grads(model, ids, rm, am).pow(2).sum(-1)
+
+    fns = {"b": fwd_bwd, "s": ours, "q": seq_grads}
+    try:
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            om = GradSampleModuleFastGradientClipping(
+                copy.deepcopy(model), loss_reduction="sum", strict=False,
+                use_ghost_clipping=True, max_grad_norm=1.0)
+        om.train()  # Opacus records activations in training mode only (no dropout here)
+        oparams = [p for p in om.parameters() if p.requires_grad]
+
+        def opacus():
+            lp = token_logprobs(forward_logits(om, ids, am).logits, ids)
+            (lp * rm).sum().backward()
+            out = om.get_norm_sample().pow(2)
+            for p in oparams:
+                p.grad = None
+            return out
+
+        fns["o"] = opacus
+    except ImportError:
+        print("  (o) Opacus not installed: pip install 'varbench[bench]'")
+    vals = {k: fns[k]() for k in fns if k != "b"}  # warm-up; values for the agreement check
+    fns["b"]()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times[k].append((time.perf_counter() - w0, time.process_time() - c0))
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+           for k, v in times.items()}
+    labels = dict(b="(b) fwd+bwd", s="(s) sequence_grad_norms", o="(o) Opacus ghost",
+                  q="(q) sequence_grads")
+    n_params = sum(p.numel() for p in plist) / 1e6
+    print(f"{kind} (P={n_params:.2f}M) B={nb} T={T}:")
+    for k in ("b", "s", "o", "q"):
+        if k in med:
+            print(f"  {labels[k]:26s} wall {med[k][0]:8.4f}s  cpu {med[k][1]:8.4f}s")
+    ref = vals["q"].double()
+    for k in ("s", "o"):
+        if k in vals:
+            err = float((vals[k].double() - ref).abs().max() / ref.abs().max())
+            print(f"  {labels[k]} vs (q): max rel diff {err:.1e}")
+    for k, target in (("b", 1.3), ("o", 1.0)):
+        if k in med:
+            print(f"  (s)/{labels[k][:3]} wall {med['s'][0] / med[k][0]:.3f}, "
+                  f"cpu {med['s'][1] / med[k][1]:.3f}  (target <= {target})")
 
 
 def _summary(T: int, res: dict) -> None:
@@ -226,17 +371,37 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="token_grad_norms chunk_size")
     ap.add_argument("--only", default="abcdef", help="contenders to run, e.g. 'abd'")
     ap.add_argument("--worker", nargs=2, metavar=("NAME", "T"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="small", help="'small' (preset) or 'qwen2' (the shape)")
+    ap.add_argument("--batch", type=int, default=B, help="sequences per batch (token norms)")
+    ap.add_argument("--seqnorm", action="store_true", help="the per-sequence norm benchmark")
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"], help="--seqnorm models")
+    ap.add_argument("--B", type=int, nargs="+", default=[16, 64], help="--seqnorm batch sizes")
+    ap.add_argument("--rounds", type=int, default=5, help="--seqnorm interleaved rounds")
     args = ap.parse_args()
+    _set_batch(args.batch)
+    if args.seqnorm:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        T = args.T[0] if args.T != [32, 128, 512] else 32
+        models = list(args.presets) + (["qwen2"] if args.model == "qwen2" else [])
+        print(f"bench_grads --seqnorm: prompt={LP}, response T={T}, threads={args.threads}, "
+              f"rounds={args.rounds} (median); one process, contenders interleaved")
+        for kind in models:
+            for b in args.B:
+                seqnorm_bench(kind, b, T, args.rounds)
+        return 0
     if args.worker:
         print(
             json.dumps(
-                worker(args.worker[0], int(args.worker[1]), args.full, args.threads, args.chunk)
+                worker(args.worker[0], int(args.worker[1]), args.full, args.threads, args.chunk,
+                       args.model)
             )
         )
         return 0
     env = dict(os.environ, TQDM_DISABLE="1")
     print(
-        f"bench_grads: small preset, B={B}, prompt={LP}, threads={args.threads}, "
+        f"bench_grads: {args.model}, B={B}, prompt={LP}, threads={args.threads}, "
         f"chunk={args.chunk}; peak = subprocess peak RSS (getrusage), "
         "delta = peak - RSS after setup"
     )
@@ -261,6 +426,10 @@ def main() -> int:
                 str(args.threads),
                 "--chunk",
                 str(args.chunk),
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
             ] + (["--full"] if args.full else [])
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if p.returncode != 0:

@@ -105,3 +105,65 @@ def test_biased_linears_long_sequences():
     torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
     torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
     torch.testing.assert_close(got.diag_prefix_sq, diag, rtol=RTOL, atol=0)
+
+
+class _DoubledGrad(torch.autograd.Function):
+    """Identity forward, doubled backward: a module whose gradient is not its forward's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class _OddBackwardLinear(torch.nn.Linear):
+    def forward(self, x):
+        return torch.nn.functional.linear(x, _DoubledGrad.apply(self.weight), self.bias)
+
+
+class _ShiftedEmbedding(torch.nn.Embedding):
+    """An Embedding subclass that does not look up its first argument (rows id + 1)."""
+
+    def forward(self, ids):
+        return super().forward((ids + 1) % self.num_embeddings)
+
+
+def test_unsupported_module_raises_instead_of_returning():
+    """A Linear whose backward is not its forward's passes the recomputation check but fails
+    the first-call self-check: an error naming the class, never a number."""
+    from _fixtures_grads import tiny_llama
+
+    model = tiny_llama().double()
+    mlp = model.model.layers[0].mlp
+    odd = _OddBackwardLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    odd = odd.double()
+    odd.weight.data.copy_(mlp.up_proj.weight.data)
+    mlp.up_proj = odd
+    ids, rm, am = batch()
+    with pytest.raises(RuntimeError, match="self-check failed for _OddBackwardLinear"):
+        token_grad_norms(model, ids, rm, am)
+    from varbench.grads.seqnorms import sequence_grad_norms
+
+    with pytest.raises(RuntimeError, match="self-check failed for _OddBackwardLinear"):
+        sequence_grad_norms(model, ids, rm, am)
+
+
+def test_unknown_embedding_subclass_is_materialised_exactly():
+    """An Embedding subclass whose forward is not a lookup of its argument is routed to the
+    materialize path (recorded in methods) and the numbers stay exact."""
+    from _fixtures_grads import tiny_llama
+
+    model = exact_float64(tiny_llama())
+    old = model.model.embed_tokens
+    new = _ShiftedEmbedding(old.num_embeddings, old.embedding_dim).double()
+    new.weight.data.copy_(old.weight.data)
+    model.model.embed_tokens = new
+    ids, rm, am = batch("left")
+    r = token_grad_norms(model, ids, rm, am)
+    assert r.methods["model.embed_tokens.weight"].startswith("materialize: _ShiftedEmbedding")
+    tok, pre, _ = norms_from_grads(brute_token_grads(model, ids, rm, am)[0], rm)
+    torch.testing.assert_close(r.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(r.prefix_sq, pre, rtol=RTOL, atol=0)

@@ -91,3 +91,52 @@ def test_functional_attention_is_temporary_and_changes_no_number():
     torch.testing.assert_close(inside[real], ref[real], rtol=1e-10, atol=1e-12)
     with functional_attention(torch.nn.Linear(2, 2)):  # no config: a no-op
         pass
+
+
+def test_exact_float64_refuses_a_norm_it_cannot_reproduce():
+    """An RMS norm of neither form is refused by name; a copy that computes something else
+    (a perturbed weight) is refused naming the first differing module."""
+    from _fixtures_grads import tiny_llama
+
+    from varbench.grads.precision import verify_copy
+
+    class WeirdRMSNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            # not 1: with w = 1, 2 w x_hat would be Gemma's (1 + w) x_hat
+            self.weight = torch.nn.Parameter(torch.linspace(0.2, 1.7, n))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return 2 * self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    model = tiny_llama()
+    model.model.norm = WeirdRMSNorm(16)
+    with pytest.raises(ValueError, match="WeirdRMSNorm at 'norm' is neither"):
+        exact_float64(model)
+    model = tiny_llama()
+    copy64 = exact_float64(model)
+    with torch.no_grad():
+        copy64.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match=r"first differing module: 'model.layers.1.mlp.down_proj'"):
+        verify_copy(model, copy64)
+
+
+def test_gemma2_float64_nan_is_reported_clearly():
+    """transformers' Gemma2 in float64 returns NaN for left-padded rows: the gradient harness
+    and the sampler's step say so (naming the model) instead of failing in multinomial, and the
+    exact_float64 copy stays finite."""
+    from _fixtures_arch import build
+    from _fixtures_grads import batch
+
+    from varbench.grads.exact import token_grad_norms
+    from varbench.models.arch import stepper
+
+    model = build("gemma2").double()
+    ids, rm, am = batch("left")
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM in torch.float64 returned NaN"):
+        token_grad_norms(model, ids, rm, am)
+    with pytest.raises(ValueError, match="returned NaN logits"):
+        stepper(model)(ids, am, (am.cumsum(-1) - 1).clamp(min=0), None)
+    r = token_grad_norms(exact_float64(build("gemma2")), ids, rm, am)
+    assert torch.isfinite(r.prefix_sq).all()

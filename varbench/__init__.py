@@ -71,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "tail_token_norms": "varbench.grads",
     "sketched_token_norms": "varbench.grads",
     "sequence_grads": "varbench.grads",
+    "sequence_grad_norms": "varbench.grads",
     "group_gradients": "varbench.grads",
     "token_sketches": "varbench.grads",
     "exact_float64": "varbench.grads",

@@ -51,6 +51,7 @@ from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.registry import advantages
 from varbench.estimators.registry import schemes as registered_schemes
+from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.vectors import combine, token_vectors
 from varbench.models.presets import Policy
 from varbench.report.provenance import provenance
@@ -252,6 +253,7 @@ def estimator_variance(
                 "ref_norm": float(g_ref.norm()) if g_ref is not None else 0.0,
                 "ref_se_norm": ref_se, "sketch": tv.sketch, "n_params": tv.n_params,
                 "mean_len": mean_len, "mean_reward_sampled": float(batch.rewards.mean()),
+                **_sequence_norms(policy.model, batch, tv),
             }])
             cache.save(f"p{p}_reference", ref_row)
             for i, G in enumerate(Gs):
@@ -285,6 +287,17 @@ def estimator_variance(
                                                  "sketch": seed},
                               device=str(policy.device), wall_time_s=wall),
     )
+
+
+def _sequence_norms(model, batch, tv) -> dict[str, float]:
+    """Mean per-response ``||sum_t g_t||^2``: exact (one batched backward,
+    :func:`varbench.grads.sequence_grad_norms`) and through the sketch of ``tv`` (its
+    expectation over sketches is the exact value: a per-prompt check of the sketch)."""
+    flat = batch.flat()
+    exact = sequence_grad_norms(model, flat.input_ids, flat.response_mask, flat.attention_mask)
+    sketched = tv.vec.sum(2).pow(2).sum(-1)  # [P, G]: ||S sum_t g_t||^2 (0 off the mask)
+    return {"seq_sq_exact": float(exact.double().mean()),
+            "seq_sq_sketched": float(sketched.double().mean())}
 
 
 def _gather_by_prompt(mine, n_g, cells, paired, refs):

@@ -3,9 +3,11 @@
 Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / prefix norms
 (``exact`` with the ghost-norm engine in ``ghost``), the one seeded sketch (``CountSketch``) and
 the one "per-token vectors once, many coefficient sets" path (``token_vectors`` + ``combine``,
-in ``vectors``), per-sequence gradients (``sequence``), tail-exact norms from one backward
-(``tail``), forward-mode sketched norms (``sketch``), group-gradient estimates (``group``),
-parameter filters and groups (``params``), float64-throughout models (``precision``).
+in ``vectors``), per-sequence gradients (``sequence``) and their norms from one backward
+(``seqnorms``), tail-exact norms from one backward (``tail``), forward-mode sketched norms
+(``sketch``), group-gradient estimates (``group``), parameter filters and groups (``params``),
+float64-throughout models (``precision``). What varbench knows about architectures lives in
+``varbench.models.arch``.
 """
 
 # the logits formulas live below rollout and grads; re-exported here for convenience
@@ -13,6 +15,7 @@ from varbench.grads.exact import TokenGradNorms, token_grad_norms
 from varbench.grads.group import combine, group_gradients, token_sketches
 from varbench.grads.params import default_group, select_params
 from varbench.grads.precision import exact_float64
+from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.sequence import sequence_grads
 from varbench.grads.sketch import SketchedNorms, sketched_token_norms
 from varbench.grads.stats import ForwardStats, forward_stats
@@ -34,6 +37,7 @@ __all__ = [
     "group_gradients",
     "logit_proxy",
     "select_params",
+    "sequence_grad_norms",
     "sequence_grads",
     "sketched_token_norms",
     "sum_pi_sq",

@@ -26,10 +26,11 @@ from tqdm.auto import tqdm
 from varbench._util.checks import check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.grads._inputs import eval_mode, prepare
-from varbench.grads.ghost import GhostModule, cumsum_rows_, plan_ghost
+from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
+from varbench.models.arch import check_finite_logits
 from varbench.models.forward import forward_logits
-from varbench.models.logits import token_logprobs
+from varbench.models.logits import token_logprobs, upcast
 
 # measured on the small preset (CPU, 1 thread, one sequence, process CPU seconds):
 # T=128: 8 -> 1.50-1.57, 16 -> 1.60-1.68, 32 -> 1.86-1.97; T=512: 8 -> 25.6, 16 -> 26.9
@@ -43,7 +44,9 @@ class TokenGradNorms:
     ``token_sq = ||g_t||^2``; ``prefix_sq = ||sum_{j<=t, m_j=1} g_j||^2`` (cross terms
     included); ``diag_prefix_sq = sum_{j<=t, m_j=1} ||g_j||^2``. With ``groups``, the
     ``group_*`` fields are ``[B, L, n_groups]`` over ``group_names`` and sum to the totals
-    over the last axis (the prefix breakdown is per group's own prefix vector).
+    over the last axis (the prefix breakdown is per group's own prefix vector). ``methods``
+    maps every parameter name to the route that computed it (ghost kind, or materialize and
+    why). Values are in float32 at least (float64 for a float64 model or on request).
     """
 
     token_sq: torch.Tensor
@@ -54,6 +57,8 @@ class TokenGradNorms:
     group_token_sq: torch.Tensor | None = None
     group_prefix_sq: torch.Tensor | None = None
     group_diag_prefix_sq: torch.Tensor | None = None
+    # parameter name -> route: "ghost (linear)", "ghost (embedding, scale 4)", "materialize: <why>"
+    methods: dict[str, str] | None = None
 
 
 def last_response_value(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +98,7 @@ def iter_token_grads(
                 am = attention_mask[b : b + 1, :end]
                 with torch.enable_grad():
                     logits = forward_logits(model, ids, am).logits
-                    lp = token_logprobs(logits, ids)[0, cols]  # [C]
+                    lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
                     eye = torch.eye(cols.numel(), dtype=lp.dtype, device=lp.device)
                     grads = torch.autograd.grad(
                         lp, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True
@@ -121,6 +126,7 @@ def token_grad_norms(
     method: str = "ghost",
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    accumulate: torch.dtype | None = None,
     progress: bool | None = None,
 ) -> TokenGradNorms:
     """Exact ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` (each ``[B, L]``) of a causal LM.
@@ -132,10 +138,13 @@ def token_grad_norms(
     ghost norms, see :mod:`varbench.grads.ghost`; memory ~ chunk_size x activations) or
     'materialize' (every per-token gradient formed, memory ~ chunk_size x P); ``dtype``/``device``:
     run on a copy of the model (float64 for validation: :func:`varbench.grads.exact_float64`
-    gives a model that is float64 throughout). Cost: about one activation backward per response
-    token over its own prefix (causality halves the total), plus the weight-gradient norms at
-    about the same cost or less (ghost Gram products on short prefixes), plus one forward per
-    chunk (4-11% of the total at chunk 8-16, measured on the small preset).
+    gives a model that is float64 throughout); ``accumulate``: dtype of norms, Grams and
+    prefix sums (default float32, float64 for a float64 model; pass torch.float64 to ask for
+    it with a lower-precision model). Log-probs are taken from float32-upcast logits. Cost:
+    about one activation backward per response token over its own prefix (causality halves
+    the total), plus the weight-gradient norms at about the same cost or less (ghost Gram
+    products on short prefixes), plus one forward per chunk (4-11% of the total at chunk
+    8-16, measured on the small preset) and one inspection forward per call.
     """
     check_positive_int("chunk_size", chunk_size)
     check_choice("method", method, ["ghost", "materialize"])
@@ -152,24 +161,39 @@ def token_grad_norms(
     group_of = dict(zip(names, gidx, strict=True))
     n_groups = len(group_names)
     B, L = input_ids.shape
-    acc = next(model.parameters()).dtype
+    acc = acc_dtype(next(model.parameters()).dtype, accumulate)
     tok = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
+    rows = [b for b in range(B) if response_mask[b].any()]
+
+    def probe() -> tuple[int, torch.Tensor]:
+        # the inspection forward: the first sequence with a response, up to its last token
+        b = rows[0] if rows else 0
+        end = int(torch.nonzero(response_mask[b]).max().item()) + 1 if rows else L
+        with eval_mode(model):
+            logits = forward_logits(model, input_ids[b : b + 1, :end],
+                                    attention_mask[b : b + 1, :end]).logits
+        check_finite_logits(model, logits, "the gradient harness's forward")
+        return end, logits
+
     if method == "ghost":
-        ghost_plan, rest = plan_ghost(model, chosen)
+        plan = plan_modules(model, chosen, probe)
     else:
-        ghost_plan, rest = [], chosen
-    ghosts = [GhostModule(m, group_of[n], L) for m, n in ghost_plan]
+        probe()
+        plan = ModulePlan(rest=list(chosen), methods={n: "materialize" for n in names})
+    ghost_plan, rest = [(m, n, f) for m, n, f in plan.ghost], plan.rest
+    ghosts = [GhostModule(m, group_of[n], L, form=f, acc=acc) for m, n, f in ghost_plan]
     calls = {id(g): 0 for g in ghosts}
 
     def make_hook(gm):
-        def fn(mod, args, out):
+        def fn(mod, args, kwargs, out):
             calls[id(gm)] += 1
-            gm.hook(mod, args, out)
+            gm.hook(mod, args, out, kwargs)
 
         return fn
 
-    handles = [gm.module.register_forward_hook(make_hook(gm)) for gm in ghosts]
+    handles = [gm.module.register_forward_hook(make_hook(gm), with_kwargs=True)
+               for gm in ghosts]
     rest_p = [p for _, p in rest]
     rest_g = [group_of[n] for n, _ in rest]
     total = int(response_mask.sum().item())
@@ -191,7 +215,9 @@ def token_grad_norms(
                         calls[id(gm)] = 0
                     with torch.enable_grad():
                         logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
-                        lp = token_logprobs(logits, ids)[0, cols]  # [C]
+                        lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
+                        if bool(torch.isnan(lp).any()):
+                            check_finite_logits(model, logits, "the gradient harness's forward")
                         if any(c != 1 for c in calls.values()):
                             raise RuntimeError(
                                 "a Linear/Embedding ran more or less than once per forward; "
@@ -211,7 +237,7 @@ def token_grad_norms(
                     for i, g in enumerate(grads[len(ghosts) :]):
                         if g is None:
                             g = torch.zeros(C, rest_p[i].numel(), dtype=acc, device=dev)
-                        g = g.reshape(C, -1)
+                        g = g.reshape(C, -1).to(acc)
                         tok[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
                         cum = g.clone()
                         cum[0] += running[i]
@@ -233,6 +259,7 @@ def token_grad_norms(
         diag_prefix_sq=diag.sum(-1),
         sequence_sq=last_response_value(pre.sum(-1), response_mask),
     )
+    out.methods = plan.methods
     if groups is not False:
         out.group_names = group_names
         out.group_token_sq, out.group_prefix_sq, out.group_diag_prefix_sq = tok, pre, diag

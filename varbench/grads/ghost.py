@@ -18,13 +18,39 @@ layer and chunk by cost (``t`` grows along the sequence, so a layer switches at 
   as the backward that produced D) and the running prefix is one ``[out, in]`` matrix per
   layer; at the switch the position-space prefix is converted once (``R = Dcum^T A``).
 
-Parameters outside such modules (norm weights, tied weights, modules called more than once)
-are materialised per token and streamed with a running vector, in ``exact.py``.
+Which modules qualify is decided on an inspection forward by :func:`plan_modules`: a module is
+factored only when :func:`varbench.models.arch.module_form` reproduces its output from the
+factored form (a Linear, GPT-2's Conv1D, an Embedding or a scaled / position-deriving Embedding
+subclass; the scale is folded into the cotangent, Conv1D's transposed weight changes nothing in
+the norms, flattened ``[B*t, in]`` inputs are reshaped) AND the first-call self-check
+(:func:`self_check`: the factored gradient of a random probe cotangent equals autograd's) passes.
+A failed self-check raises an error naming the module class, never a wrong number. Parameters
+outside such modules (norm weights, tied weights, modules called more than once, modules
+varbench does not recognise) are materialised per token and streamed with a running vector,
+in ``exact.py``; ``TokenGradNorms.methods`` records the route of every parameter.
+
+Precision: inputs, cotangents, Gram matrices and running prefixes are kept in float32 at least
+(:func:`acc_dtype`), whatever the parameter dtype.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
+
+from varbench._util.checks import UsageError
+from varbench.models.arch import (
+    ModuleForm,
+    embedding_rows,
+    is_factorable_type,
+    linear_input,
+    module_form,
+    weight_in_features,
+)
+from varbench.models.logits import stat_dtype
 
 # Switch to weight mode once the ghost cost exceeds WEIGHT_RATIO x the weight cost (see
 # GhostModule.use_weight_mode); 1.0: both paths ran at about the same multiply-adds per second
@@ -39,25 +65,128 @@ def cumsum_rows_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class GhostModule:
-    """Bookkeeping for one Linear/Embedding handled by ghost norms within one sequence."""
+def acc_dtype(dtype: torch.dtype, want: torch.dtype | None = None) -> torch.dtype:
+    """Accumulation dtype of norms, Grams and prefixes: ``want`` if given (float32 or float64),
+    else float64 for float64 parameters and float32 for every other dtype."""
+    if want is not None:
+        if want not in (torch.float32, torch.float64):
+            raise UsageError(f"accumulate must be torch.float32 or torch.float64, got {want}")
+        return want
+    return stat_dtype(dtype)  # the statistics' rule: float64 stays, everything else float32
 
-    def __init__(self, module: torch.nn.Module, group: int, L: int) -> None:
+
+def factored_inputs(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: dict):
+    """The factored input of one call: rows ``[N]`` of an Embedding or ``[N, in]`` of a
+    Linear/Conv1D, flattened over every leading axis (N = B*t, row-major like the output)."""
+    if form.kind == "embedding":
+        return embedding_rows(module, args, kwargs).reshape(-1)
+    x = linear_input(module, args, kwargs)
+    return x.reshape(-1, x.shape[-1])
+
+
+def factored_grads(
+    module: torch.nn.Module, form: ModuleForm, a: torch.Tensor, D: torch.Tensor
+) -> list[torch.Tensor]:
+    """Dense ``[weight grad, bias grad?]`` of one call from its factored inputs ``a`` and the
+    output cotangent ``D [N, out]`` (the slow, explicit form the self-check compares with)."""
+    w = module.weight
+    if form.kind == "embedding":
+        g = torch.zeros(w.shape, dtype=D.dtype, device=D.device).index_add_(0, a, D)
+        if module.padding_idx is not None:  # torch gives the padding row no gradient
+            g[module.padding_idx] = 0
+        return [g * form.scale]
+    a = a.to(D.dtype)
+    g = D.T @ a if form.kind == "linear" else a.T @ D
+    out = [g]
+    if getattr(module, "bias", None) is not None:
+        out.append(D.sum(0))
+    return out
+
+
+def _check_tol(dtype: torch.dtype) -> float:
+    # relative tolerance between autograd's gradient (in the model's dtype) and the factored one
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
+
+
+# non-empty while the self-check re-runs a module: CallRecorder ignores those calls
+_QUIET: list[bool] = []
+
+# modules that passed the self-check: module -> (kind, scale, dtype); one check per module
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def self_check(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: dict, out) -> None:
+    """First-call check: the factored gradient of a seeded random probe cotangent equals
+    autograd's gradient of the module's output (catches a custom backward or a layout the
+    recomputation cannot see). Raises RuntimeError naming the module class on a mismatch."""
+    key = (form.kind, form.scale, module.weight.dtype)
+    if _CHECKED.get(module) == key:
+        return
+    params = [module.weight]
+    if form.kind != "embedding" and getattr(module, "bias", None) is not None:
+        params.append(module.bias)
+    if not out.requires_grad:
+        return  # nothing to check against (no graph); the caller's own backward has none either
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    D = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
+
+    def detach(x):
+        return x.detach() if isinstance(x, torch.Tensor) else x
+
+    # re-run the module's own forward on detached inputs: its output then depends on the weight
+    # directly only (a tied weight also reaches the original output through the embedding)
+    _QUIET.append(True)
+    try:
+        with torch.enable_grad():
+            again = module(*[detach(x) for x in args], **{k: detach(v) for k, v in kwargs.items()})
+            auto = [None if x is None else x.detach() for x in torch.autograd.grad(
+                again, params, D, allow_unused=True)]
+    finally:
+        _QUIET.pop()
+    a = factored_inputs(module, form, args, kwargs).detach()
+    acc = acc_dtype(out.dtype)
+    mine = factored_grads(module, form, a, D.reshape(-1, D.shape[-1]).to(acc))
+    tol = _check_tol(out.dtype)
+    for p, x, y in zip(params, auto, mine, strict=True):
+        x = torch.zeros_like(p) if x is None else x
+        err = float((x.to(acc) - y).norm() / x.to(acc).norm().clamp(min=1e-30))
+        if not err <= tol:
+            raise RuntimeError(
+                f"ghost-norm self-check failed for {type(module).__name__} ({form.kind}, "
+                f"scale {form.scale:g}): factored gradient differs from autograd's by {err:.2e} "
+                f"relative (tolerance {tol:g}); use method='materialize' and report this module"
+            )
+    _CHECKED[module] = key
+
+
+class GhostModule:
+    """Bookkeeping for one Linear/Conv1D/Embedding handled by ghost norms within one sequence.
+
+    ``form`` (default: a plain Linear/Embedding) says how the module computes (kind, embedding
+    scale); ``acc`` is the dtype of inputs, Grams and prefixes (float32 at least).
+    """
+
+    def __init__(self, module: torch.nn.Module, group: int, L: int,
+                 form: ModuleForm | None = None, acc: torch.dtype | None = None) -> None:
         self.module = module
         self.group = group
         self.L = L
-        self.is_embedding = isinstance(module, torch.nn.Embedding)
-        self.has_bias = getattr(module, "bias", None) is not None
-        w = module.weight
-        self.n_in = w.shape[0] if self.is_embedding else w.shape[1]
+        if form is None:
+            form = ModuleForm("embedding" if isinstance(module, torch.nn.Embedding) else "linear")
+        self.form = form
+        self.acc = acc_dtype(module.weight.dtype, acc)
+        self.is_embedding = form.kind == "embedding"
+        self.has_bias = getattr(module, "bias", None) is not None and not self.is_embedding
+        self.n_in = weight_in_features(module)
         # torch gives the padding_idx row of an Embedding no gradient: its positions count as 0
         self.pad = getattr(module, "padding_idx", None) if self.is_embedding else None
         self.inp: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
         self.reset()
 
-    def hook(self, mod, args, out) -> None:
-        self.inp = args[0].detach()
+    def hook(self, mod, args, out, kwargs: dict | None = None) -> None:
+        """Record one call: its factored inputs (rows or ``[t, in]``) and its output."""
+        self.inp = factored_inputs(mod, self.form, args, kwargs or {}).detach()
         self.out = out
 
     def reset(self) -> None:
@@ -72,13 +201,18 @@ class GhostModule:
 
     def _cache_inputs(self, t: int) -> None:
         """Append this forward's inputs at positions [n_a, t) to the per-sequence cache."""
-        x = self.inp[0]
+        x = self.inp
+        if x.shape[0] != t:
+            raise RuntimeError(
+                f"{type(self.module).__name__} saw {x.shape[0]} positions in a forward over {t}; "
+                "its inputs are not one row per position (use method='materialize')"
+            )
         if self.a is None:
             if self.is_embedding:
                 self.a = torch.zeros(self.L, dtype=x.dtype, device=x.device)
             else:
                 n = x.shape[-1] + int(self.has_bias)
-                self.a = torch.ones(self.L, n, dtype=x.dtype, device=x.device)
+                self.a = torch.ones(self.L, n, dtype=self.acc, device=x.device)
         if t > self.n_a:
             if self.is_embedding:
                 self.a[self.n_a : t] = x[self.n_a : t]
@@ -123,6 +257,9 @@ class GhostModule:
     def norms(self, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``D [C, t, out]`` cotangents of this chunk -> (token_sq [C], prefix_sq [C])."""
         C, t, n_out = D.shape
+        D = D.to(self.acc)
+        if self.form.scale != 1.0:  # y = s W[rows]: the gradient is s times the plain lookup's
+            D = D * self.form.scale
         self._cache_inputs(t)
         if not self.weight_mode and self.use_weight_mode(C, t):
             if self.running is not None:  # convert the position-space prefix once
@@ -161,34 +298,119 @@ class GhostModule:
         return tok, pre
 
 
-def plan_ghost(
-    model: torch.nn.Module, chosen: list[tuple[str, torch.nn.Parameter]]
-) -> tuple[list[tuple[torch.nn.Module, str]], list[tuple[str, torch.nn.Parameter]]]:
-    """Split chosen params into ghost modules ``[(module, weight_name)]`` and the rest.
+@dataclass
+class ModulePlan:
+    """Routes of the chosen parameters: ``ghost [(module, weight name, form)]`` factored by the
+    ghost engine, ``rest [(name, param)]`` materialised, ``methods`` name -> route (with the
+    reason for every parameter of a factorable-looking module that was not factored)."""
 
-    A Linear/Embedding qualifies when its weight is chosen, its bias (if any) is chosen, and its
-    weight tensor is not shared with another module (a tied head is not).
-    """
+    ghost: list[tuple[torch.nn.Module, str, ModuleForm]] = field(default_factory=list)
+    rest: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+    methods: dict[str, str] = field(default_factory=dict)
+
+
+def _candidates(model, chosen):
+    """Factorable-looking modules whose weight (and bias) are chosen and owned once."""
     chosen_ids = {id(p): n for n, p in chosen}
     owners: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    ghost, taken = [], set()
+    out, why = [], {}
     for m in model.modules():
-        if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+        if not is_factorable_type(m) or id(m.weight) not in chosen_ids:
             continue
-        w = m.weight
         b = getattr(m, "bias", None)
-        if id(w) not in chosen_ids or owners.get(id(w), 0) != 1:
+        name = chosen_ids[id(m.weight)]
+        if owners.get(id(m.weight), 0) != 1:
+            why[name] = "materialize: weight shared with another module (tied)"
             continue
         if b is not None and id(b) not in chosen_ids:
+            why[name] = "materialize: bias not selected"
             continue
-        if isinstance(m, torch.nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq):
-            continue
-        ghost.append((m, chosen_ids[id(w)]))
-        taken.add(id(w))
-        if b is not None:
-            taken.add(id(b))
-    rest = [(n, p) for n, p in chosen if id(p) not in taken]
-    return ghost, rest
+        out.append((m, name))
+    return out, why
+
+
+class CallRecorder:
+    """Forward hooks recording every call ``(args, kwargs, out)`` of the given modules."""
+
+    def __init__(self, modules) -> None:
+        self.calls: dict[int, list] = {id(m): [] for m in modules}
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in modules]
+
+    def _hook(self, mod, args, kwargs, out) -> None:
+        if not _QUIET:
+            self.calls[id(mod)].append((args, kwargs, out))
+
+    def clear(self) -> None:
+        for v in self.calls.values():
+            v.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def checked_form(module, call, n_rows: int) -> ModuleForm:
+    """:func:`module_form` of one recorded call, its rows-per-position check (``n_rows``
+    factored rows expected: B*t), and the first-call :func:`self_check`."""
+    args, kwargs, out = call
+    form = module_form(module, args, kwargs, out)
+    if form.kind is None:
+        return form
+    a = factored_inputs(module, form, args, kwargs)
+    if a.shape[0] != n_rows:
+        return ModuleForm(None, reason=f"{type(module).__name__}: {a.shape[0]} input rows for "
+                                       f"{n_rows} positions (inputs are not [..., t, in])")
+    self_check(module, form, args, kwargs, out)
+    return form
+
+
+def plan_modules(
+    model: torch.nn.Module,
+    chosen: list[tuple[str, torch.nn.Parameter]],
+    probe: Callable[[], tuple[int, torch.Tensor]],
+) -> ModulePlan:
+    """Decide every chosen parameter's route on one inspection forward ``probe()`` (which runs
+    the model with autograd on and returns the number of positions it ran over).
+
+    A module is factored when it is called exactly once per forward, its form is recognised by
+    recomputation and the self-check passes; every other parameter is materialised.
+    """
+    cands, why = _candidates(model, chosen)
+    rec = CallRecorder([m for m, _ in cands])
+    try:
+        with torch.enable_grad():
+            n_rows, _ = probe()
+        plan = ModulePlan()
+        taken = set()
+        for m, name in cands:
+            calls = rec.calls[id(m)]
+            if len(calls) != 1:
+                why[name] = f"materialize: {type(m).__name__} called {len(calls)} times per forward"
+                continue
+            form = checked_form(m, calls[0], n_rows)
+            if form.kind is None:
+                why[name] = f"materialize: {form.reason}"
+                continue
+            plan.ghost.append((m, name, form))
+            taken.add(id(m.weight))
+            b = getattr(m, "bias", None)
+            if b is not None and form.kind != "embedding":
+                taken.add(id(b))
+    finally:
+        rec.remove()
+    ghost_names = {}
+    for _m, name, form in plan.ghost:
+        ghost_names[name] = f"ghost ({form.kind}" + (
+            f", scale {form.scale:g})" if form.scale != 1.0 else ")")
+    chosen_names = {id(p): n for n, p in chosen}
+    for m, name, _ in plan.ghost:
+        b = getattr(m, "bias", None)
+        if b is not None and id(b) in chosen_names:
+            ghost_names[chosen_names[id(b)]] = ghost_names[name]
+    plan.rest = [(n, p) for n, p in chosen if id(p) not in taken]
+    for n, _ in chosen:
+        plan.methods[n] = ghost_names.get(n) or why.get(n, "materialize")
+    return plan

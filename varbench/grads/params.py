@@ -12,13 +12,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from varbench._util.checks import UsageError, UsageTypeError
+from varbench.models.arch import ATTN_WORDS, BLOCK_RE, MLP_WORDS
 
 ParamFilter = str | Sequence[torch.nn.Module] | Sequence[str] | None
 GroupSpec = bool | Callable[[str], str]
-
-_BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
-_ATTN_WORDS = ("attn", "attention", "input_layernorm", "ln_1")
-_MLP_WORDS = ("mlp", "feed_forward", "ffn", "post_attention_layernorm", "ln_2")
 
 
 def select_params(
@@ -56,16 +53,17 @@ def select_params(
 
 def default_group(name: str, *, head_name: str | None = None) -> str:
     """Group of a parameter name: 'embed', 'block{i}.attn', 'block{i}.mlp', 'block{i}.other',
-    'norm', 'head' or 'other' (Llama/Qwen/Mistral/GPT-2 naming; pass a callable otherwise)."""
+    'norm', 'head' or 'other' (naming of the architectures in varbench.models.arch; pass a
+    callable otherwise)."""
     if head_name is not None and name == head_name:
         return "head"
-    m = _BLOCK.search(name)
+    m = BLOCK_RE.search(name)
     if m:
         rest = name[m.end() :]
         # MLP words first: Llama's pre-MLP norm is "post_attention_layernorm"
-        if any(w in rest for w in _MLP_WORDS):
+        if any(w in rest for w in MLP_WORDS):
             return f"block{m.group(1)}.mlp"
-        if any(w in rest for w in _ATTN_WORDS):
+        if any(w in rest for w in ATTN_WORDS):
             return f"block{m.group(1)}.attn"
         return f"block{m.group(1)}.other"
     if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):

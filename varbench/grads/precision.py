@@ -3,10 +3,15 @@
 Stock transformers modules do not keep float64: ``LlamaRMSNorm`` casts its input to float32
 before normalising, and eager attention runs its softmax in float32. Gradients through those
 casts are float32-rounded, which caps agreement between two exact methods near 1e-7 relative.
-:func:`exact_float64` returns a copy in float64 whose RMS norms and attention keep the input
-dtype (registered with transformers' ``AttentionInterface`` under :data:`ATTN_NAME`), so exact
-gradient paths agree to ~1e-12. (Rotary cos/sin are still computed in float32 by transformers;
-they are constants, not functions of the parameters, so they do not limit agreement.)
+:func:`exact_float64` returns a copy in float64 whose RMS norms (``w * x_hat`` or Gemma's
+``(1 + w) * x_hat``, told apart by :func:`varbench.models.arch.rms_norm_form`) and attention
+(with Gemma2's logit soft-capping; registered with transformers' ``AttentionInterface`` under
+:data:`ATTN_NAME`) keep the input dtype, MoE experts run transformers' eager loop (its grouped-mm
+kernel refuses float64), and it is VERIFIED to compute the original's function (logits on a
+probe batch, :func:`verify_copy`) or refused with the name of the first module that differs.
+Exact gradient paths on the copy agree to ~1e-12. (Rotary cos/sin are still computed in float32
+by transformers; they are constants, not functions of the parameters, so they do not limit
+agreement.)
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from varbench._util.checks import UsageTypeError
+from varbench._util.checks import UsageError, UsageTypeError
+from varbench.models.arch import check_attention_kwargs, float64_experts, rms_norm_form
+from varbench.models.forward import forward_logits
 
 ATTN_NAME = "varbench_keep_dtype"
 
@@ -38,13 +45,19 @@ def keep_dtype_attention(
 
     Shapes: query ``[B, H, Lq, D]``, key/value ``[B, Hkv, Lk, D]`` -> ``([B, Lq, H, D], weights)``.
     A fully masked row (a left-pad query) gets the dtype's minimum instead of -inf, so it stays
-    finite (uniform weights) and cannot put NaN into any gradient.
+    finite (uniform weights) and cannot put NaN into any gradient. ``softcap`` (Gemma2) applies
+    ``softcap * tanh(scores / softcap)`` before the mask, as transformers does; attention sinks
+    are refused.
     """
+    check_attention_kwargs(module, kwargs)
+    softcap = kwargs.get("softcap")
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:  # causal, queries aligned to the last keys
         lq, lk = scores.shape[-2:]
         keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(lk - lq)
@@ -73,49 +86,141 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, _always_mask)
 
 
 class KeepDtypeRMSNorm(torch.nn.Module):
-    """RMSNorm ``w * x / sqrt(mean(x^2) + eps)`` computed in the input's dtype (no float32 cast).
+    """RMSNorm ``w * x / sqrt(mean(x^2) + eps)`` (``offset=True``: ``(1 + w) * ...``, Gemma)
+    computed in the input's dtype (no float32 cast).
 
     Shares the replaced module's weight Parameter (same tensor, same name in the parent).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+    def __init__(self, weight: torch.nn.Parameter, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.variance_epsilon = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (
-            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        )
+        w = 1 + self.weight if self.offset else self.weight
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def _is_rmsnorm(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
+def exact_float64(model: torch.nn.Module, *, verify: bool = True) -> torch.nn.Module:
+    """Deep copy of ``model`` in float64 with dtype-keeping RMS norms and attention, verified.
 
-
-def exact_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """Deep copy of ``model`` in float64 with dtype-keeping RMS norms and attention.
-
-    Works for transformers causal LMs whose norms are ``*RMSNorm`` modules with ``weight`` and
-    ``variance_epsilon`` (or ``eps``) and whose attention dispatches through
-    ``config._attn_implementation`` (Llama, Qwen2, Mistral, ...). The original is untouched.
+    Works for transformers causal LMs whose attention dispatches through
+    ``config._attn_implementation`` (Llama, Qwen2/3, Mistral, Gemma 1-3, Phi3, GPT-2, GPT-NeoX,
+    OPT, Olmo2, Mixtral, ...). ``verify`` (default): :func:`verify_copy` checks the copy's
+    logits against the original's on a probe batch and raises a UsageError naming the first
+    module whose output differs. The original is untouched.
     """
-    new = copy.deepcopy(model).to(torch.float64)
-    for parent in list(new.modules()):
-        for child_name, child in list(parent.named_children()):
-            if _is_rmsnorm(child):
-                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
-                setattr(parent, child_name, KeepDtypeRMSNorm(child.weight, eps))
-    config = getattr(new, "config", None)
+    config = getattr(model, "config", None)
     if config is None:
         raise UsageTypeError(
             f"exact_float64 needs a transformers model with .config, got {type(model).__name__}"
         )
+    new = copy.deepcopy(model).to(torch.float64)
+    for parent in list(new.modules()):
+        for child_name, child in list(parent.named_children()):
+            form = rms_norm_form(child)
+            if form is not None:
+                setattr(parent, child_name,
+                        KeepDtypeRMSNorm(child.weight, form[1], offset=form[0] == "1+w"))
+            elif type(child).__name__.endswith("RMSNorm"):
+                raise UsageError(
+                    f"exact_float64: {type(child).__name__} at {child_name!r} is neither "
+                    "w * x_hat nor (1 + w) * x_hat; varbench cannot make it float64-exact"
+                )
+    float64_experts(new)
     if hasattr(new, "set_attn_implementation"):
         new.set_attn_implementation(ATTN_NAME)
     else:
-        config._attn_implementation = ATTN_NAME
+        new.config._attn_implementation = ATTN_NAME
+    if verify:
+        verify_copy(model, new)
     return new
+
+
+def _probe_batch(vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0  # a left-padded row
+    return ids.to(device), am.to(device)
+
+
+def _outputs(model, ids, am) -> dict[str, torch.Tensor]:
+    """Every named module's (first) tensor output, in call order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(mod, args, out):
+        t = out[0] if isinstance(out, (tuple, list)) and out else out
+        n = names.get(id(mod))
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and n and n not in seen:
+            seen[n] = t.detach()
+
+    hs = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            forward_logits(model, ids, am)
+    finally:
+        for h in hs:
+            h.remove()
+    return seen
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Whether two module outputs differ beyond float32 tolerance at attended positions (a
+    padded query's output is arbitrary: attention over no key)."""
+    if a.shape != b.shape:
+        return False
+    a = a.to(b.dtype)
+    if a.shape[:2] == keep.shape:
+        a, b = a[keep], b[keep]
+    if torch.isnan(a).any() or a.numel() == 0:
+        return False
+    return float((a - b).abs().max()) > 1e-4 * (1 + float(a.abs().max()))
+
+
+@torch.no_grad()
+def verify_copy(original: torch.nn.Module, copy64: torch.nn.Module) -> float:
+    """Check that ``copy64`` computes ``original``'s function: logits on a seeded probe batch
+    (one row left-padded; padded positions ignored) agree within float32 tolerance
+    (``|dz| <= 1e-4 (1 + max|z|)``; a bf16/fp16 original is compared through its float32 copy,
+    the same weights). Returns the max deviation; raises a UsageError naming the first module
+    (in call order) whose output differs, and says so when the original returns NaN."""
+    ref = original if next(original.parameters()).dtype in (torch.float32, torch.float64) else (
+        copy.deepcopy(original).float())
+    p = next(copy64.parameters())
+    vocab = copy64.get_output_embeddings().weight.shape[0]
+    ids, am = _probe_batch(vocab, p.device)
+    was = ref.training, copy64.training
+    ref.eval()
+    copy64.eval()
+    try:
+        z0 = forward_logits(ref, ids.to(next(ref.parameters()).device),
+                            am.to(next(ref.parameters()).device)).logits.to(p.device, p.dtype)
+        z1 = forward_logits(copy64, ids, am).logits
+        keep = am.bool()
+        if torch.isnan(z0[keep]).any():
+            raise UsageError(
+                f"{type(original).__name__} returns NaN logits on a probe batch with a left-padded"
+                " row; its float64 copy cannot be verified against it"
+            )
+        dev = float((z1[keep] - z0[keep]).abs().max())
+        tol = 1e-4 * (1 + float(z0[keep].abs().max()))
+        if not dev <= tol:
+            o0, o1 = _outputs(ref, ids, am), _outputs(copy64, ids, am)
+            first = next((n for n in o1 if n in o0 and _differs(o0[n], o1[n], keep)), None)
+            mod = type(copy64.get_submodule(first)).__name__ if first else "unknown module"
+            raise UsageError(
+                f"exact_float64: the float64 copy of {type(original).__name__} does not compute "
+                f"the original's function (logits differ by {dev:.3g} > {tol:.3g}); first "
+                f"differing module: {first!r} ({mod})"
+            )
+    finally:
+        ref.train(was[0])
+        copy64.train(was[1])
+    return dev
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, jvp, vmap
 
-from varbench._util.checks import UsageTypeError, check_positive_int
+from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.precision import functional_attention
@@ -89,6 +89,7 @@ def jvp_token_probes(
     primals = {"m." + n: p.detach() for n, p in chosen}
     sizes = [p.numel() for _, p in chosen]
     wrapper = _LogProbs(model)
+    pad_rows = _padding_rows(model, chosen, input_ids, attention_mask)
     ids, am = input_ids.to(dev), attention_mask.to(dev)
     m = response_mask.to(dev, dt)
 
@@ -107,9 +108,43 @@ def jvp_token_probes(
                 k: t.reshape(len(js), *primals[k].shape)
                 for k, t in zip(primals, torch.split(v, sizes, dim=1), strict=True)
             }
+            for k, row in pad_rows.items():
+                # torch's embedding gives its padding row no gradient, but its forward-mode
+                # derivative would move it: zero that row of the tangent so u_j = g . v_j
+                tangents[k] = tangents[k].clone()
+                tangents[k][:, row] = 0
             # vmap over probes: one batched dual forward per chunk instead of c forwards
             out.append(vmap(probe)(tangents) * m)
     return torch.cat(out)
+
+
+def _padding_rows(model, chosen, input_ids, attention_mask) -> dict[str, int]:
+    """``{"m." + name: padding row}`` of chosen untied Embedding weights with a padding_idx.
+
+    torch gives an Embedding's padding row no gradient, but its forward-mode derivative moves
+    it: zeroing that row of the tangent keeps ``u_j = g . v_j``. A TIED weight's padding row
+    does get a gradient (from the head), so it cannot be zeroed: when its padding id occurs at
+    an attended position the probes would not be ``g . v_j``, and a UsageError says so.
+    """
+    uses: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    by_id = {id(p): "m." + n for n, p in chosen}
+    rows = {}
+    for mod in model.modules():
+        if not (isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None
+                and id(mod.weight) in by_id):
+            continue
+        if uses[id(mod.weight)] == 1:
+            rows[by_id[id(mod.weight)]] = mod.padding_idx
+        elif bool(((input_ids == mod.padding_idx) & (attention_mask != 0)).any()):
+            raise UsageError(
+                f"token id {mod.padding_idx} (the padding_idx of the tied "
+                f"{type(mod).__name__}) occurs at an attended position: forward-mode probes "
+                "cannot match its gradient convention there; mask those positions"
+            )
+    return rows
 
 
 @dataclass

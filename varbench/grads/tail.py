@@ -10,38 +10,59 @@ token s+1 alone. Per-token gradients are then per-position outer products:
 the identity ``head norm = w_t * ||h_t||^2`` (w_t the Logit-Gradient Proxy).
 
 A tied head is NOT tail: its tensor is also the input embedding, which sits below attention.
+Which modules form the tail is architecture knowledge (:func:`varbench.models.arch.tail_modules`);
+whether they really act position by position after the last mixing is CHECKED on every call by
+one extra backward of a single token (its cotangent must vanish at every other position), so a
+wrong ``modules`` raises instead of giving wrong numbers. Norms are accumulated in float32 at
+least (:func:`varbench.grads.ghost.acc_dtype`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.func import functional_call, vjp, vmap
+from transformers.pytorch_utils import Conv1D
 
-from varbench._util.checks import UsageTypeError
+from varbench._util.checks import UsageError
 from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.exact import TokenGradNorms, last_response_value
+from varbench.grads.ghost import acc_dtype
+from varbench.models.arch import check_finite_logits, tail_modules
 from varbench.models.forward import forward_logits
-from varbench.models.logits import token_logprobs
+from varbench.models.logits import token_logprobs, upcast
 
 
 def default_tail_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Position-wise modules after the last attention of a Llama/Qwen/Mistral-style model:
-    last block's ``post_attention_layernorm`` and MLP linears, final ``norm``, untied head."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise UsageTypeError(
-            f"cannot find the tail of {type(model).__name__}; pass modules={{name: module}}"
-        )
-    last = base.layers[-1]
-    names = {id(m): n for n, m in model.named_modules()}
-    mods = [last.post_attention_layernorm]
-    mods += [m for m in last.mlp.modules() if isinstance(m, torch.nn.Linear)]
-    mods.append(base.norm)
-    head = model.get_output_embeddings()
-    emb = model.get_input_embeddings()
-    if head is not None and head.weight is not emb.weight:
-        mods.append(head)
-    return {names[id(m)]: m for m in mods}
+    """Position-wise modules after the last attention (:func:`varbench.models.arch.tail_modules`):
+    the last block's modules outside its attention, the final norm, an untied head."""
+    return tail_modules(model)
+
+
+def _by_position(x: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """``[B, L, ...]`` view of a tail tensor, also when the module saw ``[B*L, ...]`` (OPT's
+    MLP flattens its input row-major)."""
+    return x if x.shape[:2] == (B, L) else x.reshape(B, L, *x.shape[1:])
+
+
+def _check_position_wise(lp, response_mask, outs, modules) -> None:
+    """One backward of a single response token: a tail module's output cotangent must vanish
+    at every other position and row (exactly: no path links them), else raise naming it."""
+    hit = torch.nonzero(response_mask)
+    if hit.shape[0] == 0:
+        return
+    b, t = (int(x) for x in hit[hit.shape[0] // 2])
+    grads = torch.autograd.grad(lp[b, t], [outs[n] for n in modules], retain_graph=True,
+                                allow_unused=True)
+    for name, g in zip(modules, grads, strict=True):
+        if g is None:
+            continue
+        g = _by_position(g, *response_mask.shape).clone()
+        g[b, t - 1] = 0
+        if bool(g.ne(0).any()):
+            raise UsageError(
+                f"tail module {name!r} ({type(modules[name]).__name__}) is not position-wise "
+                "after the last token mixing: a token's gradient reaches its other positions"
+            )
 
 
 def _prefix_from_gram(gram: torch.Tensor) -> torch.Tensor:
@@ -63,8 +84,10 @@ def tail_token_norms(
 
     Shapes: inputs ``[B, L]``; ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` ``[B, L]``;
     ``group_*`` ``[B, L, n_modules]`` with ``group_names`` the module names. ``modules`` must be
-    position-wise and after the last token-mixing layer (not checked: a mixing module gives
-    wrong numbers); default :func:`default_tail_modules`. Memory O(B L^2) for the Grams.
+    position-wise and after the last token-mixing layer, each called once per forward (both
+    checked: a UsageError names a module that is not); default :func:`default_tail_modules`.
+    Linear and Conv1D modules use the Gram form, others a per-position vjp of their own
+    forward. Memory O(B L^2) for the Grams.
     """
     model, input_ids, response_mask, attention_mask = prepare(
         model, input_ids, response_mask, attention_mask, dtype, device
@@ -74,11 +97,13 @@ def tail_token_norms(
         modules = default_tail_modules(model)
     acts: dict[str, torch.Tensor] = {}
     outs: dict[str, torch.Tensor] = {}
+    n_calls = dict.fromkeys(modules, 0)
 
     def hook(name):
         def fn(mod, args, out):
             acts[name] = args[0].detach()
             outs[name] = out
+            n_calls[name] += 1
 
         return fn
 
@@ -86,27 +111,35 @@ def tail_token_norms(
     try:
         with eval_mode(model), torch.enable_grad():
             logits = forward_logits(model, input_ids, attention_mask).logits
-            lp = token_logprobs(logits, input_ids)
+            check_finite_logits(model, logits, "tail_token_norms' forward")
+            bad = [n for n, c in n_calls.items() if c != 1]
+            if bad:
+                raise UsageError(f"tail modules {bad} ran {[n_calls[n] for n in bad]} times in "
+                                 "one forward; each must run exactly once")
+            lp = token_logprobs(upcast(logits), input_ids)
+            _check_position_wise(lp, response_mask, outs, modules)
             loss = (lp * response_mask.to(lp.dtype)).sum()
             # cotangents of the tail outputs only: no parameter .grad is touched
             grads = torch.autograd.grad(loss, [outs[n] for n in modules])
     finally:
         for h in handles:
             h.remove()
-    cots = {n: g.detach() for n, g in zip(modules, grads, strict=True)}
-    logits = logits.detach()
     B, L = input_ids.shape
+    cots = {n: _by_position(g.detach(), B, L) for n, g in zip(modules, grads, strict=True)}
+    acts = {n: _by_position(a, B, L) for n, a in acts.items()}
+    acc = acc_dtype(next(model.parameters()).dtype)
     # position s predicts token s + 1: shift the token mask onto positions
-    pos_mask = torch.nn.functional.pad(response_mask[:, 1:], (0, 1)).to(logits.dtype)
-    tok = torch.zeros(B, L, len(modules), dtype=logits.dtype, device=dev)
+    pos_mask = torch.nn.functional.pad(response_mask[:, 1:], (0, 1)).to(acc)
+    tok = torch.zeros(B, L, len(modules), dtype=acc, device=dev)
     pre = torch.zeros_like(tok)
     for k, (name, mod) in enumerate(modules.items()):
-        a, d = acts[name], cots[name] * pos_mask.unsqueeze(-1)
-        if isinstance(mod, torch.nn.Linear):
+        if isinstance(mod, (torch.nn.Linear, Conv1D)):
+            a, d = acts[name].to(acc), cots[name].to(acc) * pos_mask.unsqueeze(-1)
             a_gram = a @ a.transpose(1, 2) + (1.0 if mod.bias is not None else 0.0)
             gram = (d @ d.transpose(1, 2)) * a_gram  # [B, L, L]
         else:
-            gp = _per_position_grads(mod, a, d)  # [B, L, n]
+            d = cots[name] * pos_mask.unsqueeze(-1).to(cots[name].dtype)
+            gp = _per_position_grads(mod, acts[name], d).to(acc)  # [B, L, n]
             gram = gp @ gp.transpose(1, 2)
         t_pos = gram.diagonal(dim1=1, dim2=2)
         p_pos = _prefix_from_gram(gram)

@@ -27,7 +27,6 @@ recorded number (tests compare against transformers' DynamicCache and the per-st
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from transformers.cache_utils import Cache
 
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench._util.progress import show_progress
+from varbench.models.arch import stepper
 from varbench.models.forward import position_ids_from_mask
 from varbench.models.logits import pi_stats, stat_dtype
 from varbench.models.presets import Policy
@@ -373,22 +373,8 @@ class _Loop:
 
 
 def _stepper(model):
-    """``step(ids, attn, pos, cache) -> (cache, last logits [B, V])`` for this transformers."""
-    params = inspect.signature(model.forward).parameters
-    # transformers >= 5.2x renamed past_key_values to cache; older 5.x only knows the old name.
-    key = "cache" if "cache" in params else "past_key_values"
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-    def step(ids, attn, pos, cache):
-        kw = {key: cache} if cache is not None else {}
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                    **keep, **kw)
-        new = getattr(out, "cache", None)
-        if new is None:
-            new = out.past_key_values
-        return new, out.logits[:, -1]
-
-    return step
+    """``step(ids, attn, pos, cache) -> (cache, last logits [B, V])`` (models/arch.py)."""
+    return stepper(model)
 
 
 def _decode(tok, ids: torch.Tensor, real: torch.Tensor) -> str:
