@@ -188,6 +188,7 @@ def test_module_attr_task_class_factory_and_refusals():
 
 def test_register_task_public_and_entry_points(monkeypatch):
     from _plugin_tasks import EchoTask, make_echo
+
     from varbench.tasks import base
 
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
