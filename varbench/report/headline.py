@@ -19,8 +19,23 @@ def with_se(value: float | None, se: float | None, digits: int = 3) -> str:
     return f"{fmt(value, digits)} (SE {fmt(se, 2)})"
 
 
-def ratio_sentence(a: str, b: str, what: str, ratio: float, se: float | None) -> str:
-    """'otb at G=4 has 0.42x the variance of centered at G=4 (SE 0.03).'"""
+def interval_text(value: float | None, lo: float | None, hi: float | None,
+                  digits: int = 3) -> str:
+    """'0.42 [95% CI 0.38, 0.47]'; the interval is omitted when unknown, '0.42 (exact)' when
+    it has zero width."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return fmt(value, digits)
+    if lo == hi:
+        return f"{fmt(value, digits)} (exact)"
+    return f"{fmt(value, digits)} [95% CI {fmt(lo, digits)}, {fmt(hi, digits)}]"
+
+
+def ratio_sentence(a: str, b: str, what: str, ratio: float, se: float | None,
+                   lo: float | None = None, hi: float | None = None) -> str:
+    """'otb at G=4 has 0.42x the variance of centered at G=4 (SE 0.03).'; with an interval
+    ``lo, hi``: '... has 0.42x [95% CI 0.38, 0.47] the variance ...'."""
+    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        return f"{a} has {interval_text(ratio, lo, hi)}x the {what} of {b}."
     return f"{a} has {fmt(ratio)}x the {what} of {b} (SE {fmt(se, 2)})."
 
 

@@ -39,6 +39,9 @@ VARIANCE_STATS = (
     "variance_x_tokens",
     "noise_scale",
     "signal_norm2",
+    "projection",
+    "cosine_nonzero",
+    "frac_zero",
 )
 
 
@@ -134,7 +137,7 @@ def correlations(
     return pd.DataFrame(rows)
 
 
-def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens):
+def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens, nnz):
     """Every variance statistic from sufficient sums over n group estimates (broadcasts)."""
     var = (sumsq - ss / n) / (n - 1)
     gbar2 = ss / n**2
@@ -152,6 +155,12 @@ def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens):
         # NaN where the signal is not resolved (its unbiased estimate is <= 0).
         "noise_scale": torch.where(signal2 > 0, var / signal2.clamp(min=tiny), torch.nan),
         "signal_norm2": signal2,
+        # E[g_hat] . g* / ||g*||^2: 1 for an unbiased scheme, (G-1)/G for centered
+        "projection": sumxg / n / gg,
+        # the mean cosine over groups whose estimate is not exactly 0 (an all-agree group's
+        # zero estimate has no direction)
+        "cosine_nonzero": sumcos / nnz,
+        "frac_zero": 1 - nnz / n,
     }
 
 
@@ -172,12 +181,13 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
         gg = ref @ ref
     norms = sq.sqrt() * gg.sqrt()
     cos = torch.where(norms > 0, xg / norms.clamp(min=1e-300), torch.zeros_like(xg))
+    nz = (sq > 0).double()
     tok = (
         torch.ones(M, dtype=torch.float64)
         if tokens is None
         else torch.as_tensor(tokens, dtype=torch.float64).reshape(M)
     )
-    full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean())
+    full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean(), nz.sum())
     loo = _stats_from_sums(
         M - 1,
         sq.sum() - sq,
@@ -186,9 +196,10 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
         gg,
         cos.sum() - cos,
         (tok.sum() - tok) / (M - 1),
+        nz.sum() - nz,
     )
     if ref is None:
-        for k in ("bias", "bias2_debiased", "mse", "cosine"):
+        for k in ("bias", "bias2_debiased", "mse", "cosine", "projection", "cosine_nonzero"):
             full[k] = torch.tensor(float("nan"), dtype=torch.float64)
             loo[k] = torch.full((M,), float("nan"), dtype=torch.float64)
     return full, loo
@@ -236,7 +247,9 @@ def variance_stats(
     ``snr`` = ||g_bar||^2 / V; ``variance_x_tokens`` = V * mean tokens; ``signal_norm2`` =
     ||g_bar||^2 - V/M (unbiased for ||E g_hat||^2); ``noise_scale`` = V / signal_norm2, the simple
     noise scale B_simple = tr Sigma / ||G||^2 with one *group* as the sample unit
-    (NaN when signal_norm2 <= 0).
+    (NaN when signal_norm2 <= 0); ``projection`` = mean g_m . g* / ||g*||^2 (the scale of E g_hat
+    along g*); ``cosine_nonzero`` = mean cosine over the groups with g_m != 0; ``frac_zero`` =
+    share of groups with g_m = 0 exactly.
     Caveat: SEs are delete-one jackknife over groups and condition on g*.
     """
     _check_estimates(estimates, reference)
@@ -298,7 +311,10 @@ def variance_stats_reference(
         out["bias"] = float((gbar - g).norm())
         out["bias2_debiased"] = out["bias"] ** 2 - var / M
         out["mse"] = float(((x - g) ** 2).sum(1).mean())
-        out["cosine"] = float(
-            torch.stack([torch.dot(r, g) / (r.norm() * g.norm()) for r in x]).mean()
-        )
+        cos = [torch.dot(r, g) / (r.norm() * g.norm()) if r.norm() > 0 else torch.tensor(0.0)
+               for r in x]
+        out["cosine"] = float(torch.stack(cos).mean())
+        nz = [c for c, r in zip(cos, x, strict=True) if r.norm() > 0]
+        out["cosine_nonzero"] = float(torch.stack(nz).mean()) if nz else float("nan")
+        out["projection"] = float(gbar @ g) / float(g @ g)
     return out
