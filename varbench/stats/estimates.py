@@ -29,6 +29,11 @@ from scipy import stats as sps
 from varbench._util.checks import UsageError
 
 CORRELATION_METHODS = ("pearson", "pearson_log", "spearman", "kendall")
+# Magnitude agreement of y with x (not part of the default methods; ask for them by name):
+# loglog_slope = OLS slope of log y on log x (1: proportional), top5_share_y / top5_share_x =
+# share of the total held by the top 5% of values, top5_share_y_by_x = share of y's total held
+# by the 5% of tokens that x ranks highest (what a weighting by x would concentrate on).
+MAGNITUDE_METHODS = ("loglog_slope", "top5_share_y", "top5_share_x", "top5_share_y_by_x")
 VARIANCE_STATS = (
     "variance",
     "bias",
@@ -52,7 +57,8 @@ def _as_np(x) -> np.ndarray:
 
 
 def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
-    if x.size < 3 or np.all(x == x[0]) or np.all(y == y[0]):
+    if x.size < 3 or (method in CORRELATION_METHODS
+                      and (np.all(x == x[0]) or np.all(y == y[0]))):
         return float("nan")
     if method == "pearson":
         return float(np.corrcoef(x, y)[0, 1])
@@ -68,7 +74,22 @@ def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
         return float(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
     if method == "kendall":
         return float(sps.kendalltau(x, y).statistic)
-    raise UsageError(f"method={method!r} is not valid; choose one of {list(CORRELATION_METHODS)}")
+    if method == "loglog_slope":
+        keep = (x > 0) & (y > 0)
+        if keep.sum() < 3:
+            return float("nan")
+        lx, ly = np.log(x[keep]), np.log(y[keep])
+        vx = float(((lx - lx.mean()) ** 2).sum())
+        return float(((lx - lx.mean()) * (ly - ly.mean())).sum() / vx) if vx > 0 else float("nan")
+    if method in ("top5_share_y", "top5_share_x", "top5_share_y_by_x"):
+        k = max(1, int(math.ceil(0.05 * x.size)))
+        key = y if method == "top5_share_y" else x
+        val = x if method == "top5_share_x" else y
+        top = np.argsort(-key, kind="stable")[:k]
+        total = float(val.sum())
+        return float(val[top].sum() / total) if total > 0 else float("nan")
+    raise UsageError(f"method={method!r} is not valid; choose one of "
+                     f"{list(CORRELATION_METHODS + MAGNITUDE_METHODS)}")
 
 
 def correlations(
@@ -90,9 +111,10 @@ def correlations(
     heavy-tailed; the proxy lies in [0, 2)). NaN where a correlation is undefined (constant input).
     """
     for m in methods:
-        if m not in CORRELATION_METHODS:
+        if m not in CORRELATION_METHODS + MAGNITUDE_METHODS:
             raise UsageError(
-                f"methods contains {m!r}; choose from {list(CORRELATION_METHODS)}"
+                f"methods contains {m!r}; choose from "
+                f"{list(CORRELATION_METHODS + MAGNITUDE_METHODS)}"
             )
     if not 0 < level < 1:
         raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
