@@ -85,7 +85,8 @@ def variance_headlines(
         if r.scheme == "raw" or not math.isfinite(proj):
             continue
         method = getattr(r, "method", "mc")
-        iv = {k: interval_text(_get(r, k), _get(r, f"{k}_ci_low"), _get(r, f"{k}_ci_high"))
+        iv = {k: interval_text(_get(r, k), _get(r, f"{k}_ci_low"), _get(r, f"{k}_ci_high"),
+                               exact=method == "exact")
               for k in ("projection", "mse", "variance")}
         heads.append(Headline(
             f"projection:{r.scheme}:G={r.G}:{r.mode}", proj, _get(r, "projection_se"),
@@ -94,16 +95,19 @@ def variance_headlines(
             f"{fmt(100 * _get(r, 'frac_all_agree'), 3)}% of groups all-agree."))
     for r in paired.itertuples() if len(paired) else []:
         lo, hi = _get(r, "ratio_ci_low"), _get(r, "ratio_ci_high")
+        exact = getattr(r, "method", "mc") == "exact"
         if r.baseline == "centered" and (r.scheme.startswith("otb") or r.scheme == "rloo"):
             heads.append(Headline(
                 f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
-                               f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi)))
+                               f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi,
+                               exact=exact)))
         elif r.baseline == f"{r.scheme}_exact":
             heads.append(Headline(
                 f"proxy_cost:{r.scheme}:{r.stat}:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 f"What the proxy costs at G={r.G}: {r.scheme} (proxy weights) has "
-                f"{interval_text(r.ratio, lo, hi)}x the {r.stat} of {r.baseline} (exact "
+                f"{interval_text(r.ratio, lo, hi, exact=exact)}x the {r.stat} of "
+                f"{r.baseline} (exact "
                 "||g_t||^2 weights) on the same groups."))
     for (scheme, G, mode), r in by_cell.items():
         base = by_cell.get(("centered", G, mode))
@@ -117,11 +121,13 @@ def variance_headlines(
         vr = float(v["ratio"].iloc[0])
         q = _get(r, "projection") / _get(base, "projection")
         share = shrinkage_share(vr, q)
+        reading = (f"a pure rescaling would explain {fmt(100 * share, 2)}% of the reduction "
+                   "(log scale), the rest is noise suppression" if math.isfinite(share)
+                   else "no variance reduction to explain")
         heads.append(Headline(
             f"shrinkage_share:{scheme}:G={G}:{mode}", share, None,
             f"{scheme} at G={G}: projection {fmt(q)}x centered's with {fmt(vr)}x its variance; "
-            f"a pure rescaling would explain {fmt(100 * share, 2)}% of the reduction (log "
-            "scale), the rest is noise suppression."))
+            f"{reading}."))
     if len(cells):
         gmax = int(cells["G"].max())
         for mode in dict.fromkeys(cells["mode"]):

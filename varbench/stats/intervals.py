@@ -106,7 +106,9 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     qlo, qhi = (float(v) for v in torch.quantile(t, torch.tensor([alpha, 1 - alpha],
                                                                   dtype=t.dtype)))
     lo, hi = c - qhi * s, c - qlo * s
-    return (th, se, math.exp(lo), math.exp(hi)) if log else (th, se, lo, hi)
+    if log:  # a degenerate t* distribution (few distinct groups) can reach beyond exp's range
+        return th, se, math.exp(min(lo, 700.0)), math.exp(min(hi, 700.0))
+    return th, se, lo, hi
 
 
 def _z(level: float) -> float:
