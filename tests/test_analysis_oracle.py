@@ -186,3 +186,22 @@ def test_interval_coverage_slow():
     cov = _coverage(tab, 4, 128, 400, truth)
     print("coverage", cov)
     assert all(abs(v - 0.95) <= 0.04 for v in cov.values()), cov
+
+
+def test_interval_functions_edge_cases():
+    """A deterministic paired ratio gets a zero-width interval; intervals contain the value."""
+    from varbench.stats.intervals import group_intervals, paired_ratio_interval, sketch_sd
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64) ** 3  # heavy-ish tails
+    ref = torch.randn(5, generator=g, dtype=torch.float64)
+    r = paired_ratio_interval(2 * x, x, ref, stat="variance")
+    assert r["value"] == pytest.approx(4.0) and r["ci_low"] == r["ci_high"] == r["value"]
+    for method in ("studentized", "normal"):
+        iv = group_intervals(x, ref, method=method, n_boot=200)
+        for k, v in iv.items():
+            assert v["ci_low"] <= v["value"] <= v["ci_high"], (method, k)
+            assert v["se"] > 0
+    sd = sketch_sd(x, ref, K=16)
+    assert all(v > 0 for v in sd.values())
+    assert sketch_sd(x, ref, K=64)["variance"] == pytest.approx(sd["variance"] / 2)

@@ -83,6 +83,8 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         return th, se, float("nan"), float("nan")
     if log and th <= 0:
         return th, se, float("nan"), float("nan")
+    if se == 0:  # a deterministic value (e.g. rloo / centered = (G/(G-1))^2 on shared groups)
+        return th, se, th, th
     if method == "normal":
         if log:
             return th, se, th * math.exp(-z * se / th), th * math.exp(z * se / th)
