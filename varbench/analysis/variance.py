@@ -454,7 +454,8 @@ def estimator_variance(
                 sketch_desc, D = None, n_params
             parts = [draw(M)]
             data = parts[0]
-            M_used, rel, met = M, float("nan"), None
+            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
+            M_used, rel, met = M, float("nan"), float("nan")
             if target_rel_se is not None:
                 mean_len0 = float(data["mask"].sum(-1).double().mean())
 
@@ -464,8 +465,9 @@ def estimator_variance(
                     d = _concat_arrays(parts) if len(parts) > 1 else parts[0]
                     return _max_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
 
-                M_used, rel, met = adaptive_groups(rel_se, start=M, step=M, cap=M_cap,
-                                                   target=target_rel_se)
+                M_used, rel, met_ = adaptive_groups(rel_se, start=M, step=M, cap=M_cap,
+                                                    target=target_rel_se)
+                met = float(met_)
                 data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
             if sketch_desc is None:

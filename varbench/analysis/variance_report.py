@@ -119,7 +119,8 @@ def variance_headlines(
         if not len(v):
             continue
         vr = float(v["ratio"].iloc[0])
-        q = _get(r, "projection") / _get(base, "projection")
+        pb = _get(base, "projection")
+        q = _get(r, "projection") / pb if pb != 0 else float("nan")
         share = shrinkage_share(vr, q)
         reading = (f"a pure rescaling would explain {fmt(100 * share, 2)}% of the reduction "
                    "(log scale), the rest is noise suppression" if math.isfinite(share)
