@@ -51,7 +51,7 @@ def test_gspo_sequence_ratio_breaks_cancellation_after_an_update():
     assert (full["residual"] > 1e-6).all()
 
 
-@pytest.mark.parametrize("transform", ["min_replace", "adv_orthogonal"])
+@pytest.mark.parametrize("transform", ["min_replace", "adv_orthogonal", "adv_orthogonal_position"])
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
 def test_transforms_restore_cancellation(mode, transform):
     tokens, mask, rewards, logp = shared_prefix_groups()
@@ -59,8 +59,31 @@ def test_transforms_restore_cancellation(mode, transform):
     new = logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask
     full, c, adv, m = _full(mode, transform=transform, ratio="sequence", logp_new=new)
     assert full["residual"].max() < 1e-12
-    if transform == "adv_orthogonal":  # sum_i A_i v~_i = 0 at every position
+    if transform == "adv_orthogonal_position":  # sum_i A_i v~_i = 0 at every position
         assert (c * adv * m).sum(1).abs().max() < 1e-12
+    if transform == "adv_orthogonal":
+        # the definition: one weight per response (GSPO's s_i and 1/|o_i| are constant over
+        # a response), orthogonal to A over the whole group
+        v = torch.where(m != 0, c, float("nan")).nanmean(-1)  # [P, G]
+        a = adv[..., 0]
+        assert torch.allclose(c, torch.where(m != 0, v.unsqueeze(-1), 0), atol=1e-15)
+        assert (a * v).sum(1).abs().max() < 1e-12
+
+
+def test_adv_orthogonal_per_response_differs_from_per_position_at_partial_steps():
+    """Side by side: at ratio 1 under seq-mean-token-sum (exchangeable, centered A), the
+    per-response transform leaves every weight at 1/B (nothing to remove), while the
+    per-position variant changes the weights where only some responses are still running."""
+    tokens, mask, rewards, logp = shared_prefix_groups()
+    adv = advantages("centered", rewards, mask != 0)
+    base = sample_weights(logp, logp, adv, mask, "seq-mean-token-sum", max_len=5)
+    resp = sample_weights(logp, logp, adv, mask, "seq-mean-token-sum", max_len=5,
+                          transform="adv_orthogonal")
+    pos = sample_weights(logp, logp, adv, mask, "seq-mean-token-sum", max_len=5,
+                         transform="adv_orthogonal_position")
+    assert torch.equal(resp, base)
+    partial = (mask != 0).sum(1, keepdim=True) < mask.shape[1]
+    assert ((pos - base).abs() * partial * (mask != 0)).max() > 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +125,29 @@ def test_bad_input(peaked_policy):
         cancellation(peaked_policy, [task], transforms=["max_replace"])
     with pytest.raises(ValueError, match="tasks"):
         cancellation(peaked_policy, [])
+
+
+def test_headlines_rest_on_weighting_residual_and_grad_ratio_with_counts():
+    import pandas as pd
+
+    from varbench.analysis.cancellation import MIN_STEPS, _headlines
+
+    base = {"task": "arith", "mode": "seq-mean-token-mean", "ratio": "token", "inner_steps": 0,
+            "transform": "none", "shared_abs_weighting_rel": 0.02,
+            "shared_abs_weighting_rel_se": 0.005, "full_abs_weighting_rel": 0.0,
+            "grad_ratio": 0.9, "grad_ratio_se": 0.01}
+    conf = pd.DataFrame([
+        {**base, "config": "a", "n_shared_active": 40, "n_shared_groups": 8, "n_full": 2,
+         "n_full_active": 1, "n_grad_steps": 40, "n_grad_groups": 8},
+        {**base, "config": "b", "n_shared_active": MIN_STEPS - 1, "n_shared_groups": 2,
+         "n_full": 2, "n_full_active": 1, "n_grad_steps": 0, "n_grad_groups": 0},
+    ])
+    heads, notes = _headlines(conf)
+    keys = [h.key for h in heads]
+    assert keys == ["arith:a:weighting_residual", "arith:a:grad_ratio",
+                    "arith:b:weighting_residual"]
+    assert "over 40 active shared steps in 8 groups" in heads[0].text
+    assert "WARNING" not in heads[0].text and "WARNING" in heads[2].text
+    # full-group steps counted with the inactive ones (an all-agree group's step did occur)
+    assert any("2 full-group shared steps occurred, 1 of them active" in n for n in notes)
+    assert not any("no full-group shared steps" in n for n in notes)

@@ -33,7 +33,12 @@ def test_records_side_by_side(result):
     tok, cor = result.records["tokens"], result.records["correlations"]
     assert set(tok["state"]) == {"random init", "other init"}
     assert len(tok) == 2 * 2 * 4 * 3  # states x prompts x G x T
-    assert set(cor["scope"]) == {"pooled", "position", "sequence"}
+    assert set(cor["scope"]) == {"pooled", "position", "sequence", "magnitude"}
+    mag = cor[cor["scope"] == "magnitude"]
+    assert set(mag["method"]) == {"loglog_slope", "top5_share_y", "top5_share_x",
+                                  "top5_share_y_by_x"}
+    assert (mag[mag["method"].str.startswith("top5")]["estimate"].between(0, 1)).all()
+    assert any("OTB depends on the proxy's magnitudes" in n for n in result.notes)
     assert set(cor[cor["scope"] == "position"]["position"]) == {0, 1, 2}
     assert {"w_t vs token_sq", "w_t vs head_sq", "W_t vs prefix_sq", "W_t vs diag_prefix_sq",
             "W_T vs sequence_sq", "w_t vs token_sq[head]"} <= set(cor["quantity"])
@@ -78,3 +83,21 @@ def test_bad_input():
         proxy_correlation({}, get_task("sort"))
     with pytest.raises(ValueError, match="G="):
         proxy_correlation(build_policy("micro"), get_task("sort"), G=0)
+
+
+def test_magnitude_methods_against_direct_formulas():
+    from varbench.stats.estimates import correlations
+
+    gen = np.random.default_rng(0)
+    x = gen.lognormal(size=200)
+    y = 3 * x**2  # log y = log 3 + 2 log x: slope 2
+    seq = np.arange(200) // 4
+    df = correlations(x, y, seq, methods=["loglog_slope", "top5_share_y", "top5_share_x",
+                                          "top5_share_y_by_x"], n_boot=20).set_index("method")
+    assert df.loc["loglog_slope", "estimate"] == pytest.approx(2.0, abs=1e-9)
+    top = np.sort(y)[::-1][:10].sum() / y.sum()  # 5% of 200 = 10 tokens
+    assert df.loc["top5_share_y", "estimate"] == pytest.approx(top)
+    # x ranks tokens exactly as y does here
+    assert df.loc["top5_share_y_by_x", "estimate"] == pytest.approx(top)
+    assert df.loc["top5_share_x", "estimate"] == pytest.approx(np.sort(x)[::-1][:10].sum()
+                                                               / x.sum())

@@ -97,7 +97,14 @@ def test_analysis_records_and_resume(tmp_path, monkeypatch):
     assert set(cells["G"]) == {2, 3}
     assert (cells["variance"] >= 0).all() and cells["variance_se"].notna().all()
     assert res.records["reference"]["reference"].iloc[0].startswith("exact enumeration of 900")
-    assert set(res.records["paired"]["baseline"]) == {"centered"}
+    # ratios to centered, and otb to otb_exact (what the proxy costs)
+    assert set(res.records["paired"]["baseline"]) == {"centered", "otb_exact"}
+    assert set(cells["method"]) == {"mc"}  # 900 x 2 tokens: over table_limit, Monte Carlo
+    for k in ("projection", "mse", "variance"):
+        assert (cells[f"{k}_ci_low"] <= cells[k]).all()
+        assert (cells[k] <= cells[f"{k}_ci_high"]).all()
+    # sketched: the sketch's error is in the SE wherever there is a variance to sketch
+    assert ((cells["variance_sketch_sd"] > 0) | (cells["variance"] == 0)).all()
     assert any("Sampling is shared across schemes" in n for n in res.notes)
 
     def boom(*a, **k):

@@ -8,32 +8,42 @@ import math
 import pandas as pd
 import pytest
 
-from varbench.analysis.variance_report import _ratio_se, variance_headlines
+from varbench.analysis.variance_report import _ratio_se, shrinkage_share, variance_headlines
 
 NAN = float("nan")
 
 
-def _cell(scheme, G, variance, se, cosine=NAN, tokens=10.0):
+def _cell(scheme, G, variance, se, cosine=NAN, tokens=10.0, projection=NAN, method="mc"):
     return {"scheme": scheme, "G": G, "mode": "token-mean", "variance": variance,
             "variance_se": se, "cosine": cosine, "cosine_se": 0.01, "bias2_debiased": 0.5,
-            "bias2_debiased_se": 0.1, "mse": 2.0, "mse_se": 0.2, "tokens_per_group": tokens}
+            "bias2_debiased_se": 0.1, "mse": 2.0, "mse_se": 0.2, "tokens_per_group": tokens,
+            "projection": projection, "projection_se": 0.01, "projection_ci_low": projection - 0.02,
+            "projection_ci_high": projection + 0.02, "mse_ci_low": 1.6, "mse_ci_high": 2.5,
+            "variance_ci_low": variance * 0.8, "variance_ci_high": variance * 1.3,
+            "frac_all_agree": 0.25, "method": method}
 
 
 def _records():
     cells = pd.DataFrame([
-        _cell("centered", 2, 4.0, 0.4), _cell("centered", 8, 1.0, 0.1, tokens=40.0),
-        _cell("otb", 2, 2.0, 0.2, cosine=0.9), _cell("otb", 8, 0.5, 0.05, cosine=NAN),
-        _cell("rloo", 2, 3.0, 0.3, cosine=0.8),
+        _cell("centered", 2, 4.0, 0.4, projection=0.5, method="exact"),
+        _cell("centered", 8, 1.0, 0.1, tokens=40.0),
+        _cell("otb", 2, 2.0, 0.2, cosine=0.9, projection=0.45),
+        _cell("otb", 8, 0.5, 0.05, cosine=NAN),
+        _cell("rloo", 2, 3.0, 0.3, cosine=0.8, projection=1.0),
     ])
     paired = pd.DataFrame([
-        {"stat": "variance", "scheme": "otb", "G": 2, "mode": "token-mean", "ratio": 0.5,
-         "ratio_se": 0.02},
-        {"stat": "variance", "scheme": "rloo", "G": 2, "mode": "token-mean", "ratio": 0.75,
-         "ratio_se": 0.03},
-        {"stat": "variance", "scheme": "normalized", "G": 2, "mode": "token-mean", "ratio": 0.9,
-         "ratio_se": 0.03},
-        {"stat": "cosine", "scheme": "otb", "G": 2, "mode": "token-mean", "ratio": 1.1,
-         "ratio_se": 0.1},
+        {"stat": "variance", "scheme": "otb", "baseline": "centered", "G": 2,
+         "mode": "token-mean", "ratio": 0.5, "ratio_se": 0.02, "ratio_ci_low": 0.46,
+         "ratio_ci_high": 0.55, "method": "mc"},
+        {"stat": "variance", "scheme": "rloo", "baseline": "centered", "G": 2,
+         "mode": "token-mean", "ratio": 0.75, "ratio_se": 0.03, "ratio_ci_low": NAN,
+         "ratio_ci_high": NAN, "method": "mc"},
+        {"stat": "variance", "scheme": "normalized", "baseline": "centered", "G": 2,
+         "mode": "token-mean", "ratio": 0.9, "ratio_se": 0.03, "ratio_ci_low": 0.8,
+         "ratio_ci_high": 1.0, "method": "mc"},
+        {"stat": "mse", "scheme": "otb", "baseline": "otb_exact", "G": 2, "mode": "token-mean",
+         "ratio": 1.5, "ratio_se": 0.1, "ratio_ci_low": 1.3, "ratio_ci_high": 1.8,
+         "method": "mc"},
     ])
     ref = pd.DataFrame({"reference": ["exact enumeration of 900 responses"], "sketch": ["flat"],
                         "n_params": [1234.0], "ref_norm": [2.0], "ref_se_norm": [0.1]})
@@ -44,24 +54,43 @@ def test_headlines_from_the_records():
     heads, notes, summary = variance_headlines(_records(), "exact")
     keys = [h.key for h in heads]
     assert keys == [
+        "projection:centered:G=2:token-mean",  # cells with a finite projection; no cosine
+        "projection:otb:G=2:token-mean",
+        "projection:rloo:G=2:token-mean",
         "variance_ratio:otb:centered:G=2:token-mean",
         "variance_ratio:rloo:centered:G=2:token-mean",
-        "cosine:otb:G=2:token-mean",  # otb at G=8 has no finite cosine; rloo is not otb
+        "proxy_cost:otb:mse:G=2:token-mean",
+        "shrinkage_share:otb:G=2:token-mean",
         "budget:otb:G=2:vs_centered:G=8:token-mean",
     ]
     by = {h.key: h for h in heads}
     h = by["variance_ratio:otb:centered:G=2:token-mean"]
     assert (h.value, h.se) == (0.5, 0.02)
-    assert h.text == "otb at G=2 has 0.5x the variance (token-mean) of centered at G=2 (SE 0.02)."
+    assert h.text == ("otb at G=2 has 0.5 [95% CI 0.46, 0.55]x the variance (token-mean) of "
+                      "centered at G=2.")
+    assert by["variance_ratio:rloo:centered:G=2:token-mean"].text.endswith("(SE 0.03).")
+    assert "projection on g* 0.5 (exact)" in by["projection:centered:G=2:token-mean"].text
+    assert "0.45 [95% CI 0.43, 0.47]" in by["projection:otb:G=2:token-mean"].text
+    assert "1.5 [95% CI 1.3, 1.8]x the mse of otb_exact" in by[
+        "proxy_cost:otb:mse:G=2:token-mean"].text
+    # projection ratio 0.9 and variance ratio 0.5: 2 log 0.9 / log 0.5 of it is rescaling
+    s = by["shrinkage_share:otb:G=2:token-mean"]
+    assert s.value == pytest.approx(2 * math.log(0.9) / math.log(0.5))
     b = by["budget:otb:G=2:vs_centered:G=8:token-mean"]
     assert b.value == pytest.approx(2.0)  # 2.0 / 1.0, unpaired
     assert b.se == pytest.approx(2.0 * math.sqrt(0.1**2 + 0.1**2))
     assert "using 0.25x the sampled tokens" in b.text and "groups not paired" in b.text
     assert summary["reference"] == "exact"
-    assert summary["cosine:otb:G=2:token-mean"] == {"value": 0.9, "se": 0.01}
+    assert summary["projection:otb:G=2:token-mean"] == {"value": 0.45, "se": 0.01}
     assert any("exact enumeration of 900 responses (exact)" in n and "flat of 1234" in n
                for n in notes)
     assert not any("sampled reference" in n for n in notes)
+
+
+def test_shrinkage_share():
+    assert shrinkage_share(0.25, 0.5) == pytest.approx(1.0)  # all of it is rescaling
+    assert shrinkage_share(0.05, 1.01) == 0.0
+    assert math.isnan(shrinkage_share(1.2, 0.9))
 
 
 def test_sampled_reference_note_and_empty_records():
@@ -88,7 +117,8 @@ def test_all_rewards_equal_and_zero_reference_are_said_not_printed_as_n_a():
         {**_cell("rloo", 4, 0.0, 0.0, cosine=0.0), "frac_all_agree": 1.0},
     ])
     paired = pd.DataFrame([
-        {"stat": "variance", "scheme": s, "G": g, "mode": "token-mean", "ratio": NAN,
+        {"stat": "variance", "scheme": s, "baseline": "centered", "G": g, "mode": "token-mean",
+         "ratio": NAN,
          "ratio_se": NAN} for s, g in (("otb", 2), ("rloo", 4))])
     ref = pd.DataFrame({"reference": ["sampled: raw estimator over 64 independent responses"],
                         "sketch": ["flat"], "n_params": [10.0], "ref_norm": [0.0],

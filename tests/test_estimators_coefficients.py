@@ -138,10 +138,18 @@ def test_sample_weights_apply_the_transforms(mode, ratio):
     base = sample_weights(logp, logp_old, adv, mask, mode, ratio=ratio)
     mr = sample_weights(logp, logp_old, adv, mask, mode, ratio=ratio, transform="min_replace")
     ao = sample_weights(logp, logp_old, adv, mask, mode, ratio=ratio, transform="adv_orthogonal")
+    ap = sample_weights(logp, logp_old, adv, mask, mode, ratio=ratio,
+                        transform="adv_orthogonal_position")
     assert torch.equal(mr, E.min_replace(base, m))
     assert torch.equal(ao, E.adv_orthogonal(base, adv, m))
-    assert not torch.allclose(mr, base) and not torch.allclose(ao, base)  # they did something
-    assert (ao * adv * m).sum(1).abs().max() < 1e-12  # orthogonal to A at every position
+    assert torch.equal(ap, E.adv_orthogonal(base, adv, m, per="position"))
+    for x in (mr, ao, ap):
+        assert not torch.allclose(x, base)  # they did something
+    assert (ap * adv * m).sum(1).abs().max() < 1e-12  # orthogonal to A at every position
+    # per response: the responses' mean weights are orthogonal to A over the group
+    n = m.sum(-1).clamp(min=1)
+    vi = torch.where(m, ao, 0).sum(-1) / n
+    assert (vi * adv[..., 0]).sum(1).abs().max() < 1e-12
     assert sample_weights(logp, logp_old, adv, mask, mode, ratio=ratio, transform="none").equal(
         base)
     with pytest.raises(ValueError, match=r"transform='max_replace' is not valid.*'min_replace'"):

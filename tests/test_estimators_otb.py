@@ -208,3 +208,47 @@ def test_otb_with_length_weights_is_opo_where_all_run(shape, multi_turn):
     if G == 1:
         everyone = everyone & False  # a lone response is the tail: B = 0 by handle_zero_tail
     torch.testing.assert_close(otb[everyone], opo[everyone], atol=1e-7, rtol=0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 4), st.integers(2, 6), st.integers(1, 7), st.integers(0, 10_000),
+       st.sampled_from(["otb", "otb_loo"]), st.sampled_from(["weights", "proxy", "cumulative"]),
+       st.sampled_from([torch.float32, torch.float64]), st.booleans(), st.booleans())
+def test_all_agree_groups_are_exactly_zero_with_random_weights(
+        P, G, T, seed, scheme, source, dtype, multi_turn, token_rewards):
+    """Every group with one reward level (random, not 0/1) gets A == 0 exactly wherever the
+    baseline formula applies (>= 2 responses running), in float32 and float64, for each way the
+    weights arrive; mixed groups in the same batch are unchanged from the formula."""
+    rewards, mask, opts = random_case(P, G, T, seed, multi_turn=multi_turn, dtype=dtype,
+                                      token_rewards=token_rewards)
+    gen = torch.Generator().manual_seed(seed + 1)
+    level = torch.randn(P, 1, generator=gen, dtype=dtype) * 3
+    agree = torch.arange(P) % 2 == 0  # even groups agree, odd ones keep random rewards
+    if token_rewards:
+        # one return in every valid token: the last valid token carries the level
+        last = mask.cumsum(-1) == mask.sum(-1, keepdim=True)
+        flat = torch.where(mask & last, level.unsqueeze(-1), 0)
+        rewards = torch.where(agree.view(-1, 1, 1), flat, rewards)
+    else:
+        rewards = torch.where(agree.view(-1, 1), level.expand(P, G), rewards)
+    kw = {"weights": {"token_weights": opts["token_weights"].to(dtype)},
+          "proxy": {k: opts[k].to(dtype) for k in ("logprobs", "sum_pi_sq")},
+          "cumulative": {"cumulative_weights": opts["token_weights"].to(dtype).cumsum(-1)}}[source]
+    A = E.advantages(scheme, rewards, mask, **kw)
+    if token_rewards:
+        # a reward-to-go is constant only when no reward precedes a later valid token
+        rtg = torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), 0)
+        agree = agree & torch.tensor([bool((rtg[p][mask[p]] == level[p]).all())
+                                      for p in range(P)])
+    # responses running at each token's compacted position (its generated-token count)
+    pos = mask.cumsum(-1) - 1
+    n = mask.sum(-1)  # [P, G]
+    running = (n[:, None, None, :] > pos[..., None]).sum(-1) >= 2
+    sel = agree.view(-1, 1, 1) & mask & running
+    assert sel.any() or not agree.any() or not running.any()
+    assert A[sel].abs().max().item() == 0.0 if sel.any() else True
+    # the other groups: the formula as before (the float64 loop reference)
+    if dtype == torch.float64:
+        want = ref_advantages(scheme, rewards, mask, **kw)
+        keep = ~agree.view(-1, 1, 1) & mask
+        torch.testing.assert_close(A[keep], want[keep], atol=1e-9, rtol=1e-9)

@@ -270,10 +270,8 @@ def test_all_agree_groups_give_zero(shape, scheme, multi_turn):
     kw = _kw(scheme, opts, handle_zero_tail=False) if scheme.startswith("otb") else _kw(scheme,
                                                                                         opts)
     A = E.advantages(scheme, rewards, mask, **kw)
-    if scheme.startswith("otb"):
-        assert A.abs().max().item() < 1e-6  # R * 1e-8 / (W + 1e-8) with W >= 1e-3 here
-    else:
-        assert A.abs().max().item() == 0.0  # exact: R - min(R) = 0
+    # exact: R - min(R) = 0; OTB detects the all-agree group (B = R exactly)
+    assert A.abs().max().item() == 0.0
 
 
 @SETTINGS

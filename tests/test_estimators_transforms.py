@@ -48,8 +48,22 @@ def test_transforms_cancel_the_shared_step(shape, per_token):
     m = mask if per_token else None
     ortho = E.adv_orthogonal(v, torch.randn(v.shape, generator=gen, dtype=torch.float64), m)
     r = torch.randn(v.shape, generator=gen, dtype=torch.float64)
-    assert ((E.adv_orthogonal(v, r, m) * r).sum(1).abs() < 1e-12).all()
-    assert ((E.adv_orthogonal(v, A, m) * A).sum(1).abs() < 1e-12).all()
+    # per position: orthogonal at every column (the per-response form equals it for [P, G])
+    for x in (r, A):
+        assert ((E.adv_orthogonal(v, x, m, per="position") * x).sum(1).abs() < 1e-12).all()
+    if not per_token:
+        assert torch.equal(E.adv_orthogonal(v, r), E.adv_orthogonal(v, r, per="position"))
+    # per response (the definition): the responses' mean weights are orthogonal to their
+    # mean advantages over the whole group, and each token moves by lambda_p * A
+    for x in (r, A):
+        out = E.adv_orthogonal(v, x, m)
+        if per_token:
+            n = mask.sum(-1).clamp(min=1)
+            vi = torch.where(mask, out, 0).sum(-1) / n
+            xi = torch.where(mask, x, 0).sum(-1) / n
+        else:
+            vi, xi = out, x
+        assert ((vi * xi).sum(1).abs() < 1e-12).all()
     # Min-Replace cancels against centered advantages (sum_i A_i = 0 over the group); in the
     # per-token case at positions every response reaches (t = 0).
     mr = E.min_replace(v, m)

@@ -101,21 +101,29 @@ def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ra
                                        clip=clip, transform=tf, max_len=task.max_new_tokens)
                     df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask,
                                       token_grads=grads if k == 0 else None)
+                    df["abs_weighting_residual"] = df["weighting_residual"].abs()
                     meta = {"task": task.name, "config": label, "mode": mode, "ratio": ratio,
                             "inner_steps": k, "transform": tf}
                     row = dict(meta)
                     full = df[df["full_group"]]
                     for name, part in (("full", full), ("shared", df)):
                         for col, key in (("rel_residual", "residual_rel"),
-                                         ("weighting_residual", "weighting_rel")):
+                                         ("weighting_residual", "weighting_rel"),
+                                         ("abs_weighting_residual", "abs_weighting_rel")):
                             v, se, n = _cluster_mean_se(part, col)
                             row[f"{name}_{key}"], row[f"{name}_{key}_se"] = v, se
+                        # Every step counts here, active or not (an all-agree group's steps
+                        # have A = 0: nothing to cancel, but they did occur).
                         row[f"n_{name}"] = int(len(part))
                         # Steps with something to cancel (sum |c A| > 0): the means run over
                         # these; a zero weight (clipped, or Min-Replace's min of 0) drops out.
-                        row[f"n_{name}_active"] = int(part["rel_residual"].notna().sum())
+                        active = part["rel_residual"].notna()
+                        row[f"n_{name}_active"] = int(active.sum())
+                        row[f"n_{name}_groups"] = int(part.loc[active, "p"].nunique())
                     v, se, _ = _cluster_mean_se(df, "grad_ratio")
                     row["grad_ratio"], row["grad_ratio_se"] = v, se
+                    row["n_grad_steps"] = int(df["grad_ratio"].notna().sum())
+                    row["n_grad_groups"] = int(df.loc[df["grad_ratio"].notna(), "p"].nunique())
                     with torch.no_grad():
                         lr_ = (logps[k] - batch.logprobs)[mask]
                     row["mean_abs_log_ratio"] = float(lr_.abs().mean())
@@ -210,10 +218,29 @@ def cancellation(
     )
 
 
+MIN_STEPS = 10  # a headline resting on fewer active shared steps carries a warning
+MIN_GROUPS = 3  # ... or on fewer groups
+
+
+def _support(n_steps: int, n_groups: int) -> str:
+    """'over 12 steps in 3 groups', with a warning below MIN_STEPS / MIN_GROUPS."""
+    text = f"over {n_steps} active shared steps in {n_groups} groups"
+    if n_steps < MIN_STEPS or n_groups < MIN_GROUPS:
+        text += (f" (WARNING: below the minimum of {MIN_STEPS} steps and {MIN_GROUPS} groups; "
+                 "not a reliable estimate)")
+    return text
+
+
 def _headlines(conf: pd.DataFrame) -> tuple[list[Headline], list[str]]:
     notes = [
         "Relative residual = |sum_S c_i A_i| / sum_S |c_i A_i| at a shared step S: 0 is exact "
         "cancellation, 1 is none. SEs treat groups as independent clusters.",
+        "Headlines report the weighting-induced residual |sum_S (A_i - A_bar)(c_i - c_bar)| / "
+        "sum_S |c_i A_i| (the part of the residual the weighting causes: 0 for an exchangeable "
+        "weighting whatever the advantages) and the gradient cancellation ratio, each over all "
+        "active shared steps, with the number of steps and groups they rest on. The plain "
+        "relative residual at partial shared steps mostly measures the advantages (their sum "
+        "over a subset is not 0), so it is in the table, not a headline.",
         "At a shared step every member has the same grad log pi(a|h), so the gradient "
         "cancellation ratio equals the scalar relative residual up to the sketch's rounding; "
         "it is computed from per-token gradient sketches at k = 0 only.",
@@ -221,20 +248,37 @@ def _headlines(conf: pd.DataFrame) -> tuple[list[Headline], list[str]]:
         "minimum of 0 removes a step's gradient entirely, which counts as no step here.",
         "PPO inner steps update a copy of the policy with token ratios and token-mean "
         "aggregation; every configuration then reads its coefficients at those parameters.",
+        "adv_orthogonal is the definition (one projection per group over its responses); "
+        "adv_orthogonal_position is the per-position variant, measured side by side.",
     ]
     heads = []
     for r in conf.itertuples():
         # Headline the ratio-1 comparisons of modes and ratios, and the transforms at k = max.
         key_row = (r.inner_steps == 0 and r.transform == "none") or (
             r.inner_steps == conf["inner_steps"].max() and r.mode == "seq-mean-token-mean")
-        if r.n_full_active == 0 or not key_row:
+        if not key_row or r.n_shared_active == 0:
             continue
         heads.append(Headline(
-            f"{r.task}:{r.config}:full_residual_rel", r.full_residual_rel, r.full_residual_rel_se,
-            f"{r.task}, {r.config}: relative residual at {r.n_full_active} full-group shared "
-            f"steps {with_se(r.full_residual_rel, r.full_residual_rel_se)} ("
-            f"{r.n_shared_active} shared steps: {fmt(r.shared_residual_rel)})."))
-    if not len(heads):
-        notes.append("No full-group shared steps occurred in these samples (responses of a "
-                     "group diverge at the first token); see the all-shared-steps columns.")
+            f"{r.task}:{r.config}:weighting_residual", r.shared_abs_weighting_rel,
+            r.shared_abs_weighting_rel_se,
+            f"{r.task}, {r.config}: weighting-induced residual "
+            f"{with_se(r.shared_abs_weighting_rel, r.shared_abs_weighting_rel_se)} "
+            f"{_support(r.n_shared_active, r.n_shared_groups)}; at full-group steps "
+            f"{fmt(r.full_abs_weighting_rel)} ({r.n_full_active} active of {r.n_full})."))
+        if r.n_grad_steps > 0:
+            heads.append(Headline(
+                f"{r.task}:{r.config}:grad_ratio", r.grad_ratio, r.grad_ratio_se,
+                f"{r.task}, {r.config}: gradient cancellation ratio "
+                f"{with_se(r.grad_ratio, r.grad_ratio_se)} "
+                f"{_support(r.n_grad_steps, r.n_grad_groups)}."))
+    for task, d in conf.groupby("task", sort=False):
+        first = d.iloc[0]
+        if first["n_full"] == 0:
+            notes.append(f"{task}: no full-group shared steps occurred in these samples "
+                         "(responses of every group diverge at the first token).")
+        else:
+            notes.append(f"{task}: {int(first['n_full'])} full-group shared steps occurred, "
+                         f"{int(first['n_full_active'])} of them active in the first "
+                         "configuration (an all-agree group's steps have A = 0: nothing to "
+                         "cancel).")
     return heads, notes

@@ -15,12 +15,16 @@ estimates then live in the same space by construction.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from varbench.grads.vectors import token_vectors
 from varbench.models.forward import forward_logits
-from varbench.models.logits import token_logprobs
+from varbench.models.logits import sum_pi_sq, token_logprobs
 from varbench.models.presets import Policy
 from varbench.rollout.batch import RolloutBatch
 from varbench.rollout.sampler import encode_prompts
@@ -41,6 +45,8 @@ class ExactDistribution:
     logp: torch.Tensor
     rewards: torch.Tensor
     reward_name: str
+    token_logp: torch.Tensor | None = None  # [N, T] log pi(y_t | prompt, y_<t)
+    token_sum_pi_sq: torch.Tensor | None = None  # [N, T] sum_v pi(v | prompt, y_<t)^2
 
     @property
     def probs(self) -> torch.Tensor:
@@ -113,7 +119,7 @@ def enumerate_distribution(
     prompt_ids, _ = encode_prompts(tok, [prompt])  # [1, Lp] (one prompt: no padding)
     dev = policy.device
     Lp = prompt_ids.shape[1]
-    out = []
+    out, spsq = [], []
     was_training = model.training
     model.eval()
     try:
@@ -121,7 +127,9 @@ def enumerate_distribution(
             r = responses[s : s + chunk]
             ids = torch.cat([prompt_ids.expand(r.shape[0], Lp), r], 1).to(dev)
             logits = forward_logits(model, ids, torch.ones_like(ids)).logits
-            out.append(token_logprobs(logits, ids)[:, Lp:].double().sum(-1).cpu())
+            out.append(token_logprobs(logits, ids)[:, Lp:].double().cpu())
+            # the distribution that picks response token t sits at column Lp + t - 1
+            spsq.append(sum_pi_sq(logits[:, Lp - 1 : -1]).double().cpu())
     finally:
         model.train(was_training)
     texts = tok.batch_decode(responses.tolist(), skip_special_tokens=True)
@@ -130,7 +138,154 @@ def enumerate_distribution(
         prompt=prompt,
         prompt_ids=prompt_ids,
         responses=responses,
-        logp=torch.cat(out),
+        logp=torch.cat(out).sum(-1),
         rewards=rewards,
         reward_name=reward,
+        token_logp=torch.cat(out),
+        token_sum_pi_sq=torch.cat(spsq),
     )
+
+
+@dataclass
+class ResponseTable:
+    """Every response of an :class:`ExactDistribution` with its per-token gradient vectors.
+
+    ``probs``, ``rewards`` [N] float64; ``mask``, ``logprobs``, ``sum_pi_sq``, ``token_sq``
+    [N, T]; ``vec`` [N, T, K] (sketched, or flat with K = D). A group of G i.i.d. draws is G
+    rows drawn with probabilities ``probs``: sampling from the table is sampling from the
+    policy, without a forward or backward per group.
+    """
+
+    probs: torch.Tensor
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    sum_pi_sq: torch.Tensor
+    token_sq: torch.Tensor
+    vec: torch.Tensor
+    sketch: str
+    n_params: int
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def reference(self) -> torch.Tensor:
+        """g* = sum_y pi(y) R(y) grad log pi(y) [K] in the table's vector space (float64)."""
+        w = (self.probs * self.rewards)[:, None, None] * self.mask[..., None].double()
+        return (w * self.vec.double()).sum((0, 1))
+
+    def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """``n`` i.i.d. responses as ``[1, n, ...]`` tensors (``vec``, ``token_sq``, ``mask``,
+        ``logprobs``, ``sum_pi_sq``, ``rewards``), drawn with ``generator`` (CPU)."""
+        idx = torch.multinomial(self.probs, n, replacement=True, generator=generator)
+        return {k: getattr(self, k)[idx].unsqueeze(0)
+                for k in ("vec", "token_sq", "mask", "logprobs", "sum_pi_sq", "rewards")}
+
+
+def response_table(policy: Policy, dist: ExactDistribution, *, sketch_dim: int | None = None,
+                   sketch_seed: int = 0, progress: bool = False) -> ResponseTable:
+    """Per-token gradient vectors of every response of ``dist`` (one exact-harness pass).
+
+    Cost: one per-token backward per token of the N * T table; use it where N * T is small
+    (``sort`` with n = 1 or 2 on a small preset), where it makes every group statistic exact
+    (:func:`exact_moments`) and Monte Carlo replicates free.
+    """
+    N, T = dist.responses.shape
+    zeros = torch.zeros(1, N, T)
+    batch = RolloutBatch(
+        prompt_ids=dist.prompt_ids, prompt_mask=torch.ones_like(dist.prompt_ids),
+        tokens=dist.responses.unsqueeze(0), mask=torch.ones(1, N, T), env_mask=zeros,
+        logprobs=zeros, sum_pi_sq=zeros, entropy=zeros, rewards=dist.rewards[None].float(),
+        lengths=torch.full((1, N), T), meta={"oracle": True},
+    )
+    tv = token_vectors(policy.model, batch, sketch_dim=sketch_dim, sketch_seed=sketch_seed,
+                       progress=progress)
+    assert dist.token_logp is not None and dist.token_sum_pi_sq is not None
+    return ResponseTable(
+        probs=dist.probs / dist.probs.sum(), rewards=dist.rewards.double(),
+        mask=torch.ones(N, T), logprobs=dist.token_logp.float(),
+        sum_pi_sq=dist.token_sum_pi_sq.float(), token_sq=tv.token_sq[0].double(),
+        vec=tv.vec[0], sketch=tv.sketch, n_params=tv.n_params,
+    )
+
+
+def _compositions(G: int, c: int) -> torch.Tensor:
+    """Every ``[c]`` vector of non-negative integers summing to G: ``[C(G+c-1, c-1), c]``."""
+    rows = [list(x) for x in itertools.combinations(range(G + c - 1), c - 1)]
+    out = []
+    for bars in rows:
+        edges = [-1, *bars, G + c - 1]
+        out.append([edges[k + 1] - edges[k] - 1 for k in range(c)])
+    return torch.tensor(out, dtype=torch.long)
+
+
+def exact_moments(
+    table: ResponseTable,
+    coef_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    G: int,
+    reference: torch.Tensor,
+    *,
+    max_configs: int = 200_000,
+) -> dict[str, float] | None:
+    """Exact statistics of ``g_hat = sum_{i,t} c_{i,t} v(y_i)_t`` over groups of G i.i.d. draws.
+
+    ``coef_fn(rewards [C, G], mask [C, G, T]) -> c [C, G, T]`` gives the ascent coefficients
+    of a group from its rewards alone (a scheme that reads only rewards, at ratio 1). The
+    estimate is then linear in the responses given the rewards, so with reward classes k
+    (distinct values), class probabilities q_k, class means mu_k = E[s | k] and second moments
+    m2_k = E[||s||^2 | k] of s = sum_t v_t, and b_i the coefficient of member i::
+
+        E[g_hat | n]      = sum_k beta_k mu_k,                  beta_k = sum_{i in k} b_i
+        E[||g_hat||^2 | n] = ||E[g_hat | n]||^2 + sum_k gamma_k (m2_k - ||mu_k||^2),
+                                                                 gamma_k = sum_{i in k} b_i^2
+
+    summed over the reward configurations n (multinomial counts). Returns None when the
+    coefficients vary over a response's tokens (not of this form) or when there are more than
+    ``max_configs`` configurations. Keys: variance, mse, projection, bias2, signal_norm2,
+    frac_all_agree, frac_zero, mean_coef_norm (all float).
+    """
+    R, p = table.rewards, table.probs
+    levels = torch.unique(R)
+    c = int(levels.numel())
+    if math.comb(G + c - 1, c - 1) > max_configs:
+        return None
+    cls = torch.searchsorted(levels, R)
+    q = torch.zeros(c, dtype=torch.float64).index_add_(0, cls, p)
+    s = (table.vec.double() * table.mask[..., None].double()).sum(1)  # [N, K]
+    mu = torch.zeros(c, s.shape[1], dtype=torch.float64).index_add_(0, cls, p[:, None] * s)
+    mu = mu / q.clamp(min=1e-300)[:, None]
+    m2 = torch.zeros(c, dtype=torch.float64).index_add_(0, cls, p * (s * s).sum(1))
+    m2 = m2 / q.clamp(min=1e-300)
+    comp = _compositions(G, c)  # [C, c]
+    # rows of rewards: each configuration's members sorted by class
+    rewards = torch.stack([torch.repeat_interleave(levels, n) for n in comp])  # [C, G]
+    T = table.mask.shape[1]
+    mask = torch.ones(comp.shape[0], G, T)
+    coef = coef_fn(rewards, mask).double()  # [C, G, T]
+    if not torch.equal(coef, coef[..., :1].expand_as(coef)):
+        return None
+    b = coef[..., 0]  # [C, G]
+    onehot = torch.stack([torch.repeat_interleave(torch.arange(c), n) for n in comp])  # [C, G]
+    beta = torch.zeros(comp.shape[0], c, dtype=torch.float64).scatter_add_(1, onehot, b)
+    gamma = torch.zeros(comp.shape[0], c, dtype=torch.float64).scatter_add_(1, onehot, b * b)
+    logq = torch.where(q > 0, q.log(), torch.tensor(-math.inf, dtype=torch.float64))
+    logP = (math.lgamma(G + 1) - torch.lgamma(comp.double() + 1).sum(1)
+            + torch.where(comp > 0, comp.double() * logq, 0).sum(1))
+    P = logP.exp()  # [C]
+    gram = mu @ mu.T  # [c, c]
+    mean = (P @ beta) @ mu  # E[g_hat] [K]
+    second = (P * (torch.einsum("nk,kl,nl->n", beta, gram, beta)
+                   + gamma @ (m2 - gram.diagonal()))).sum()
+    ref = reference.double().reshape(-1)
+    gg = float(ref @ ref)
+    var = float(second - mean @ mean)
+    return {
+        "variance": var,
+        "mse": float(second - 2 * (mean @ ref) + gg),
+        "projection": float(mean @ ref) / gg if gg > 0 else float("nan"),
+        "bias2": float(((mean - ref) ** 2).sum()),
+        "signal_norm2": float(mean @ mean),
+        "frac_all_agree": float((q**G).sum()),
+        "frac_zero": float(P[(b == 0).all(1)].sum()),
+    }

@@ -40,7 +40,7 @@ from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
 from varbench.rollout.sampler import sample
-from varbench.stats.estimates import correlations
+from varbench.stats.estimates import MAGNITUDE_METHODS, correlations
 from varbench.tasks.base import Task
 
 _PAIRS_TOKEN = (("w_t", "token_sq"), ("w_t", "head_sq"))
@@ -116,6 +116,11 @@ def correlation_records(tok: pd.DataFrame, *, n_boot: int = 200, seed: int = 0) 
                 rows.append(_corr_rows(d[a], d[b], d["seq"], quantity=f"{a} vs {b}",
                                        scope="position", position=int(t), n_boot=n_boot,
                                        seed=seed, methods=["pearson", "pearson_log", "spearman"]))
+    # Magnitude beside ranks: OTB's baseline B = sum W G / sum W uses the weights linearly, so
+    # a proxy with the right ranks but the wrong spread of magnitudes still moves B.
+    rows.append(_corr_rows(tok["w_t"], tok["token_sq"], tok["seq"], quantity="w_t vs token_sq",
+                           scope="magnitude", position=-1, n_boot=n_boot, seed=seed,
+                           methods=list(MAGNITUDE_METHODS)))
     last = tok.loc[tok.groupby("seq")["pos"].idxmax()]
     rows.append(_corr_rows(last["W_t"], last["prefix_sq"], last["seq"],
                            quantity="W_T vs sequence_sq", scope="sequence", position=-1,
@@ -263,6 +268,29 @@ def _headlines(records: dict[str, pd.DataFrame]) -> tuple[list[Headline], list[s
                 f"{state}: pooled Spearman(W_t, prefix_sq) = {fmt(pooled['estimate'])} against "
                 f"{fmt(within['estimate'].mean())} averaged within {len(within)} fixed positions."
             )
+    notes.append(
+        "OTB's weights enter its baseline linearly (B_t = sum_i W_t^i G_t^i / sum_i W_t^i), so "
+        "OTB depends on the proxy's magnitudes (a log-log slope near 1, a high raw Pearson, the "
+        "same concentration of the total in the top tokens), not only on its ranks (Spearman)."
+    )
+    for state in dict.fromkeys(cor["state"]):
+        c = cor[(cor["state"] == state) & (cor["scope"] == "magnitude")].set_index("method")
+        p = cor[(cor["state"] == state) & (cor["scope"] == "pooled")
+                & (cor["quantity"] == "w_t vs token_sq") & (cor["method"] == "pearson")]
+        if "loglog_slope" not in c.index or not len(p):
+            continue
+        s, pr = c.loc["loglog_slope"], p.iloc[0]
+        t5 = c.loc["top5_share_y"] if "top5_share_y" in c.index else None
+        t5x = c.loc["top5_share_x"] if "top5_share_x" in c.index else None
+        heads.append(Headline(
+            f"{state}:w_t vs token_sq:loglog_slope", float(s["estimate"]), float(s["se"]),
+            f"{state}, magnitudes of w_t vs token_sq: log-log slope {fmt(s['estimate'])} "
+            f"[95% CI {fmt(s['ci_low'])}, {fmt(s['ci_high'])}] (1 = proportional), Pearson "
+            f"{fmt(pr['estimate'])} [95% CI {fmt(pr['ci_low'])}, {fmt(pr['ci_high'])}]; the "
+            f"top 5% of tokens hold "
+            f"{fmt(100 * float(t5['estimate']) if t5 is not None else None)}% of the exact "
+            f"norm total against {fmt(100 * float(t5x['estimate']) if t5x is not None else None)}"
+            f"% of the proxy total."))
     for r in otb.itertuples():
         heads.append(Headline(
             f"{r.state}:otb_mean_abs_dA", r.mean_abs_dA, None,

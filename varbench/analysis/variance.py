@@ -33,6 +33,7 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,9 +46,14 @@ from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
-from varbench.analysis.oracle import enumerate_distribution
+from varbench.analysis.oracle import (
+    ResponseTable,
+    enumerate_distribution,
+    exact_moments,
+    response_table,
+)
 from varbench.analysis.variance_report import variance_headlines
-from varbench.estimators.aggregation import AGGREGATION_MODES
+from varbench.estimators.aggregation import AGGREGATION_MODES, aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.registry import advantages
 from varbench.estimators.registry import schemes as registered_schemes
@@ -58,6 +64,14 @@ from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
+from varbench.stats.intervals import (
+    INTERVAL_METHODS,
+    INTERVAL_STATS,
+    adaptive_groups,
+    group_intervals,
+    paired_ratio_interval,
+    sketch_sd,
+)
 from varbench.tasks.base import Task
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,
@@ -67,6 +81,7 @@ DEFAULT_SCHEMES: tuple[str, ...] = (
 )
 DEFAULT_GS: tuple[int, ...] = (2, 4, 8, 16, 32)
 _EXACT_LIMIT = 200_000  # largest V**T enumerated for an exact reference
+_FLAT_LIMIT = 200_000  # sketch_dim="auto": flat (exact) vectors up to this many parameters
 
 
 def scheme_of(label: str) -> str:
@@ -90,11 +105,14 @@ def group_estimates(vec: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, lo
     per-token gradient weight of the clipped loss at ratio 1 (``token_coefficients``), computed
     per group so that each group is its own batch (B = G in the aggregation weights).
     """
-    coef = torch.stack([
-        -token_coefficients(logp[m : m + 1], logp[m : m + 1], adv[m : m + 1], mask[m : m + 1],
-                            mode, max_len=max_len)[0]
-        for m in range(adv.shape[0])
-    ])
+    # One coefficient pass over all M groups (a batch of B = M*G), then each token's weight
+    # rescaled from the batch's omega to its own group's (omega is linear in c; at ratio 1
+    # no clip is active): no Python loop over groups in the loss terms.
+    coef = -token_coefficients(logp, logp, adv, mask, mode, max_len=max_len)
+    wb = aggregation_weights(mask, mode, max_len=max_len, dtype=torch.float64)
+    wg = torch.cat([aggregation_weights(mask[m : m + 1], mode, max_len=max_len,
+                                        dtype=torch.float64) for m in range(adv.shape[0])])
+    coef = coef.double() * torch.where(wb > 0, wg / torch.where(wb > 0, wb, 1), 0)
     # The one contraction (varbench.grads.vectors.combine): in the vectors' dtype, no
     # per-scheme copy of the large [M, G, T, K] tensor.
     return combine(vec, coef).to(torch.float64)
@@ -126,19 +144,85 @@ def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, pro
     return g, se, f"sampled: raw estimator over {n_ref} independent responses"
 
 
-def _cell(tv, batch, G, M, labels, modes, ref, *, topk_k, max_len, mean_len):
-    """Statistics of every (scheme, mode) at group size G for one prompt; paired ratios."""
+# The per-response arrays a cell reads ([1, n, ...]; vec [1, n, T, K]).
+_ARRAYS = ("vec", "token_sq", "mask", "logprobs", "sum_pi_sq", "rewards")
+
+
+def _from_sample(batch, tv) -> dict[str, torch.Tensor]:
+    return {"vec": tv.vec, "token_sq": tv.token_sq, "mask": batch.mask,
+            "logprobs": batch.logprobs, "sum_pi_sq": batch.sum_pi_sq, "rewards": batch.rewards}
+
+
+def _concat_arrays(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Responses of several sampling rounds side by side (dim 1), zero-padded to one T."""
+    T = max(p["mask"].shape[2] for p in parts)
+    out = {}
+    for k in _ARRAYS:
+        xs = []
+        for p in parts:
+            x = p[k]
+            if k != "rewards" and x.shape[2] < T:
+                pad = [0, 0] * (x.dim() - 3) + [0, T - x.shape[2]]
+                x = torch.nn.functional.pad(x, pad)
+            xs.append(x)
+        out[k] = torch.cat(xs, 1)
+    return out
+
+
+def _coef_fn(label: str, mode: str, *, topk_k: int, max_len: int):
+    """``coef_fn(rewards [C, G], mask [C, G, T])`` for :func:`exact_moments` (None: the
+    scheme needs more than rewards, e.g. OTB's token weights)."""
+    def fn(R, mask):
+        adv = advantages(scheme_of(label), R, mask != 0, k=topk_k)
+        lp = torch.zeros_like(adv)
+        return torch.stack([-token_coefficients(lp[c : c + 1], lp[c : c + 1], adv[c : c + 1],
+                                                mask[c : c + 1], mode, max_len=max_len)[0]
+                            for c in range(R.shape[0])])
+    return None if label.endswith("_exact") else fn
+
+
+def _exact_cell(table, label, mode, G, ref, *, topk_k, max_len):
+    fn = _coef_fn(label, mode, topk_k=topk_k, max_len=max_len)
+    if fn is None or ref is None:
+        return None
+    try:
+        return exact_moments(table, fn, G, ref)
+    except UsageError:
+        return None  # the scheme needs token statistics: Monte Carlo
+
+
+def _widen(st: dict[str, float], sd: float, z: float) -> dict[str, float]:
+    """Add a sketch standard deviation in quadrature to an SE and to both sides of a CI."""
+    if sd == 0 or not math.isfinite(sd):
+        return st
+    v = st["value"]
+    return {"value": v, "se": math.hypot(st["se"], sd),
+            "ci_low": v - math.hypot(v - st["ci_low"], z * sd),
+            "ci_high": v + math.hypot(st["ci_high"] - v, z * sd)}
+
+
+def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=None,
+          sketch_k=None, interval="studentized", n_boot=1000, level=0.95, seed=0,
+          intervals=True):
+    """Statistics of every (scheme, mode) at group size G for one prompt; paired ratios.
+
+    ``data``: the ``_ARRAYS`` of >= M*G responses. With ``table`` (an enumerable prompt), a
+    scheme that reads only rewards gets exact values (``method = exact``); otherwise the
+    Monte Carlo values over the M groups (``method = mc``) with bootstrap-t intervals, widened
+    by the sketch's own error when the vectors are sketched (``sketch_k`` buckets).
+    """
     n = M * G
-    T = batch.T
 
     def grp(x):
         return x[0, :n].reshape(M, G, *x.shape[2:])
 
-    vec, mask = grp(tv.vec), grp(batch.mask) != 0
-    logp, spsq, tsq = grp(batch.logprobs), grp(batch.sum_pi_sq), grp(tv.token_sq)
-    rewards = batch.rewards[0, :n].reshape(M, G).to(logp.dtype)
+    vec, mask = grp(data["vec"]), grp(data["mask"]) != 0
+    T = mask.shape[-1]
+    logp, spsq, tsq = grp(data["logprobs"]), grp(data["sum_pi_sq"]), grp(data["token_sq"])
+    rewards = data["rewards"][0, :n].reshape(M, G).to(logp.dtype)
     tokens = mask.sum((1, 2)).double()
     agree = (rewards == rewards[:, :1]).all(1).double().mean()
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((1 + level) / 2)))
     rows, paired, est = [], [], {}
     for label in labels:
         adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)
@@ -146,7 +230,6 @@ def _cell(tv, batch, G, M, labels, modes, ref, *, topk_k, max_len, mean_len):
         for mode in modes:
             r = None if ref is None else ref * _mode_scale(mode, mean_len, max_len)
             e = group_estimates(vec, adv, mask.to(logp.dtype), logp, mode, max_len=max_len)
-            est[label, mode] = (e, r)
             st = variance_stats(e, r, tokens=tokens)
             row = {"scheme": label, "G": G, "mode": mode, "M": M, "T": T}
             for k in VARIANCE_STATS:
@@ -154,18 +237,81 @@ def _cell(tv, batch, G, M, labels, modes, ref, *, topk_k, max_len, mean_len):
             row["frac_nonzero_delta"] = float(nonzero)
             row["frac_all_agree"] = float(agree)
             row["tokens_per_group"] = float(tokens.mean())
+            ex = None if table is None else _exact_cell(table, label, mode, G, r,
+                                                        topk_k=topk_k, max_len=max_len)
+            row["method"] = "mc" if ex is None else "exact"
+            if ex is not None:
+                _set_exact(row, ex)
+            elif r is not None and intervals:
+                iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
+                                     method=interval)
+                sd = (sketch_sd(e, r, sketch_k) if sketch_k
+                      else dict.fromkeys(INTERVAL_STATS, 0.0))
+                for k in INTERVAL_STATS:
+                    w = _widen(iv[k], sd[k], z)
+                    row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
+                        w["se"], w["ci_low"], w["ci_high"])
+                    row[f"{k}_sketch_sd"] = sd[k]
+            est[label, mode] = (e, r, ex)
             rows.append(row)
-    for (label, mode), (e, r) in est.items():
-        if ("centered", mode) not in est or label == "centered":
-            continue
-        for stat in ("variance", "mse"):
-            if stat == "mse" and r is None:
-                continue
-            c = paired_compare(e, est["centered", mode][0], r, stat=stat)
-            paired.append({"scheme": label, "baseline": "centered", "G": G, "mode": mode,
-                           "stat": stat, "ratio": c["ratio"], "ratio_se": c["ratio_se"],
-                           "diff": c["diff"], "diff_se": c["diff_se"]})
+    pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
+    pairs += [(lab, f"{lab}_exact") for lab in labels if f"{lab}_exact" in labels]
+    for label, base in pairs:
+        for mode in modes:
+            (e, r, ex), (eb, _, exb) = est[label, mode], est[base, mode]
+            for stat in ("variance", "mse"):
+                if stat == "mse" and r is None:
+                    continue
+                row = {"scheme": label, "baseline": base, "G": G, "mode": mode, "stat": stat}
+                if ex is not None and exb is not None:
+                    ratio = ex[stat] / exb[stat] if exb[stat] else float("nan")
+                    row.update(ratio=ratio, ratio_se=0.0, diff=ex[stat] - exb[stat], diff_se=0.0,
+                               ratio_ci_low=ratio, ratio_ci_high=ratio, method="exact")
+                else:
+                    c = paired_compare(e, eb, r, stat=stat)
+                    row.update(ratio=c["ratio"], ratio_se=c["ratio_se"], diff=c["diff"],
+                               diff_se=c["diff_se"], method="mc")
+                    if (intervals and r is not None and math.isfinite(c["ratio"])
+                            and c["ratio"] > 0):
+                        pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
+                                                   n_boot=n_boot, seed=seed, method=interval)
+                        row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
+                paired.append(row)
     return pd.DataFrame(rows), pd.DataFrame(paired)
+
+
+def _set_exact(row: dict, ex: dict[str, float]) -> None:
+    """Overwrite a cell's moment statistics with their exact values (SE 0)."""
+    var = ex["variance"]
+    vals = {
+        "variance": var, "mse": ex["mse"], "projection": ex["projection"],
+        "bias": max(ex["bias2"], 0.0) ** 0.5, "bias2_debiased": ex["bias2"],
+        "signal_norm2": ex["signal_norm2"],
+        "snr": ex["signal_norm2"] / var if var > 0 else float("nan"),
+        "noise_scale": var / ex["signal_norm2"] if ex["signal_norm2"] > 0 else float("nan"),
+        "variance_x_tokens": var * row["tokens_per_group"],
+        "frac_all_agree": ex["frac_all_agree"], "frac_zero": ex["frac_zero"],
+    }
+    for k, v in vals.items():
+        row[k] = v
+        if f"{k}_se" in row:
+            row[f"{k}_se"] = 0.0
+    for k in INTERVAL_STATS:
+        row[f"{k}_ci_low"] = row[f"{k}_ci_high"] = vals[k]
+        row[f"{k}_sketch_sd"] = 0.0
+
+
+def _max_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_len) -> float:
+    """Largest jackknife relative SE of variance and MSE over the cells (adaptive M)."""
+    worst = 0.0
+    for G in Gs:
+        c, _ = _cell(data, G, M, labels, modes, ref, topk_k=topk_k, max_len=max_len,
+                     mean_len=mean_len, intervals=False)
+        for stat in ("variance", "mse"):
+            rel = (c[f"{stat}_se"] / c[stat].where(c[stat] > 0)).max()
+            if pd.notna(rel):
+                worst = max(worst, float(rel))
+    return worst
 
 
 def estimator_variance(
@@ -176,11 +322,19 @@ def estimator_variance(
     Gs: Sequence[int] = DEFAULT_GS,
     modes: Sequence[str] = ("seq-mean-token-sum",),
     M: int = 32,
+    M_cap: int | None = None,
+    target_rel_se: float | None = None,
     n_prompts: int = 2,
     reward: str | None = None,
     reference: str = "auto",
     n_ref: int = 2048,
-    sketch_dim: int | None = 1024,
+    sketch_dim: int | str | None = 1024,
+    sketch_seed: int = 0,
+    exact: str = "auto",
+    table_limit: int = 256,
+    interval: str = "studentized",
+    n_boot: int = 1000,
+    level: float = 0.95,
     topk_k: int = 1,
     seed: int = 0,
     cache_dir: str | None = None,
@@ -193,8 +347,22 @@ def estimator_variance(
     with exact ||g_t||^2 weights). ``reference``: "exact", "sampled" or "auto" (exact when the
     task is fixed-length with V**T <= 200k). Records: ``cells`` (prompt means; SE =
     sqrt(sum se^2) / n_prompts over independent prompts), ``cells_by_prompt``, ``paired``
-    (ratio to centered on the same groups), ``reference``. Finished (prompt, G) cells are cached
-    under ``cache_dir`` and skipped on rerun.
+    (ratio to centered on the same groups, and ``otb`` to ``otb_exact``: what the proxy costs),
+    ``reference``. Finished (prompt, G) cells are cached under ``cache_dir`` and skipped.
+
+    Methods per cell (column ``method``): ``exact`` when the prompt's response space is
+    enumerated into a table of per-token vectors (``exact="auto"``: exact reference and at
+    most ``table_limit`` tokens in the table; ``"never"`` turns it off) and the scheme reads
+    rewards only (the estimate is then linear in the responses given the rewards:
+    :func:`~varbench.analysis.oracle.exact_moments`); otherwise ``mc`` over M groups, with
+    bootstrap-t intervals over groups (``interval``, ``n_boot``, ``level``;
+    :mod:`varbench.stats.intervals`). Adaptive M: with ``target_rel_se``, M grows from ``M``
+    in steps of ``M`` until the largest relative SE of variance and MSE is at most the target
+    or M reaches ``M_cap`` (the M used and whether the target was met are in the cells).
+    ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
+    which picks the prompts and samples); None for flat vectors (exact contraction, no sketch
+    error); ``"auto"``: flat when the model has at most 200k parameters, else 1024. With a
+    sketch, the sketch's own standard deviation is added to the SEs and intervals.
 
     Under a joined ``torch.distributed`` process group, prompts are sharded over the ranks
     (prompt ``p`` on rank ``p % world_size``) and gathered; every rank returns the full result.
@@ -208,9 +376,20 @@ def estimator_variance(
     for mode in modes:
         check_choice("modes", mode, AGGREGATION_MODES)
     check_positive_int("M", M, minimum=3)
+    M_cap = M if M_cap is None else check_positive_int("M_cap", M_cap, minimum=M)
+    if target_rel_se is not None and not (isinstance(target_rel_se, (int, float))
+                                          and target_rel_se > 0):
+        raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
     check_positive_int("n_prompts", n_prompts)
     check_choice("reference", reference, ("auto", "exact", "sampled"))
+    check_choice("exact", exact, ("auto", "never"))
+    check_choice("interval", interval, INTERVAL_METHODS)
     reward = task.check_reward(reward)
+    n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    if sketch_dim == "auto":
+        sketch_dim = None if n_params <= _FLAT_LIMIT else 1024
+    elif sketch_dim is not None:
+        check_positive_int("sketch_dim", sketch_dim)
     V = int(policy.model.get_output_embeddings().weight.shape[0])
     enumerable = task.fixed_length and V**task.max_new_tokens <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
@@ -220,15 +399,19 @@ def estimator_variance(
         )
     use_exact = reference == "exact" or (reference == "auto" and enumerable)
     ref_kind = "exact" if use_exact else "sampled"
+    use_table = (use_exact and exact == "auto"
+                 and V**task.max_new_tokens * task.max_new_tokens <= table_limit)
     t0 = time.perf_counter()
     Gs = sorted(set(int(g) for g in Gs))
     cfg = {"analysis": "variance", "policy": policy.name, "policy_meta": policy.meta,
            "task": task.name, "knobs": task.knobs, "reward": reward, "schemes": list(schemes),
-           "Gs": Gs, "modes": list(modes), "M": M, "n_prompts": n_prompts, "reference": ref_kind,
-           "n_ref": n_ref, "sketch_dim": sketch_dim, "topk_k": topk_k, "seed": seed,
-           **(config or {})}
+           "Gs": Gs, "modes": list(modes), "M": M, "M_cap": M_cap,
+           "target_rel_se": target_rel_se, "n_prompts": n_prompts, "reference": ref_kind,
+           "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
+           "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
+           "level": level, "topk_k": topk_k, "seed": seed, **(config or {})}
     cache = CellCache(cache_dir, cfg)
-    vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": seed}
+    vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": sketch_seed}
     prompts = task.prompts(n_prompts, seed=seed)
     show = show_progress(progress)
     max_len = task.max_new_tokens
@@ -236,30 +419,82 @@ def estimator_variance(
     mine = [(p, prompt) for p, prompt in enumerate(prompts) if p % world == rank]
     cells, paired, refs = [], [], []
     bar = tqdm(total=len(mine) * len(Gs), desc="variance cells", disable=not show or rank != 0)
+    kw = {"labels": schemes, "modes": modes, "topk_k": topk_k, "max_len": max_len}
     for p, prompt in mine:
         names = [f"p{p}_G{G}" for G in Gs]
         done = [(cache.load(n + "_cells"), cache.load(n + "_paired")) for n in names]
         ref_row = cache.load(f"p{p}_reference")
         if ref_row is None or any(c is None or pr is None for c, pr in done):
             p_seed = seed + 1000 * p
-            batch = sample(policy, task, [prompt], M * Gs[-1], seed=p_seed, reward=reward)
-            tv = token_vectors(policy.model, batch, progress=show, **vec_kw)
-            mean_len = float(batch.mask.sum(-1).double().mean())
-            g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
-                                             reward=reward, n_ref=n_ref, vec_kw=vec_kw,
-                                             progress=show)
+            table = None
+            if use_table:
+                dist = enumerate_distribution(policy, task, prompt, reward=reward)
+                table = response_table(policy, dist, progress=show, **vec_kw)
+                g_ref, ref_se = table.reference(), 0.0
+                desc = f"exact enumeration of {dist.responses.shape[0]} responses"
+                if not bool((table.probs * table.rewards).ne(0).any()):
+                    g_ref, desc = None, "exact (J = 0: every response scores 0)"
+                gen = torch.Generator().manual_seed(p_seed)
+
+                def draw(m, table=table, gen=gen):
+                    return table.sample(m * Gs[-1], gen)
+                sketch_desc, D = table.sketch, table.n_params
+            else:
+                g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
+                                                 reward=reward, n_ref=n_ref, vec_kw=vec_kw,
+                                                 progress=show)
+                rounds, first = [0], []
+
+                def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first):
+                    # round 0 is the historical sample (seed p_seed); later rounds new seeds
+                    s_ = p_seed + 104729 * rounds[0]
+                    rounds[0] += 1
+                    b = sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
+                    tv = token_vectors(policy.model, b, progress=show, **vec_kw)
+                    if not first:
+                        first.append((b, tv))
+                    return _from_sample(b, tv)
+                sketch_desc, D = None, n_params
+            parts = [draw(M)]
+            data = parts[0]
+            # the sketch checked per prompt on the first round (sampled groups only)
+            seq_norms = (_sequence_norms(policy.model, *first[0]) if table is None
+                         else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
+            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
+            M_used, rel, met = M, float("nan"), float("nan")
+            if target_rel_se is not None:
+                mean_len0 = float(data["mask"].sum(-1).double().mean())
+
+                def rel_se(m, parts=parts, g_ref=g_ref, mean_len0=mean_len0):
+                    while sum(x["mask"].shape[1] for x in parts) < m * Gs[-1]:
+                        parts.append(draw(M))
+                    d = _concat_arrays(parts) if len(parts) > 1 else parts[0]
+                    return _max_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
+
+                M_used, rel, met_ = adaptive_groups(rel_se, start=M, step=M, cap=M_cap,
+                                                    target=target_rel_se)
+                met = float(met_)
+                data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
+            mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
+            if sketch_desc is None:
+                sketch_desc = ("flat" if sketch_dim is None or sketch_dim >= D else
+                               f"countsketch(K={sketch_dim}, seed={sketch_seed})")
+            sk = None if sketch_desc == "flat" else sketch_dim
             ref_row = pd.DataFrame([{
                 "prompt": p, "prompt_text": prompt.text, "reference": desc,
                 "ref_norm": float(g_ref.norm()) if g_ref is not None else 0.0,
-                "ref_se_norm": ref_se, "sketch": tv.sketch, "n_params": tv.n_params,
-                "mean_len": mean_len, "mean_reward_sampled": float(batch.rewards.mean()),
-                **_sequence_norms(policy.model, batch, tv),
+                "ref_se_norm": ref_se, "sketch": sketch_desc, "n_params": D,
+                "mean_len": mean_len, "mean_reward_sampled":
+                    float(data["rewards"][0, : M_used * Gs[-1]].double().mean()),
+                "M_used": M_used, "max_rel_se": rel, "target_met": met,
+                "table": table is not None, **seq_norms,
             }])
             cache.save(f"p{p}_reference", ref_row)
             for i, G in enumerate(Gs):
                 if done[i][0] is None or done[i][1] is None:
-                    c, pr = _cell(tv, batch, G, M, schemes, modes, g_ref, topk_k=topk_k,
-                                  max_len=max_len, mean_len=mean_len)
+                    c, pr = _cell(data, G, M_used, ref=g_ref, mean_len=mean_len, table=table,
+                                  sketch_k=sk, interval=interval, n_boot=n_boot, level=level,
+                                  seed=p_seed, **kw)
                     c.insert(0, "prompt", p)
                     pr.insert(0, "prompt", p)
                     cache.save(names[i] + "_cells", c)
@@ -284,7 +519,7 @@ def estimator_variance(
         kind="variance", name="variance", records=records, summary=summary, headlines=heads,
         config=cfg, notes=notes,
         provenance=provenance(config=cfg, seeds={"prompts": seed, "sample": "seed + 1000 * p",
-                                                 "sketch": seed},
+                                                 "sketch": sketch_seed},
                               device=str(policy.device), wall_time_s=wall),
     )
 
@@ -300,6 +535,36 @@ def _sequence_norms(model, batch, tv) -> dict[str, float]:
             "seq_sq_sketched": float(sketched.double().mean())}
 
 
+def table_cells(
+    table: ResponseTable,
+    G: int,
+    M: int,
+    *,
+    schemes: Sequence[str] = ("centered", "otb"),
+    modes: Sequence[str] = ("seq-mean-token-sum",),
+    exact: bool = False,
+    interval: str = "studentized",
+    n_boot: int = 1000,
+    level: float = 0.95,
+    topk_k: int = 1,
+    seed: int = 0,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
+
+    The Monte Carlo cells of :func:`estimator_variance` (``exact=False``) or, for the schemes
+    that read only rewards, the exact ones (``exact=True``), against the table's own g*. The
+    groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
+    coverage, exact against Monte Carlo) is a loop over seeds.
+    """
+    check_positive_int("G", G, minimum=2)
+    check_positive_int("M", M, minimum=3)
+    T = table.mask.shape[1]
+    data = table.sample(M * G, torch.Generator().manual_seed(seed))
+    return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
+                 max_len=T, mean_len=float(T), table=table if exact else None,
+                 interval=interval, n_boot=n_boot, level=level, seed=seed)
+
+
 def _gather_by_prompt(mine, n_g, cells, paired, refs):
     """Every rank's per-prompt frames, back in global prompt order (one-process order)."""
     local = [(p, refs[i], cells[i * n_g : (i + 1) * n_g], paired[i * n_g : (i + 1) * n_g])
@@ -310,7 +575,11 @@ def _gather_by_prompt(mine, n_g, cells, paired, refs):
 
 
 def _pool(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Mean over prompts of each value column; SE = sqrt(sum se^2) / n (independent prompts)."""
+    """Mean over prompts of each value column; SE = sqrt(sum se^2) / n (independent prompts).
+
+    An interval ``[lo, hi]`` around a prompt's value pools the same way, side by side: the
+    pooled half-widths are ``sqrt(sum half^2) / n`` (asymmetric intervals stay asymmetric).
+    """
     if not len(df):
         return df
     vals = [c for c in df.columns if c not in keys + ["prompt"] and not c.endswith("_se")
@@ -320,5 +589,15 @@ def _pool(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     for c in vals:
         if f"{c}_se" in df:
             out[f"{c}_se"] = g[f"{c}_se"].apply(lambda s: float((s**2).sum() ** 0.5) / len(s))
+    for c in vals:
+        if c.endswith("_ci_low") or c.endswith("_ci_high"):
+            base = c.rsplit("_ci_", 1)[0]
+            if base not in df:
+                continue
+            half = (df[c] - df[base]).abs().groupby([df[k] for k in keys], sort=False)
+            sign = -1 if c.endswith("_ci_low") else 1
+            out[c] = out[base] + sign * half.apply(lambda s: float((s**2).sum() ** 0.5) / len(s))
+    if "method" in df:
+        out["method"] = g["method"].agg(lambda s: s.iloc[0] if s.nunique() == 1 else "mixed")
     out["n_prompts"] = g.size()
     return out.reset_index()

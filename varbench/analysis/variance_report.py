@@ -1,4 +1,9 @@
-"""Headline sentences and summary figures of the variance analysis, generated from its records."""
+"""Headline sentences and summary figures of the variance analysis, generated from its records.
+
+Headlines are built from the projection ``E[g_hat] . g* / ||g*||^2`` (the scale of the mean
+estimate along g*) and the MSE, not from the mean cosine: a cosine does not see scale, and a
+group whose estimate is exactly 0 (an all-agree group) has no direction at all.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from varbench.report.headline import fmt, ratio_sentence, with_se
+from varbench.report.headline import fmt, interval_text, ratio_sentence, with_se
 from varbench.report.result import Headline
 
 
@@ -18,6 +23,27 @@ def _ratio_se(a: float, sa: float, b: float, sb: float) -> float:
     return abs(a / b) * math.sqrt((sa / a) ** 2 + (sb / b) ** 2)
 
 
+def _get(r, name: str, default: float = float("nan")) -> float:
+    v = getattr(r, name, default)
+    return float(v) if v is not None and pd.notna(v) else default
+
+
+def shrinkage_share(variance_ratio: float, projection_ratio: float) -> float:
+    """Share (0..1) of a variance reduction that a pure rescaling explains, on the log scale.
+
+    Multiplying an estimator by q multiplies its variance by q^2, so a scheme with variance
+    ratio v < 1 and projection ratio q <= 1 against a baseline owes ``2 log q / log v`` of its
+    reduction to shrinkage and the rest to noise suppression. NaN unless 0 < v < 1; 0 when
+    q >= 1 (no shrinkage), capped at 1.
+    """
+    if not (math.isfinite(variance_ratio) and 0 < variance_ratio < 1
+            and math.isfinite(projection_ratio) and projection_ratio > 0):
+        return float("nan")
+    if projection_ratio >= 1:
+        return 0.0
+    return min(1.0, 2 * math.log(projection_ratio) / math.log(variance_ratio))
+
+
 def variance_headlines(
     records: dict[str, pd.DataFrame], ref_kind: str
 ) -> tuple[list[Headline], list[str], dict[str, Any]]:
@@ -26,13 +52,27 @@ def variance_headlines(
     heads: list[Headline] = []
     notes = [
         "Sampling is shared across schemes: every scheme is evaluated on the same M groups per "
-        "prompt, so scheme-vs-centered ratios are paired and their jackknife SEs are small.",
+        "prompt, so scheme-vs-centered ratios are paired and their SEs are small.",
         f"Reference gradient: {ref['reference'].iloc[0] if len(ref) else 'none'} "
         f"({ref_kind}); gradients are {ref['sketch'].iloc[0] if len(ref) else '?'} of "
         f"{int(ref['n_params'].iloc[0]) if len(ref) else '?'} parameters.",
-        "Standard errors are delete-one jackknife over the M groups of a prompt, pooled over "
-        "independent prompts; they condition on the reference gradient.",
+        "Cells with method = exact are expectations over groups of G i.i.d. draws from the "
+        "enumerated response distribution (no sampling error); method = mc cells are Monte "
+        "Carlo over M groups with 95% studentized bootstrap intervals over groups (log scale "
+        "for variance, MSE and ratios) that condition on the reference gradient; a sketch's "
+        "own error is added to their SEs and intervals (none for flat vectors).",
+        "projection = E[g_hat] . g* / ||g*||^2: 1 for an unbiased scheme, (G-1)/G for centered. "
+        "cosine_nonzero is the mean cosine over the groups whose estimate is not exactly 0 "
+        "(frac_zero: share of groups with a zero estimate, all-agree groups for the baseline "
+        "schemes); the cosine is not a headline because it does not measure scale.",
     ]
+    if len(ref) and "M_used" in ref:
+        used = ", ".join(f"p{int(r.prompt)}: M = {int(r.M_used)}"
+                         + ("" if pd.isna(r.target_met) else
+                            f" (largest relative SE {fmt(r.max_rel_se, 2)}, target "
+                            f"{'met' if bool(r.target_met) else 'NOT met: cap reached'})")
+                         for r in ref.itertuples())
+        notes.append(f"Groups per prompt: {used}.")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "
@@ -56,24 +96,61 @@ def variance_headlines(
         heads.append(Headline(
             "reference_gradient_zero", 0.0, None,
             "The reference gradient g* is exactly 0 (every response in the reference scored "
-            "the same), so cosines to g* and bias are not defined."))
-    for r in paired[paired["stat"] == "variance"].itertuples() if len(paired) else []:
-        if not (r.scheme.startswith("otb") or r.scheme == "rloo"):
+            "the same), so projections and cosines on g* and bias are not defined."))
+    by_cell = ({(r.scheme, r.G, r.mode): r for r in cells.itertuples()} if len(cells) else {})
+    for r in cells.itertuples() if len(cells) else []:
+        proj = _get(r, "projection")
+        if r.scheme == "raw" or not math.isfinite(proj):
             continue
+        method = getattr(r, "method", "mc")
+        iv = {k: interval_text(_get(r, k), _get(r, f"{k}_ci_low"), _get(r, f"{k}_ci_high"),
+                               exact=method == "exact")
+              for k in ("projection", "mse", "variance")}
+        heads.append(Headline(
+            f"projection:{r.scheme}:G={r.G}:{r.mode}", proj, _get(r, "projection_se"),
+            f"{r.scheme} at G={r.G} ({method}): projection on g* {iv['projection']}, MSE "
+            f"{iv['mse']}, variance {iv['variance']}; "
+            f"{fmt(100 * _get(r, 'frac_all_agree'), 3)}% of groups all-agree."))
+    for r in paired.itertuples() if len(paired) else []:
         if not math.isfinite(r.ratio):
             continue  # 0 / 0: covered by the degenerate headlines above
-        heads.append(Headline(
-            f"variance_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
-            ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
-                           f"variance ({r.mode})", r.ratio, r.ratio_se)))
-    for r in cells.itertuples() if len(cells) else []:
-        if not r.scheme.startswith("otb") or not math.isfinite(r.cosine) or ref_zero:
+        lo, hi = _get(r, "ratio_ci_low"), _get(r, "ratio_ci_high")
+        exact = getattr(r, "method", "mc") == "exact"
+        if r.baseline == "centered" and (r.scheme.startswith("otb") or r.scheme == "rloo"):
+            heads.append(Headline(
+                f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
+                ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
+                               f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi,
+                               exact=exact)))
+        elif r.baseline == f"{r.scheme}_exact":
+            heads.append(Headline(
+                f"proxy_cost:{r.scheme}:{r.stat}:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
+                f"What the proxy costs at G={r.G}: {r.scheme} (proxy weights) has "
+                f"{interval_text(r.ratio, lo, hi, exact=exact)}x the {r.stat} of "
+                f"{r.baseline} (exact "
+                "||g_t||^2 weights) on the same groups."))
+    for (scheme, G, mode), r in by_cell.items():
+        base = by_cell.get(("centered", G, mode))
+        if not scheme.startswith("otb") or base is None:
             continue
+        v = paired[(paired["scheme"] == scheme) & (paired["baseline"] == "centered")
+                   & (paired["G"] == G) & (paired["mode"] == mode)
+                   & (paired["stat"] == "variance")] if len(paired) else paired
+        if not len(v):
+            continue
+        vr = float(v["ratio"].iloc[0])
+        if not math.isfinite(vr):
+            continue  # 0 / 0: covered by the degenerate headlines above
+        pb = _get(base, "projection")
+        q = _get(r, "projection") / pb if pb != 0 else float("nan")
+        share = shrinkage_share(vr, q)
+        reading = (f"a pure rescaling would explain {fmt(100 * share, 2)}% of the reduction "
+                   "(log scale), the rest is noise suppression" if math.isfinite(share)
+                   else "no variance reduction to explain")
         heads.append(Headline(
-            f"cosine:{r.scheme}:G={r.G}:{r.mode}", r.cosine, r.cosine_se,
-            f"{r.scheme} at G={r.G}: mean cosine to g* {with_se(r.cosine, r.cosine_se)}, "
-            f"debiased squared bias {with_se(r.bias2_debiased, r.bias2_debiased_se)}, "
-            f"MSE {with_se(r.mse, r.mse_se)}."))
+            f"shrinkage_share:{scheme}:G={G}:{mode}", share, None,
+            f"{scheme} at G={G}: projection {fmt(q)}x centered's with {fmt(vr)}x its variance; "
+            f"{reading}."))
     if len(cells):
         gmax = int(cells["G"].max())
         for mode in dict.fromkeys(cells["mode"]):

@@ -21,7 +21,10 @@ from varbench.estimators.transforms import adv_orthogonal, min_replace
 
 __all__ = ["TRANSFORMS", "sample_weights", "token_coefficients"]
 
-TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
+# adv_orthogonal: one projection per group over its responses (the definition);
+# adv_orthogonal_position: one per token column over the responses valid there (a variant,
+# measured side by side in the cancellation analysis)
+TRANSFORMS = ("none", "min_replace", "adv_orthogonal", "adv_orthogonal_position")
 
 
 @torch.no_grad()
@@ -74,7 +77,8 @@ def sample_weights(
     reads the sign), so ``c = -token_coefficients(..., adv=sign(A)) * sign(A)`` (sign(0) := +1):
     aggregation weight x ratio x clip indicator (x GSPO's sequence factor), >= 0. Needs A
     constant over a response for ``ratio="sequence"`` (outcome-reward schemes). ``transform``
-    then replaces c per position across the group (Min-Replace / Adv-Orthogonal, detached).
+    then replaces c within the group (detached): Min-Replace per position, Adv-Orthogonal per
+    response over the group (``adv_orthogonal_position``: per position).
     """
     check_choice("transform", transform, TRANSFORMS)
     m = mask != 0
@@ -85,4 +89,6 @@ def sample_weights(
         c = min_replace(c, m)
     elif transform == "adv_orthogonal":
         c = adv_orthogonal(c, adv.to(c.dtype), m)
+    elif transform == "adv_orthogonal_position":
+        c = adv_orthogonal(c, adv.to(c.dtype), m, per="position")
     return c

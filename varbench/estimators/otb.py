@@ -178,10 +178,12 @@ def _otb_parts(
     L = _prefix_lengths(mask)
     prefix = L is not None
     direct = opts.cumulative_weights is not None
+    idx = None if prefix or not opts.compact else _buckets(mask)  # None: positions aligned
     if rewards.dim() == 2 and prefix and not direct:
         aligned = _aligned_outcome_loo_baseline if leave_one_out else _aligned_outcome_baseline
-        return rewards.unsqueeze(-1), aligned(rewards, mask, L, opts)
-    idx = None if prefix or not opts.compact else _buckets(mask)  # None: positions aligned
+        Gt = rewards.unsqueeze(-1)
+        B = aligned(rewards, mask, L, opts)
+        return Gt, _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out)
     # option tensors were cast to the rewards' dtype at the boundary
     mf = _float_mask(mask, rewards.dtype)
     W = _cumulative(mask, mf, opts)
@@ -201,7 +203,30 @@ def _otb_parts(
         B = num / (den + opts.baseline_eps)
         if opts.handle_zero_tail:
             B = torch.where(cnt == 1, 0, B)
-    return Gt, B
+    return Gt, _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out)
+
+
+def _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out):
+    """B with ``B = G_t`` exactly in all-agree groups wherever the baseline formula applies.
+
+    ``sum_i G W / (sum_i W + eps)`` with every G equal to R is ``R W / (W + eps)`` plus float
+    rounding (~1e-7 in float32), so A = G - B would be a tiny vector along grad log pi instead of
+    0. A group is all-agree when every valid token's return is the same (outcome rewards: all
+    R_i equal). The tail positions (B = 0 by ``handle_zero_tail``, or no other response for the
+    leave-one-out form) keep their formula.
+    """
+    if rewards.dim() == 2:
+        agree = rewards.amax(1) == rewards.amin(1)  # [P]
+    else:
+        big = torch.finfo(Gt.dtype).max
+        agree = (torch.where(mask, Gt, big).amin((1, 2))
+                 == torch.where(mask, Gt, -big).amax((1, 2)))
+    if not bool(agree.any()):
+        return B
+    cnt = _group_sum(_float_mask(mask, Gt.dtype), idx)  # responses running at each position
+    tail = (cnt == 1) & (leave_one_out or opts.handle_zero_tail)
+    exact = torch.where(tail, B, Gt)
+    return torch.where(agree.view(-1, 1, 1), exact, B)
 
 
 @register_scheme("otb", output_masked=True)

@@ -19,8 +19,24 @@ def with_se(value: float | None, se: float | None, digits: int = 3) -> str:
     return f"{fmt(value, digits)} (SE {fmt(se, 2)})"
 
 
-def ratio_sentence(a: str, b: str, what: str, ratio: float, se: float | None) -> str:
-    """'otb at G=4 has 0.42x the variance of centered at G=4 (SE 0.03).'"""
+def interval_text(value: float | None, lo: float | None, hi: float | None,
+                  digits: int = 3, *, exact: bool = False) -> str:
+    """'0.42 [95% CI 0.38, 0.47]'; '0.42 (exact)' for an exact value; the interval is omitted
+    when unknown."""
+    if exact:
+        return f"{fmt(value, digits)} (exact)"
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return fmt(value, digits)
+    return f"{fmt(value, digits)} [95% CI {fmt(lo, digits)}, {fmt(hi, digits)}]"
+
+
+def ratio_sentence(a: str, b: str, what: str, ratio: float, se: float | None,
+                   lo: float | None = None, hi: float | None = None, *,
+                   exact: bool = False) -> str:
+    """'otb at G=4 has 0.42x the variance of centered at G=4 (SE 0.03).'; with an interval
+    ``lo, hi``: '... has 0.42 [95% CI 0.38, 0.47]x the variance ...'; exact: '0.42 (exact)x'."""
+    if exact or (lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)):
+        return f"{a} has {interval_text(ratio, lo, hi, exact=exact)}x the {what} of {b}."
     return f"{a} has {fmt(ratio)}x the {what} of {b} (SE {fmt(se, 2)})."
 
 

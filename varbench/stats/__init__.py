@@ -8,6 +8,7 @@ checks (``varbench.testing``) use the same functions.
 
 from varbench.stats.estimates import (
     CORRELATION_METHODS,
+    MAGNITUDE_METHODS,
     VARIANCE_STATS,
     correlations,
     paired_compare,
@@ -15,5 +16,5 @@ from varbench.stats.estimates import (
     variance_stats_reference,
 )
 
-__all__ = ["CORRELATION_METHODS", "VARIANCE_STATS", "correlations", "paired_compare",
-           "variance_stats", "variance_stats_reference"]
+__all__ = ["CORRELATION_METHODS", "MAGNITUDE_METHODS", "VARIANCE_STATS", "correlations",
+           "paired_compare", "variance_stats", "variance_stats_reference"]

@@ -29,6 +29,11 @@ from scipy import stats as sps
 from varbench._util.checks import UsageError
 
 CORRELATION_METHODS = ("pearson", "pearson_log", "spearman", "kendall")
+# Magnitude agreement of y with x (not part of the default methods; ask for them by name):
+# loglog_slope = OLS slope of log y on log x (1: proportional), top5_share_y / top5_share_x =
+# share of the total held by the top 5% of values, top5_share_y_by_x = share of y's total held
+# by the 5% of tokens that x ranks highest (what a weighting by x would concentrate on).
+MAGNITUDE_METHODS = ("loglog_slope", "top5_share_y", "top5_share_x", "top5_share_y_by_x")
 VARIANCE_STATS = (
     "variance",
     "bias",
@@ -39,6 +44,9 @@ VARIANCE_STATS = (
     "variance_x_tokens",
     "noise_scale",
     "signal_norm2",
+    "projection",
+    "cosine_nonzero",
+    "frac_zero",
 )
 
 
@@ -49,7 +57,8 @@ def _as_np(x) -> np.ndarray:
 
 
 def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
-    if x.size < 3 or np.all(x == x[0]) or np.all(y == y[0]):
+    if x.size < 3 or (method in CORRELATION_METHODS
+                      and (np.all(x == x[0]) or np.all(y == y[0]))):
         return float("nan")
     if method == "pearson":
         return float(np.corrcoef(x, y)[0, 1])
@@ -65,7 +74,22 @@ def _corr(method: str, x: np.ndarray, y: np.ndarray) -> float:
         return float(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
     if method == "kendall":
         return float(sps.kendalltau(x, y).statistic)
-    raise UsageError(f"method={method!r} is not valid; choose one of {list(CORRELATION_METHODS)}")
+    if method == "loglog_slope":
+        keep = (x > 0) & (y > 0)
+        if keep.sum() < 3:
+            return float("nan")
+        lx, ly = np.log(x[keep]), np.log(y[keep])
+        vx = float(((lx - lx.mean()) ** 2).sum())
+        return float(((lx - lx.mean()) * (ly - ly.mean())).sum() / vx) if vx > 0 else float("nan")
+    if method in ("top5_share_y", "top5_share_x", "top5_share_y_by_x"):
+        k = max(1, int(math.ceil(0.05 * x.size)))
+        key = y if method == "top5_share_y" else x
+        val = x if method == "top5_share_x" else y
+        top = np.argsort(-key, kind="stable")[:k]
+        total = float(val.sum())
+        return float(val[top].sum() / total) if total > 0 else float("nan")
+    raise UsageError(f"method={method!r} is not valid; choose one of "
+                     f"{list(CORRELATION_METHODS + MAGNITUDE_METHODS)}")
 
 
 def correlations(
@@ -87,9 +111,10 @@ def correlations(
     heavy-tailed; the proxy lies in [0, 2)). NaN where a correlation is undefined (constant input).
     """
     for m in methods:
-        if m not in CORRELATION_METHODS:
+        if m not in CORRELATION_METHODS + MAGNITUDE_METHODS:
             raise UsageError(
-                f"methods contains {m!r}; choose from {list(CORRELATION_METHODS)}"
+                f"methods contains {m!r}; choose from "
+                f"{list(CORRELATION_METHODS + MAGNITUDE_METHODS)}"
             )
     if not 0 < level < 1:
         raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
@@ -134,7 +159,7 @@ def correlations(
     return pd.DataFrame(rows)
 
 
-def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens):
+def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens, nnz):
     """Every variance statistic from sufficient sums over n group estimates (broadcasts)."""
     var = (sumsq - ss / n) / (n - 1)
     gbar2 = ss / n**2
@@ -152,6 +177,12 @@ def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens):
         # NaN where the signal is not resolved (its unbiased estimate is <= 0).
         "noise_scale": torch.where(signal2 > 0, var / signal2.clamp(min=tiny), torch.nan),
         "signal_norm2": signal2,
+        # E[g_hat] . g* / ||g*||^2: 1 for an unbiased scheme, (G-1)/G for centered
+        "projection": sumxg / n / gg,
+        # the mean cosine over groups whose estimate is not exactly 0 (an all-agree group's
+        # zero estimate has no direction)
+        "cosine_nonzero": sumcos / nnz,
+        "frac_zero": 1 - nnz / n,
     }
 
 
@@ -172,12 +203,13 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
         gg = ref @ ref
     norms = sq.sqrt() * gg.sqrt()
     cos = torch.where(norms > 0, xg / norms.clamp(min=1e-300), torch.zeros_like(xg))
+    nz = (sq > 0).double()
     tok = (
         torch.ones(M, dtype=torch.float64)
         if tokens is None
         else torch.as_tensor(tokens, dtype=torch.float64).reshape(M)
     )
-    full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean())
+    full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean(), nz.sum())
     loo = _stats_from_sums(
         M - 1,
         sq.sum() - sq,
@@ -186,9 +218,10 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
         gg,
         cos.sum() - cos,
         (tok.sum() - tok) / (M - 1),
+        nz.sum() - nz,
     )
     if ref is None:
-        for k in ("bias", "bias2_debiased", "mse", "cosine"):
+        for k in ("bias", "bias2_debiased", "mse", "cosine", "projection", "cosine_nonzero"):
             full[k] = torch.tensor(float("nan"), dtype=torch.float64)
             loo[k] = torch.full((M,), float("nan"), dtype=torch.float64)
     return full, loo
@@ -236,7 +269,9 @@ def variance_stats(
     ``snr`` = ||g_bar||^2 / V; ``variance_x_tokens`` = V * mean tokens; ``signal_norm2`` =
     ||g_bar||^2 - V/M (unbiased for ||E g_hat||^2); ``noise_scale`` = V / signal_norm2, the simple
     noise scale B_simple = tr Sigma / ||G||^2 with one *group* as the sample unit
-    (NaN when signal_norm2 <= 0).
+    (NaN when signal_norm2 <= 0); ``projection`` = mean g_m . g* / ||g*||^2 (the scale of E g_hat
+    along g*); ``cosine_nonzero`` = mean cosine over the groups with g_m != 0; ``frac_zero`` =
+    share of groups with g_m = 0 exactly.
     Caveat: SEs are delete-one jackknife over groups and condition on g*.
     """
     _check_estimates(estimates, reference)
@@ -298,7 +333,10 @@ def variance_stats_reference(
         out["bias"] = float((gbar - g).norm())
         out["bias2_debiased"] = out["bias"] ** 2 - var / M
         out["mse"] = float(((x - g) ** 2).sum(1).mean())
-        out["cosine"] = float(
-            torch.stack([torch.dot(r, g) / (r.norm() * g.norm()) for r in x]).mean()
-        )
+        cos = [torch.dot(r, g) / (r.norm() * g.norm()) if r.norm() > 0 else torch.tensor(0.0)
+               for r in x]
+        out["cosine"] = float(torch.stack(cos).mean())
+        nz = [c for c, r in zip(cos, x, strict=True) if r.norm() > 0]
+        out["cosine_nonzero"] = float(torch.stack(nz).mean()) if nz else float("nan")
+        out["projection"] = float(gbar @ g) / float(g @ g)
     return out
