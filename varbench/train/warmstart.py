@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.io import atomic_dir
 from varbench._util.progress import show_progress
-from varbench.models.logits import sequence_logprobs
 from varbench.models.io import load_policy, save_policy
+from varbench.models.logits import sequence_logprobs
 from varbench.models.presets import Policy, build_policy, presets
 from varbench.models.tokenizer import check_tokenizer_covers
 from varbench.rollout.sampler import sample
