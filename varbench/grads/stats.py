@@ -57,8 +57,9 @@ def forward_stats(
     )
     # forward-only statistics: no autograd graph; the logits exist a chunk at a time
     with eval_mode(model), torch.no_grad():
-        st = sequence_stats(model, input_ids, attention_mask, hidden_sq=hidden_norms,
-                            chunk=chunk)
+        # only the response positions: the head's logits are never made for the others
+        st = sequence_stats(model, input_ids, attention_mask, mask=response_mask[:, 1:],
+                            hidden_sq=hidden_norms, chunk=chunk)
     m = response_mask.to(st.logp.dtype)
 
     def align(x: torch.Tensor) -> torch.Tensor:

@@ -87,31 +87,30 @@ def _chunk_rows(V: int, chunk: int | None) -> int:
     return check_positive_int("chunk", chunk)
 
 
-def _block_stats(d: torch.Tensor, y: torch.Tensor, e: torch.Tensor, top_k: int):
-    """Statistics of ``[r, V]`` logits ``d`` (overwritten) for tokens ``y`` ``[r]``.
+def _block_stats(z: torch.Tensor, y: torch.Tensor, top_k: int):
+    """Statistics of ``[r, V]`` logits ``z`` (overwritten) for tokens ``y`` ``[r]``.
 
-    ``e`` is an ``[r, V]`` scratch buffer. Returns ``(logp, entropy, sum_pi_sq, max_prob,
-    logsumexp, topk values, topk ids)``. With ``d = z - max z`` (<= 0) and ``e = exp(d)``,
-    ``s = sum e >= 1``: ``log pi(y) = d_y - log s``, entropy ``= log s - sum(e d) / s`` (no
-    cancellation of the max), ``sum pi^2 = sum(e^2) / s^2`` with ``e <= 1``: stable for any
-    logit scale.
+    Returns ``(logp, entropy, sum_pi_sq, max_prob, logsumexp, topk values, topk ids)``. With
+    ``p = softmax(z)`` (torch's fused kernel), ``m = max z`` and ``log s = -log max p``
+    (``s = sum exp(z - m) >= 1``): ``log pi(y) = (z_y - m) - log s``,
+    entropy ``= log s - sum p (z - m)`` (no cancellation of the max), ``sum pi^2 = sum p^2``
+    with ``p <= 1``: stable for any logit scale.
     """
-    m = d.amax(-1, keepdim=True)
-    d.sub_(m)
-    dy = d.gather(-1, y[:, None]).squeeze(-1)
+    p = torch.softmax(z, -1)
+    m = z.amax(-1, keepdim=True)  # amax, not max: max with indices is ~50x slower on CPU
+    pmax = p.amax(-1, keepdim=True)  # exp(0) / s = 1 / s
+    log_s = pmax.log().neg_().squeeze(-1)
+    lse = m.squeeze(-1) + log_s
+    logp = z.gather(-1, y[:, None]).squeeze(-1) - lse
     topv = topi = None
     if top_k:
-        topv, topi = d.topk(top_k, dim=-1)
-    # a -inf logit (masked entry) has e = 0; clamp so that e * d is 0, not 0 * -inf = NaN
-    d.clamp_(min=torch.finfo(d.dtype).min)
-    torch.exp(d, out=e)
-    s = e.sum(-1)
-    log_s = s.log()
-    entropy = log_s - d.mul_(e).sum(-1) / s
-    spsq = e.square_().sum(-1) / s.square()
-    if topv is not None:
-        topv = topv - log_s[:, None]
-    return dy - log_s, entropy, spsq, s.reciprocal(), m.squeeze(-1) + log_s, topv, topi
+        topv, topi = z.topk(top_k, dim=-1)
+        topv = topv - lse[:, None]
+    # a -inf logit (masked entry) has p = 0; clamp so that p * (z - m) is 0, not 0 * -inf = NaN
+    d = z.sub_(m).clamp_(min=torch.finfo(z.dtype).min)
+    entropy = log_s - d.mul_(p).sum(-1)
+    spsq = p.square_().sum(-1)
+    return logp, entropy, spsq, pmax.squeeze(-1), lse, topv, topi
 
 
 def _chunked_stats(n: int, V: int, chunk_logits: Callable[[int, int], torch.Tensor],
@@ -126,13 +125,12 @@ def _chunked_stats(n: int, V: int, chunk_logits: Callable[[int, int], torch.Tens
     k = min(top_k, V)
     tv = torch.empty(n, k, dtype=sd, device=dev) if k else None
     ti = torch.empty(n, k, dtype=torch.long, device=dev) if k else None
-    e = torch.empty(r, V, dtype=sd, device=dev)
     for i in range(0, n, c):
         j = min(i + c, n)
         z = chunk_logits(i, j)
         for a in range(0, j - i, r):
             b = min(a + r, j - i)
-            got = _block_stats(z[a:b], tokens[i + a:i + b], e[: b - a], k)
+            got = _block_stats(z[a:b], tokens[i + a:i + b], k)
             for o, x in zip(out, got[:5], strict=True):
                 o[i + a:i + b] = x
             if k:
@@ -298,24 +296,50 @@ def _check_start(input_ids: torch.Tensor, start: int) -> int:
     return start
 
 
+def _selection(mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    """``[B, L - start]`` bool of the positions to compute (None: all)."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != tuple(shape):
+        raise UsageError(f"mask has shape {list(mask.shape)}, expected {list(shape)} "
+                         "([B, L - start], the tokens input_ids[:, start:])")
+    return mask != 0
+
+
+def _scatter(x: torch.Tensor | None, sel: torch.Tensor | None) -> torch.Tensor | None:
+    """Values ``x`` ``[n, ...]`` of the selected positions -> ``[B, T, ...]``, 0 elsewhere
+    (differentiable in ``x``)."""
+    if x is None or sel is None:
+        return x
+    out = x.new_zeros((*sel.shape, *x.shape[1:]))
+    return out.index_put((sel,), x)
+
+
 @torch.no_grad()
 def sequence_stats(model: torch.nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, *, start: int = 1,
-                   dtype: torch.dtype | None = None, chunk: int | None = None, top_k: int = 0,
-                   max_prob: bool = False, hidden_sq: bool = False) -> PiStats:
+                   mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                   chunk: int | None = None, top_k: int = 0, max_prob: bool = False,
+                   hidden_sq: bool = False) -> PiStats:
     """One forward -> :class:`PiStats` of tokens ``input_ids[:, start:]``, each ``[B, L - start]``.
 
     The statistic of token t comes from the logits at position t - 1, made from the final hidden
     states by the output head a chunk at a time (or, when the head cannot be read, from the
-    model's full logits, with a warning). ``hidden_sq`` adds ``||h_{t-1}||^2``.
+    model's full logits, with a warning). ``mask`` (``[B, L - start]``) limits the work to the
+    positions where it is nonzero; every statistic is 0 elsewhere. ``hidden_sq`` adds
+    ``||h_{t-1}||^2``.
     """
     start = _check_start(input_ids, start)
     y = input_ids[:, start:]
+    sel = _selection(mask, tuple(y.shape))
+    ys = y if sel is None else y[sel]
     head = _readable_head(model)
     if head is not None:
         h = final_hidden(model, input_ids, attention_mask)[:, start - 1:-1]
-        s = head_stats(h, head, y, dtype=dtype, chunk=chunk, top_k=top_k, max_prob=max_prob)
-        return s if hidden_sq else s._replace(hidden_sq=None)
+        h = h if sel is None else h[sel]
+        s = head_stats(h, head, ys, dtype=dtype, chunk=chunk, top_k=top_k, max_prob=max_prob)
+        s = s if hidden_sq else s._replace(hidden_sq=None)
+        return PiStats(*(_scatter(x, sel) for x in s))
     captured: list[torch.Tensor] = []
     handle = None
     if hidden_sq:
@@ -328,36 +352,48 @@ def sequence_stats(model: torch.nn.Module, input_ids: torch.Tensor,
     finally:
         if handle is not None:
             handle.remove()
-    s = pi_stats(logits, y, dtype=dtype, chunk=chunk, top_k=top_k, max_prob=max_prob)
+    s = pi_stats(logits if sel is None else logits[sel], ys, dtype=dtype, chunk=chunk,
+                 top_k=top_k, max_prob=max_prob)
     if hidden_sq:
-        sd = s.logp.dtype
-        s = s._replace(hidden_sq=captured[-1][:, start - 1:-1].to(sd).square().sum(-1))
-    return s
+        hs = captured[-1][:, start - 1:-1]
+        hs = hs if sel is None else hs[sel]
+        s = s._replace(hidden_sq=hs.to(s.logp.dtype).square().sum(-1))
+    return PiStats(*(_scatter(x, sel) for x in s))
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, *, start: int = 1,
-                      entropy: bool = False, dtype: torch.dtype | None = None,
-                      chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None = None, entropy: bool = False,
+                      dtype: torch.dtype | None = None, chunk: int | None = None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[B, L] -> [B, L - start]`` log pi of tokens ``input_ids[:, start:]``, differentiable
     when grad mode is on (with ``entropy=True`` also their entropies).
 
     Computed in float32 at least (``dtype`` may ask for float64) by :func:`head_logprobs` from the
     final hidden states, or from the model's full logits when the head cannot be read.
+    ``mask`` (``[B, L - start]``) limits the work to the positions where it is nonzero; the
+    values (and their gradients) are 0 elsewhere.
     """
     start = _check_start(input_ids, start)
     y = input_ids[:, start:]
+    sel = _selection(mask, tuple(y.shape))
+    ys = y if sel is None else y[sel]
     head = _readable_head(model)
     if head is not None:
         h = final_hidden(model, input_ids, attention_mask)[:, start - 1:-1]
-        return head_logprobs(h, head, y, entropy=entropy, dtype=dtype, chunk=chunk)
-    logits = forward_logits(model, input_ids, attention_mask).logits[:, start - 1:-1]
-    z = logits.to(stat_dtype(logits.dtype, dtype))
-    lp = _plain_logprobs(z, y)
-    if not entropy:
-        return lp
-    lsm = torch.log_softmax(z, -1)
-    return lp, -(lsm.exp() * lsm.clamp(min=torch.finfo(z.dtype).min)).sum(-1)
+        got = head_logprobs(h if sel is None else h[sel], head, ys, entropy=entropy,
+                            dtype=dtype, chunk=chunk)
+    else:
+        logits = forward_logits(model, input_ids, attention_mask).logits[:, start - 1:-1]
+        z = logits if sel is None else logits[sel]
+        z = z.to(stat_dtype(z.dtype, dtype))
+        got = _plain_logprobs(z, ys)
+        if entropy:
+            lsm = torch.log_softmax(z, -1)
+            got = (got, -(lsm.exp() * lsm.clamp(min=torch.finfo(z.dtype).min)).sum(-1))
+    if entropy:
+        return _scatter(got[0], sel), _scatter(got[1], sel)
+    return _scatter(got, sel)
 
 
 def _plain_logprobs(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
 
     One teacher-forced forward of the flat ``[p * G, L]`` rows (positions from the attention
     mask, as when sampling); differentiable when grad mode is on; exactly 0 where ``mask`` is 0.
-    In float32 at least; the head's logits are made only for response positions, a chunk at a
+    In float32 at least; the head's logits are made only for policy tokens, a chunk at a
     time (``varbench.models.logits.sequence_logprobs``).
     """
     flat = batch.flat()
@@ -23,6 +23,7 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
         groups = torch.arange(P, device=flat.input_ids.device)
     rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)
     ids = flat.input_ids[rows]
-    logp = sequence_logprobs(model, ids, flat.attention_mask[rows],
-                             start=flat.prompt_len)  # [p * G, T]
+    # the head's logits only for policy tokens (not padding or environment tokens)
+    logp = sequence_logprobs(model, ids, flat.attention_mask[rows], start=flat.prompt_len,
+                             mask=batch.mask[groups].reshape(-1, T))  # [p * G, T]
     return logp.reshape(len(groups), G, T) * batch.mask[groups].to(logp.dtype)

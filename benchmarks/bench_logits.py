@@ -1,0 +1,231 @@
+"""Benchmark of the statistics of pi at LLM vocabulary sizes (issue 15): today's full-logits path
+against the chunked one, side by side.
+
+Run: .venv/bin/python benchmarks/bench_logits.py [--V 30 32768 151936] [--T 128 1024]
+     [--reps 3] [--threads 1] [--hidden 256] [--layers 4] [--B 2]
+
+Model: a Qwen2-shaped causal LM (hidden 256, 4 layers, 4 heads / 2 kv heads, MLP 1024, untied
+head), random weights, float32, B = 2 rows of a 16-token prompt + T response tokens.
+Contenders:
+  fwd        a plain forward of the model (``forward_logits``: the [B, L, V] logits, nothing else)
+  stats_old  the forward statistics as before the change: full logits, then log_softmax, exp,
+             products over [B, L, V] (a copy of the old code, kept here only)
+  stats_new  ``varbench.grads.forward_stats`` (chunked: never the full logits)
+  train_old  one training step's log-probs, forward + backward, as before: ``token_logprobs`` of
+             the full logits (a copy of the old code), loss = sum(c * logp) over the response
+  train_new  the same with ``varbench.models.logits.sequence_logprobs`` (chunked, logits
+             recomputed in backward)
+Times: wall and process CPU seconds, median of ``--reps`` interleaved repetitions in ONE process
+(after one untimed warm-up each on a short input). Peak memory: each contender once more in its
+own subprocess; torch's CPU tensors are malloc'd outside tracemalloc, so the peak is the
+process's resident set, sampled every millisecond by a thread during the call, minus the RSS
+before it (glibc serves tensors this large with mmap and unmaps them on free, so RSS follows the
+live tensors); the subprocess's getrusage high-water mark is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+LP = 16
+CONTENDERS = ["fwd", "stats_old", "stats_new", "train_old", "train_new"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _build(V: int, T: int, B: int, hidden: int, layers: int):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max(2048, LP + T), tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=min(1, V - 1), pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, LP + T), generator=g)
+    am = torch.ones_like(ids)
+    rm = torch.zeros(B, LP + T)
+    rm[:, LP:] = 1
+    coef = torch.randn(B, T, generator=g)
+    return model, ids, am, rm, coef
+
+
+def _old_pi_stats(logits, tokens):
+    """The statistics of pi as varbench computed them before issue 15 (full [.., V] tensors)."""
+    import torch
+
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    logp_all = torch.log_softmax(z, dim=-1)
+    p = logp_all.exp()
+    logp = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(p * logp_all.clamp(min=torch.finfo(z.dtype).min)).sum(-1)
+    return logp, entropy, p.square().sum(-1)
+
+
+def _old_token_logprobs(logits, input_ids):
+    import torch
+
+    z = logits[:, :-1]
+    lp = z.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def _calls(model, ids, am, rm, coef):
+    import torch
+
+    from varbench.grads import forward_stats
+    from varbench.models.forward import forward_logits
+    from varbench.models.logits import proxy_from_logprobs, sequence_logprobs
+
+    def fwd():
+        with torch.no_grad():
+            forward_logits(model, ids, am)
+
+    def stats_old():
+        with torch.no_grad():
+            logits = forward_logits(model, ids, am).logits
+            logp, ent, spsq = _old_pi_stats(logits[:, :-1], ids[:, 1:])
+            proxy = proxy_from_logprobs(logp, spsq)
+            m = rm.to(logp.dtype)
+            w = torch.nn.functional.pad(proxy, (1, 0)) * m
+            return w.cumsum(-1), ent
+
+    def stats_new():
+        forward_stats(model, ids, rm, am)
+
+    def train_old():
+        lp = _old_token_logprobs(forward_logits(model, ids, am).logits, ids)[:, LP:]
+        (lp * coef).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def train_new():
+        lp = sequence_logprobs(model, ids, am, start=LP)
+        (lp * coef).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return {"fwd": fwd, "stats_old": stats_old, "stats_new": stats_new,
+            "train_old": train_old, "train_new": train_new}
+
+
+def timing(args, V: int, T: int) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, ids, am, rm, coef = _build(V, T, args.B, args.hidden, args.layers)
+    calls = _calls(model, ids, am, rm, coef)
+    short = _build(V, 16, args.B, args.hidden, args.layers)
+    for f in _calls(model, *short[1:]).values():  # untimed warm-up on a short input
+        f()
+    res: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in CONTENDERS}
+    for _ in range(args.reps):
+        for c in CONTENDERS:
+            t0, c0 = time.perf_counter(), time.process_time()
+            calls[c]()
+            res[c]["wall"].append(time.perf_counter() - t0)
+            res[c]["cpu"].append(time.process_time() - c0)
+    return {c: {k: statistics.median(v) for k, v in d.items()} for c, d in res.items()}
+
+
+def memory_worker(args, name: str, V: int, T: int) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, ids, am, rm, coef = _build(V, T, args.B, args.hidden, args.layers)
+    short = _build(V, 16, args.B, args.hidden, args.layers)
+    _calls(model, *short[1:])[name]()  # untimed warm-up (and the head probe)
+    f = _calls(model, ids, am, rm, coef)[name]
+    base = _rss_mb()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    f()
+    stop.set()
+    th.join()
+    peak[0] = max(peak[0], _rss_mb())
+    return {"peak_mb": peak[0] - base,
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "base_mb": base}
+
+
+def _subprocess(args, name, V, T) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name, "--V", str(V), "--T", str(T),
+           "--threads", str(args.threads), "--hidden", str(args.hidden),
+           "--layers", str(args.layers), "--B", str(args.B)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--V", type=int, nargs="+", default=[30, 32768, 151936])
+    ap.add_argument("--T", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(memory_worker(args, args.worker, args.V[0], args.T[0])))
+        return
+    print(f"Qwen2 shape: hidden {args.hidden}, {args.layers} layers, B={args.B}, prompt {LP}, "
+          f"threads {args.threads}, reps {args.reps}; load {os.getloadavg()}")
+    hdr = (f"{'V':>7} {'T':>5} {'contender':>10} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} "
+           f"{'maxrss MB':>10}")
+    print(hdr)
+    rows = []
+    for V in args.V:
+        for T in args.T:
+            t = timing(args, V, T)
+            mem = {c: ({"peak_mb": float("nan"), "maxrss_mb": float("nan")} if args.no_memory
+                       else _subprocess(args, c, V, T)) for c in CONTENDERS}
+            for c in CONTENDERS:
+                print(f"{V:>7} {T:>5} {c:>10} {t[c]['wall']:>8.3f} {t[c]['cpu']:>8.3f} "
+                      f"{mem[c]['peak_mb']:>9.1f} {mem[c]['maxrss_mb']:>10.1f}", flush=True)
+            rows.append((V, T, t, mem))
+    print("\nratios (targets: stats_new/fwd <= 1.05 at every V; at V = 32768 "
+          "train_new/train_old peak memory <= 0.25 and time <= 1.00)")
+    print(f"{'V':>7} {'T':>5} {'stats_new/fwd wall':>19} {'cpu':>6} {'stats_old/fwd':>14} "
+          f"{'train new/old wall':>19} {'cpu':>6} {'peak mem':>9} {'stats mem new/old':>18}")
+    for V, T, t, mem in rows:
+        def r(a, b, k, d=t):
+            return d[a][k] / d[b][k]
+
+        print(f"{V:>7} {T:>5} {r('stats_new', 'fwd', 'wall'):>19.3f} "
+              f"{r('stats_new', 'fwd', 'cpu'):>6.3f} {r('stats_old', 'fwd', 'wall'):>14.3f} "
+              f"{r('train_new', 'train_old', 'wall'):>19.3f} "
+              f"{r('train_new', 'train_old', 'cpu'):>6.3f} "
+              f"{r('train_new', 'train_old', 'peak_mb', mem):>9.3f} "
+              f"{r('stats_new', 'stats_old', 'peak_mb', mem):>18.3f}")
+    print(f"load at the end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
