@@ -4,6 +4,8 @@ section 2.3)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _fixtures_models import KINDS, ids_and_mask, tiny_lm
@@ -378,3 +380,39 @@ def test_sequence_functions_check_start():
             sequence_stats(model, ids, am, start=bad)
         with pytest.raises(ValueError, match="start="):
             sequence_logprobs(model, ids, am, start=bad)
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_mask_limits_the_work_and_zeroes_the_rest(readable):
+    """Only the masked-in positions reach the head; values and gradients equal the unmasked
+    path's there and are 0 elsewhere (chunked path and fallback)."""
+    model = tiny_lm("llama", tied=True)
+    if not readable:
+        model.config.model_type = "unheard_of_too"
+    ids, am = ids_and_mask()
+    mask = (torch.arange(7) % 3 != 1).repeat(3, 1)  # [B, L - 3]
+    mask[2] = False  # a row with nothing to compute
+    sel = mask.bool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = sequence_stats(model, ids, am, start=3, top_k=2, hidden_sq=True)
+        part = sequence_stats(model, ids, am, start=3, mask=mask, top_k=2, hidden_sq=True)
+        for got, want in zip(part, full, strict=True):
+            if want is None:
+                assert got is None
+                continue
+            assert got.shape == want.shape
+            torch.testing.assert_close(got[sel], want[sel], rtol=1e-12, atol=1e-14)
+            assert (got[~sel] == 0).all()
+        a = torch.randn(3, 7, dtype=torch.float64)
+        lp0, ent0 = sequence_logprobs(model, ids, am, start=3, entropy=True)
+        lp, ent = sequence_logprobs(model, ids, am, start=3, mask=mask, entropy=True)
+    torch.testing.assert_close(lp, lp0 * sel, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ent, ent0 * sel, rtol=1e-12, atol=1e-14)
+    params = list(model.parameters())
+    want = torch.autograd.grad(((a * lp0 + ent0) * sel).sum(), params)
+    got = torch.autograd.grad((a * lp + ent).sum(), params)
+    for x, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"mask has shape \[3, 6\], expected \[3, 7\]"):
+        sequence_stats(model, ids, am, start=3, mask=mask[:, 1:])

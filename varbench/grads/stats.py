@@ -49,7 +49,7 @@ def forward_stats(
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``; every field
     ``[B, L]`` in the alignment of this module's docstring. ``hidden_norms=True`` also records
     ``||h||^2`` of the head's input. The logits exist ``chunk`` positions at a time (default:
-    about 4M logits)
+    512 positions)
     (``varbench.models.logits.sequence_stats``), never as a whole ``[B, L, V]`` tensor.
     """
     input_ids, response_mask, attention_mask = check_inputs(

@@ -73,10 +73,10 @@ class OutputHead:
     def grad_linear(self, z: torch.Tensor, grad_z: torch.Tensor) -> torch.Tensor:
         """``d loss / d (h W^T + b)`` from ``d loss / d logits`` at logits ``z`` (both ``[n, V]``).
 
-        ``d softcap(x) / dx = 1 - (softcap(x) / c)^2``; overwrites ``grad_z``.
+        ``d softcap(x) / dx = 1 - (softcap(x) / c)^2``; overwrites ``grad_z`` and ``z``.
         """
         if self.softcap is not None:
-            grad_z.mul_(1 - (z / self.softcap).square_())
+            grad_z.mul_(z.div_(self.softcap).square_().neg_().add_(1))
         if self.scale != 1.0:
             grad_z.mul_(self.scale)
         return grad_z
