@@ -15,6 +15,8 @@ Contenders:
              the full logits (a copy of the old code), loss = sum(c * logp) over the response
   train_new  the same with ``varbench.models.logits.sequence_logprobs`` (chunked, logits
              recomputed in backward)
+The parameters' ``.grad`` tensors exist before a training call (made by the warm-up, zeroed in
+place after each call), so its peak is the log-prob computation's own memory.
 Times: wall and process CPU seconds, median of ``--reps`` interleaved repetitions in ONE process
 (after one untimed warm-up each on a short input). Peak memory: each contender once more in its
 own subprocess; torch's CPU tensors are malloc'd outside tracemalloc, so the peak is the
@@ -35,16 +37,10 @@ import sys
 import threading
 import time
 
+from bench_grads import _rss_mb  # the benchmarks' one RSS reader (run as a script)
+
 LP = 16
 CONTENDERS = ["fwd", "stats_old", "stats_new", "train_old", "train_new"]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _build(V: int, T: int, B: int, hidden: int, layers: int):
@@ -112,12 +108,12 @@ def _calls(model, ids, am, rm, coef):
     def train_old():
         lp = _old_token_logprobs(forward_logits(model, ids, am).logits, ids)[:, LP:]
         (lp * coef).sum().backward()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
 
     def train_new():
         lp = sequence_logprobs(model, ids, am, start=LP)
         (lp * coef).sum().backward()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
 
     return {"fwd": fwd, "stats_old": stats_old, "stats_new": stats_new,
             "train_old": train_old, "train_new": train_new}

@@ -321,6 +321,43 @@ def _scatter(x: torch.Tensor | None, sel: torch.Tensor | None) -> torch.Tensor |
     return out.index_put((sel,), x)
 
 
+class _Run(NamedTuple):
+    tokens: torch.Tensor  # the tokens of the selected positions
+    sel: torch.Tensor | None  # [B, L - start] bool, None: all positions
+    head: OutputHead | None  # None: the head cannot be read (fallback)
+    x: torch.Tensor  # the selected positions' hidden states [.., H], or (fallback) logits [.., V]
+    hidden: torch.Tensor | None  # fallback with want_hidden: the head's input [.., H]
+
+
+def _run(model, input_ids, attention_mask, start, mask, want_hidden=False) -> _Run:
+    """One forward of ``model``: the inputs of the statistics of tokens ``input_ids[:, start:]``."""
+    start = _check_start(input_ids, start)
+    y = input_ids[:, start:]
+    sel = _selection(mask, tuple(y.shape))
+
+    def pick(t: torch.Tensor) -> torch.Tensor:  # position t - 1 predicts token t
+        t = t[:, start - 1:-1]
+        return t if sel is None else t[sel]
+
+    ys = y if sel is None else y[sel]
+    head = _readable_head(model)
+    if head is not None:
+        return _Run(ys, sel, head, pick(final_hidden(model, input_ids, attention_mask)), None)
+    captured: list[torch.Tensor] = []
+    handle = None
+    if want_hidden:
+        out_emb = model.get_output_embeddings()
+        if out_emb is None:
+            raise UsageError("hidden_sq=True needs model.get_output_embeddings(); got None")
+        handle = out_emb.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+    try:
+        logits = forward_logits(model, input_ids, attention_mask).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    return _Run(ys, sel, None, pick(logits), pick(captured[-1]) if want_hidden else None)
+
+
 @torch.no_grad()
 def sequence_stats(model: torch.nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, *, start: int = 1,
@@ -335,36 +372,16 @@ def sequence_stats(model: torch.nn.Module, input_ids: torch.Tensor,
     positions where it is nonzero; every statistic is 0 elsewhere. ``hidden_sq`` adds
     ``||h_{t-1}||^2``.
     """
-    start = _check_start(input_ids, start)
-    y = input_ids[:, start:]
-    sel = _selection(mask, tuple(y.shape))
-    ys = y if sel is None else y[sel]
-    head = _readable_head(model)
-    if head is not None:
-        h = final_hidden(model, input_ids, attention_mask)[:, start - 1:-1]
-        h = h if sel is None else h[sel]
-        s = head_stats(h, head, ys, dtype=dtype, chunk=chunk, top_k=top_k, max_prob=max_prob)
+    r = _run(model, input_ids, attention_mask, start, mask, want_hidden=hidden_sq)
+    opts = dict(dtype=dtype, chunk=chunk, top_k=top_k, max_prob=max_prob)
+    if r.head is not None:
+        s = head_stats(r.x, r.head, r.tokens, **opts)
         s = s if hidden_sq else s._replace(hidden_sq=None)
-        return PiStats(*(_scatter(x, sel) for x in s))
-    captured: list[torch.Tensor] = []
-    handle = None
-    if hidden_sq:
-        out_emb = model.get_output_embeddings()
-        if out_emb is None:
-            raise UsageError("hidden_sq=True needs model.get_output_embeddings(); got None")
-        handle = out_emb.register_forward_hook(lambda m, args, out: captured.append(args[0]))
-    try:
-        logits = forward_logits(model, input_ids, attention_mask).logits[:, start - 1:-1]
-    finally:
-        if handle is not None:
-            handle.remove()
-    s = pi_stats(logits if sel is None else logits[sel], ys, dtype=dtype, chunk=chunk,
-                 top_k=top_k, max_prob=max_prob)
-    if hidden_sq:
-        hs = captured[-1][:, start - 1:-1]
-        hs = hs if sel is None else hs[sel]
-        s = s._replace(hidden_sq=hs.to(s.logp.dtype).square().sum(-1))
-    return PiStats(*(_scatter(x, sel) for x in s))
+    else:
+        s = pi_stats(r.x, r.tokens, **opts)
+        if hidden_sq:
+            s = s._replace(hidden_sq=r.hidden.to(s.logp.dtype).square().sum(-1))
+    return PiStats(*(_scatter(x, r.sel) for x in s))
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -380,20 +397,13 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     ``mask`` (``[B, L - start]``) limits the work to the positions where it is nonzero; the
     values (and their gradients) are 0 elsewhere.
     """
-    start = _check_start(input_ids, start)
-    y = input_ids[:, start:]
-    sel = _selection(mask, tuple(y.shape))
-    ys = y if sel is None else y[sel]
-    head = _readable_head(model)
-    if head is not None:
-        h = final_hidden(model, input_ids, attention_mask)[:, start - 1:-1]
-        got = head_logprobs(h if sel is None else h[sel], head, ys, entropy=entropy,
-                            dtype=dtype, chunk=chunk)
+    r = _run(model, input_ids, attention_mask, start, mask)
+    sel = r.sel
+    if r.head is not None:
+        got = head_logprobs(r.x, r.head, r.tokens, entropy=entropy, dtype=dtype, chunk=chunk)
     else:
-        logits = forward_logits(model, input_ids, attention_mask).logits[:, start - 1:-1]
-        z = logits if sel is None else logits[sel]
-        z = z.to(stat_dtype(z.dtype, dtype))
-        got = _plain_logprobs(z, ys)
+        z = r.x.to(stat_dtype(r.x.dtype, dtype))
+        got = _plain_logprobs(z, r.tokens)
         if entropy:
             lsm = torch.log_softmax(z, -1)
             got = (got, -(lsm.exp() * lsm.clamp(min=torch.finfo(z.dtype).min)).sum(-1))
