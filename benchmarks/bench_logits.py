@@ -18,26 +18,19 @@ Contenders:
 The parameters' ``.grad`` tensors exist before a training call (made by the warm-up, zeroed in
 place after each call), so its peak is the log-prob computation's own memory.
 Times: wall and process CPU seconds, median of ``--reps`` interleaved repetitions in ONE process
-(after one untimed warm-up each on a short input). Peak memory: each contender once more in its
-own subprocess; torch's CPU tensors are malloc'd outside tracemalloc, so the peak is the
-process's resident set, sampled every millisecond by a thread during the call, minus the RSS
-before it (glibc serves tensors this large with mmap and unmaps them on free, so RSS follows the
-live tensors); the subprocess's getrusage high-water mark is printed too.
+(after one untimed warm-up each on a short input; on a shared machine compare CPU seconds).
+Peak memory: each contender once more in the same process under torch's profiler with
+``profile_memory=True``, which records every CPU tensor allocation and free (tracemalloc does not
+see them): the peak of the running sum of live tensor bytes during the call, i.e. the call's
+own extra tensor memory above what existed before it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
-import sys
-import threading
 import time
-
-from bench_grads import _rss_mb  # the benchmarks' one RSS reader (run as a script)
 
 LP = 16
 CONTENDERS = ["fwd", "stats_old", "stats_new", "train_old", "train_new"]
@@ -138,42 +131,26 @@ def timing(args, V: int, T: int) -> dict:
     return {c: {k: statistics.median(v) for k, v in d.items()} for c, d in res.items()}
 
 
-def memory_worker(args, name: str, V: int, T: int) -> dict:
+def memory(args, V: int, T: int) -> dict:
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(args.threads)
     model, ids, am, rm, coef = _build(V, T, args.B, args.hidden, args.layers)
     short = _build(V, 16, args.B, args.hidden, args.layers)
-    _calls(model, *short[1:])[name]()  # untimed warm-up (and the head probe)
-    f = _calls(model, ids, am, rm, coef)[name]
-    base = _rss_mb()
-    peak = [base]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.001)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    f()
-    stop.set()
-    th.join()
-    peak[0] = max(peak[0], _rss_mb())
-    return {"peak_mb": peak[0] - base,
-            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "base_mb": base}
-
-
-def _subprocess(args, name, V, T) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--V", str(V), "--T", str(T),
-           "--threads", str(args.threads), "--hidden", str(args.hidden),
-           "--layers", str(args.layers), "--B", str(args.B)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    for f in _calls(model, *short[1:]).values():  # warm-up (the head probe, the .grad tensors)
+        f()
+    out = {}
+    for name, f in _calls(model, ids, am, rm, coef).items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            f()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            peak = max(peak, live)
+        out[name] = {"peak_mb": peak / 2**20}
+    return out
 
 
 def main() -> None:
@@ -185,26 +162,21 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--B", type=int, default=2)
-    ap.add_argument("--worker", default=None)
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(memory_worker(args, args.worker, args.V[0], args.T[0])))
-        return
     print(f"Qwen2 shape: hidden {args.hidden}, {args.layers} layers, B={args.B}, prompt {LP}, "
           f"threads {args.threads}, reps {args.reps}; load {os.getloadavg()}")
-    hdr = (f"{'V':>7} {'T':>5} {'contender':>10} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} "
-           f"{'maxrss MB':>10}")
+    hdr = f"{'V':>7} {'T':>5} {'contender':>10} {'wall s':>8} {'cpu s':>8} {'peak MB':>9}"
     print(hdr)
     rows = []
     for V in args.V:
         for T in args.T:
             t = timing(args, V, T)
-            mem = {c: ({"peak_mb": float("nan"), "maxrss_mb": float("nan")} if args.no_memory
-                       else _subprocess(args, c, V, T)) for c in CONTENDERS}
+            mem = ({c: {"peak_mb": float("nan")} for c in CONTENDERS} if args.no_memory
+                   else memory(args, V, T))
             for c in CONTENDERS:
                 print(f"{V:>7} {T:>5} {c:>10} {t[c]['wall']:>8.3f} {t[c]['cpu']:>8.3f} "
-                      f"{mem[c]['peak_mb']:>9.1f} {mem[c]['maxrss_mb']:>10.1f}", flush=True)
+                      f"{mem[c]['peak_mb']:>9.1f}", flush=True)
             rows.append((V, T, t, mem))
     print("\nratios (targets: stats_new/fwd <= 1.05 at every V; at V = 32768 "
           "train_new/train_old peak memory <= 0.25 and time <= 1.00)")

@@ -38,8 +38,12 @@ from varbench.models.head import OutputHead, final_hidden, read_head
 # Positions per head matmul when no chunk is given: at least CHUNK_ROWS (each chunk reads the
 # whole [V, H] head from memory: with fewer rows the matmul slows down, 1.09x at 256 and 1.2x at
 # 128 rows for V = 151936, H = 256 on CPU), more for small vocabularies (up to CHUNK_ELEMENTS
-# logits). Extra memory is then O(CHUNK_ROWS x V): 311 MB in float32 at V = 151936.
+# logits). Extra memory is then O(CHUNK_ROWS x V): 311 MB in float32 at V = 151936. The
+# differentiable path uses GRAD_CHUNK_ROWS: its backward holds a few chunk-sized buffers on top
+# of the body's activations (training-step peak at V = 32768, T = 1024: 372 MB with 512 rows,
+# 308 MB with 256, against 1250 MB for the full logits; benchmarks/bench_logits.py).
 CHUNK_ROWS = 512
+GRAD_CHUNK_ROWS = 256
 CHUNK_ELEMENTS = 1 << 22
 # Logits per statistics block: the ~8 passes of the statistics run over blocks this size
 # (2 MiB in float32), which stay in the L2 cache instead of streaming from memory each pass.
@@ -83,9 +87,9 @@ class PiStats(NamedTuple):
     hidden_sq: torch.Tensor | None = None
 
 
-def _chunk_rows(V: int, chunk: int | None) -> int:
+def _chunk_rows(V: int, chunk: int | None, rows: int | None = None) -> int:
     if chunk is None:
-        return max(CHUNK_ROWS, CHUNK_ELEMENTS // max(V, 1))
+        return max(CHUNK_ROWS if rows is None else rows, CHUNK_ELEMENTS // max(V, 1))
     return check_positive_int("chunk", chunk)
 
 
@@ -206,6 +210,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, tokens, head, sd, chunk, with_entropy):
         ctx.set_materialize_grads(False)
+        chunk = _chunk_rows(head.vocab_size, chunk, GRAD_CHUNK_ROWS)
         hd = OutputHead(weight, bias, head.scale, head.softcap)
         s, lse = _chunked_stats(h.shape[0], hd.vocab_size, lambda i, j: hd.logits(h[i:j], sd),
                                 tokens, sd, chunk)
@@ -267,8 +272,9 @@ def head_logprobs(hidden: torch.Tensor, head: OutputHead, tokens: torch.Tensor, 
     head's weight and bias; with ``entropy=True`` also the (differentiable) entropy.
 
     Backward recomputes each chunk's logits (``O(chunk x V)`` memory, one more head matmul per
-    chunk); saved for backward: ``hidden`` and two numbers per position. The weight gradient is
-    accumulated over chunks in float32 (float64 for a float64 head).
+    chunk; default ``GRAD_CHUNK_ROWS`` positions); saved for backward: ``hidden`` and two numbers
+    per position. The weight gradient is accumulated over chunks in float32 (float64 for a
+    float64 head).
     """
     if tokens.shape != hidden.shape[:-1]:
         raise UsageError(f"tokens has shape {list(tokens.shape)}, expected "
