@@ -141,6 +141,7 @@ def _chunked_stats(n: int, V: int, chunk_logits: Callable[[int, int], torch.Tens
                 o[i + a:i + b] = x
             if k:
                 tv[i + a:i + b], ti[i + a:i + b] = got[5], got[6]
+        del z  # before the next chunk is made: one chunk of logits alive at a time
     logp, ent, spsq, mp, lse = out
     return PiStats(logp, ent, spsq, proxy_from_logprobs(logp, spsq),
                    mp if max_prob else None, tv, ti), lse
@@ -248,9 +249,10 @@ class _HeadLogprobs(torch.autograd.Function):
                     if g_logp is not None:
                         g.add_(g_logp[i:j, None].to(sd))
                     gz = p.mul_(g).neg_()
-                    del g, lp
+                    del g, lp, p
                 else:
                     gz = lp.exp_().mul_(g_logp[i:j, None].to(sd)).neg_()
+                    del lp
                 if g_logp is not None:
                     gz.scatter_add_(1, tokens[i:j, None], g_logp[i:j, None].to(sd))
                 gu = hd.grad_linear(z, gz)
@@ -261,6 +263,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     gw.addmm_(gu.to(acc).t(), h[i:j].to(acc))
                 if need_b:
                     gb.add_(gu.sum(0).to(acc))
+                del gu, gz  # before the next chunk is made: one chunk's buffers at a time
         return (gh, None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(bias.dtype), None, None, None, None, None)
 
