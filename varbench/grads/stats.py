@@ -13,10 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._util.checks import UsageError
 from varbench.grads._inputs import check_inputs, eval_mode
-from varbench.models.forward import forward_logits
-from varbench.models.logits import pi_stats, proxy_from_logprobs, stat_dtype
+from varbench.models.logits import sequence_stats
 
 
 @dataclass
@@ -44,48 +42,35 @@ def forward_stats(
     attention_mask: torch.Tensor | None = None,
     *,
     hidden_norms: bool = False,
+    chunk: int | None = None,
 ) -> ForwardStats:
     """One forward pass -> :class:`ForwardStats` (log-probs, entropy, sum_pi_sq, proxy, W_t).
 
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``; every field
     ``[B, L]`` in the alignment of this module's docstring. ``hidden_norms=True`` also records
-    ``||h||^2`` of the head's input via a forward hook on ``model.get_output_embeddings()``.
+    ``||h||^2`` of the head's input. The logits exist ``chunk`` positions at a time (default:
+    512 positions)
+    (``varbench.models.logits.sequence_stats``), never as a whole ``[B, L, V]`` tensor.
     """
     input_ids, response_mask, attention_mask = check_inputs(
         input_ids, response_mask, attention_mask
     )
-    captured: list[torch.Tensor] = []
-    handle = None
-    if hidden_norms:
-        head = model.get_output_embeddings()
-        if head is None:
-            raise UsageError("hidden_norms=True needs model.get_output_embeddings(); got None")
-        handle = head.register_forward_hook(lambda m, args, out: captured.append(args[0]))
-    try:
-        # forward-only statistics: no autograd graph (it would cost memory and time for nothing)
-        with eval_mode(model), torch.no_grad():
-            logits = forward_logits(model, input_ids, attention_mask).logits  # [B, L, V]
-    finally:
-        if handle is not None:
-            handle.remove()
-    # z[:, t-1] predicts token t: statistics of the [B, L-1] predicted positions
-    logp, entropy, spsq = pi_stats(logits[:, :-1], input_ids[:, 1:])
-    proxy = proxy_from_logprobs(logp, spsq)
-    dt = stat_dtype(logits.dtype)
-    m = response_mask.to(dt)
+    # forward-only statistics: no autograd graph; the logits exist a chunk at a time
+    with eval_mode(model), torch.no_grad():
+        # only the response positions: the head's logits are never made for the others
+        st = sequence_stats(model, input_ids, attention_mask, mask=response_mask[:, 1:],
+                            hidden_sq=hidden_norms, chunk=chunk)
+    m = response_mask.to(st.logp.dtype)
 
     def align(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(x, (1, 0)) * m
 
-    proxy = align(proxy)
-    h_sq = None
-    if hidden_norms:
-        h = captured[-1]
-        h_sq = align(h[:, :-1].to(dt).pow(2).sum(-1))
+    proxy = align(st.proxy)
+    h_sq = align(st.hidden_sq) if hidden_norms else None
     return ForwardStats(
-        logp=align(logp),
-        entropy=align(entropy),
-        sum_pi_sq=align(spsq),
+        logp=align(st.logp),
+        entropy=align(st.entropy),
+        sum_pi_sq=align(st.sum_pi_sq),
         proxy=proxy,
         cum_proxy=proxy.cumsum(-1) * m,
         h_sq=h_sq,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench.models.forward import forward_logits
-from varbench.models.logits import token_logprobs
+from varbench.models.logits import sequence_logprobs
 from varbench.rollout.batch import RolloutBatch
 
 
@@ -15,6 +14,8 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
 
     One teacher-forced forward of the flat ``[p * G, L]`` rows (positions from the attention
     mask, as when sampling); differentiable when grad mode is on; exactly 0 where ``mask`` is 0.
+    In float32 at least; the head's logits are made only for policy tokens, a chunk at a
+    time (``varbench.models.logits.sequence_logprobs``).
     """
     flat = batch.flat()
     P, G, T = batch.tokens.shape
@@ -22,6 +23,7 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
         groups = torch.arange(P, device=flat.input_ids.device)
     rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)
     ids = flat.input_ids[rows]
-    logits = forward_logits(model, ids, flat.attention_mask[rows]).logits
-    logp = token_logprobs(logits, ids)[:, flat.prompt_len:]  # [p * G, T]
+    # the head's logits only for policy tokens (not padding or environment tokens)
+    logp = sequence_logprobs(model, ids, flat.attention_mask[rows], start=flat.prompt_len,
+                             mask=batch.mask[groups].reshape(-1, T))  # [p * G, T]
     return logp.reshape(len(groups), G, T) * batch.mask[groups].to(logp.dtype)

@@ -311,7 +311,7 @@ class _Loop:
             self.tokens[rows, t] = cur
             self.zbuf[rows, t] = z
             return cur, None
-        lp, ent, spsq = pi_stats(z, cur)  # of pi itself (temperature 1, unfiltered)
+        lp, ent, spsq = pi_stats(z, cur)[:3]  # of pi itself (temperature 1, unfiltered)
         is_pol = None
         if self.task.multi_turn:  # env tokens replace draws and get mask 0 / statistics 0
             is_env = torch.zeros_like(cur, dtype=torch.bool)
@@ -340,8 +340,9 @@ class _Loop:
         """Write the deferred statistics of the first ``used`` steps (no-op if not deferred)."""
         if self.zbuf is None:
             return
-        # the whole contiguous block: the same kernels as the per-step [A, V] rows
-        lp, ent, spsq = pi_stats(self.zbuf, self.tokens)
+        # the whole contiguous block, a chunk of rows at a time: the same row-wise kernels as
+        # the per-step [A, V] rows
+        lp, ent, spsq = pi_stats(self.zbuf, self.tokens)[:3]
         z = self.zbuf
         T = self.T
         valid = torch.arange(T, device=z.device) < self.stop[:, None]  # steps a row took

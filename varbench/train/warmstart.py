@@ -29,8 +29,8 @@ from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.io import atomic_dir, verify_digest, write_digest
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
-from varbench.models.forward import forward_logits
 from varbench.models.io import load_policy, save_policy
+from varbench.models.logits import sequence_logprobs
 from varbench.models.presets import Policy, build_policy, presets
 from varbench.models.tokenizer import add_task_tokens as add_tokens
 from varbench.models.tokenizer import check_tokenizer_covers
@@ -101,12 +101,7 @@ def _sft_batch(task: Task, tokenizer, prompts: list[Prompt], device) -> tuple[to
 
 def sft_loss(model, ids: torch.Tensor, attn: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the target tokens (``tgt`` [B, L] marks tokens to predict)."""
-    logits = forward_logits(model, ids, attn).logits[:, :-1]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    ).reshape(ids.shape[0], -1)
+    nll = -sequence_logprobs(model, ids, attn)  # [B, L - 1], chunked, float32 at least
     w = tgt[:, 1:]
     return (nll * w).sum() / w.sum().clamp(min=1)
 
