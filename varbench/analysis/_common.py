@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable
-from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from varbench._util.checks import UsageError
-from varbench._util.io import atomic_write
+from varbench._util.io import atomic_write, check_seal, frame_from_data, frame_to_data, seal_json
 
 # Bump when the columns a cell stores change: old cells then miss instead of loading stale.
-_CELL_FORMAT = 2
+_CELL_FORMAT = 3  # 3: exact frames with a content hash
 
 
 class CellCache:
@@ -41,20 +41,26 @@ class CellCache:
         """The cached frame of cell ``name``, or None (also when no cache directory is set)."""
         if self.root is None or not self._path(name).is_file():
             return None
+        path = self._path(name)
         try:
-            return pd.read_json(StringIO(self._path(name).read_text()), orient="table")
-        except ValueError as err:
-            raise UsageError(
-                f"cache file {self._path(name)} is corrupt ({err}); delete it to recompute"
-            ) from None
+            text = path.read_text(encoding="utf-8")
+        except PermissionError as err:  # another user's cell: say so, never recompute over it
+            raise UsageError(f"cannot read cache file {str(path)!r}: permission denied "
+                             f"({err.strerror})") from None
+        try:
+            return frame_from_data(check_seal(json.loads(text), f"cache file {path}")["frame"])
+        except (ValueError, KeyError, TypeError) as err:
+            warnings.warn(f"cache file {str(path)!r} is corrupt ({err}); recomputing the cell",
+                          stacklevel=2)
+            return None  # a miss: the cell is recomputed and rewritten
 
     def save(self, name: str, df: pd.DataFrame) -> None:
         """Store cell ``name`` atomically (no-op without a cache directory)."""
         if self.root is None:
             return
-        # 15 significant digits (pandas' maximum): a resumed cell equals the original to ~1e-15.
-        atomic_write(self._path(name), df.reset_index(drop=True).to_json(
-            orient="table", index=False, double_precision=15))
+        # repr floats and a content hash: a resumed cell is the computed one bit for bit.
+        atomic_write(self._path(name), json.dumps(seal_json({"frame": frame_to_data(df)}),
+                                                  allow_nan=False))
 
 
 def concat(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
