@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -205,3 +207,5 @@ def test_interval_functions_edge_cases():
     sd = sketch_sd(x, ref, K=16)
     assert all(v > 0 for v in sd.values())
     assert sketch_sd(x, ref, K=64)["variance"] == pytest.approx(sd["variance"] / 2)
+    zero = sketch_sd(x, torch.zeros(5, dtype=torch.float64), K=16)  # g* = 0: no projection
+    assert math.isnan(zero["projection"]) and zero["variance"] == sd["variance"]

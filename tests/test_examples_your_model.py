@@ -83,7 +83,8 @@ def test_your_model_suite_runs(workdir, monkeypatch):
         dtype = a["provenance"]["model_dtype"]
         assert "bfloat16" in (dtype.values() if isinstance(dtype, dict) else [dtype])
     var = next(a for a in out["analyses"] if a["kind"] == "variance")
-    assert all("n/a" not in h["text"] for h in var["headlines"])
+    assert all("n/a" not in h["text"] for h in var["headlines"]), [
+        h["text"] for h in var["headlines"] if "n/a" in h["text"]]
     train = next(a for a in out["analyses"] if a["kind"] == "train")
     assert any("held-out sampled accuracy" in h["text"] for h in train["headlines"])
     assert (workdir / "out" / "report.html").is_file()

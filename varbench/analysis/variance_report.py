@@ -143,6 +143,8 @@ def variance_headlines(
             continue  # 0 / 0: covered by the degenerate headlines above
         pb = _get(base, "projection")
         q = _get(r, "projection") / pb if pb != 0 else float("nan")
+        if not math.isfinite(q):
+            continue  # no projection (g* = 0 or undefined): nothing to split the reduction by
         share = shrinkage_share(vr, q)
         reading = (f"a pure rescaling would explain {fmt(100 * share, 2)}% of the reduction "
                    "(log scale), the rest is noise suppression" if math.isfinite(share)

@@ -213,8 +213,11 @@ def _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out):
     rounding (~1e-7 in float32), so A = G - B would be a tiny vector along grad log pi instead of
     0. A group is all-agree when every valid token's return is the same (outcome rewards: all
     R_i equal). The tail positions (B = 0 by ``handle_zero_tail``, or no other response for the
-    leave-one-out form) keep their formula.
+    leave-one-out form) keep their formula. ``conventions="verl"`` keeps the formula
+    everywhere, as verl computes it (the drop-in reproduces verl, residue included).
     """
+    if opts.conventions == "verl":
+        return B  # verl's own value: its eps leaves ~1e-8 relative residue in all-agree groups
     if rewards.dim() == 2:
         agree = rewards.amax(1) == rewards.amin(1)  # [P]
     else:

@@ -208,7 +208,9 @@ def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int) -> dict[
     ce = e @ e.T / M
     gbar = x.mean(0)
     gg = float(ref @ ref)
-    proj = ((float(gbar @ gbar) * gg + float(gbar @ ref) ** 2) / K) ** 0.5 / gg
+    # g* = 0 (every reference response scored the same): the projection is undefined
+    proj = (((float(gbar @ gbar) * gg + float(gbar @ ref) ** 2) / K) ** 0.5 / gg if gg > 0
+            else float("nan"))
     return {"variance": float(2 * (cu * cu).sum() / K) ** 0.5,
             "mse": float(2 * (ce * ce).sum() / K) ** 0.5, "projection": proj}
 
