@@ -125,6 +125,12 @@ def test_bad_input(peaked_policy):
         cancellation(peaked_policy, [task], transforms=["max_replace"])
     with pytest.raises(ValueError, match="tasks"):
         cancellation(peaked_policy, [])
+    with pytest.raises(ValueError, match=r"modes=\[\] is empty"):
+        cancellation(peaked_policy, [task], modes=[])
+    with pytest.raises(ValueError, match=r"ratios=\[\] is empty"):
+        cancellation(peaked_policy, [task], ratios=[])
+    with pytest.raises(ValueError, match="lr=inf"):
+        cancellation(peaked_policy, [task], lr=float("inf"))
 
 
 def test_headlines_rest_on_weighting_residual_and_grad_ratio_with_counts():

@@ -126,6 +126,9 @@ def test_bad_input(tmp_path):
         estimator_variance(pol, get_task("arith"), reference="exact")
     with pytest.raises(ValueError, match="M="):
         _run(pol, tmp_path, M=2)
+    for arg in ("Gs", "schemes", "modes"):  # empty lists: an empty report, exit 0 before
+        with pytest.raises(ValueError, match=rf"{arg}=\[\] is empty"):
+            _run(pol, tmp_path, **{arg: []})
 
 
 @pytest.mark.slow

@@ -102,3 +102,13 @@ def test_check_device_and_finite_number():
     for bad in (float("inf"), float("nan"), 0.0, True, "1"):
         with pytest.raises(UsageError, match="lr="):
             check_finite_number("lr", bad, minimum=0, strict=True)
+
+
+def test_check_nonempty_names_the_argument():
+    from varbench._util.checks import check_nonempty
+
+    assert check_nonempty("Gs", (2, 4)) == [2, 4]
+    with pytest.raises(UsageError, match=r"Gs=\[\] is empty"):
+        check_nonempty("Gs", [])
+    with pytest.raises(UsageError, match=r"schemes='otb' is not valid; expected a list"):
+        check_nonempty("schemes", "otb")

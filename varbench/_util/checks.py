@@ -52,6 +52,18 @@ def check_positive_int(arg: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def check_nonempty(arg: str, values: Any) -> list:
+    """``values`` as a list; UsageError when it is empty (an empty list would compute nothing
+    and report nothing) or a bare string (one name where a list of names is expected)."""
+    if isinstance(values, (str, bytes)):
+        raise UsageError(f"{arg}={values!r} is not valid; expected a list of values, e.g. "
+                         f"[{values!r}]")
+    out = list(values)
+    if not out:
+        raise UsageError(f"{arg}=[] is empty; give at least one value")
+    return out
+
+
 def check_finite_number(arg: str, value: Any, *, minimum: float | None = None,
                         strict: bool = False) -> float:
     """``value`` as float; UsageError unless it is a finite real number (>= / > ``minimum``)."""

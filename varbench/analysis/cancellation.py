@@ -25,7 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench._util.checks import (
+    UsageError,
+    check_choice,
+    check_finite_number,
+    check_nonempty,
+    check_positive_int,
+)
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
 from varbench.analysis.trie import shared_steps, token_net_weight
@@ -168,6 +174,8 @@ def cancellation(
     """
     check_positive_int("n_prompts", n_prompts)
     check_positive_int("G", G, minimum=2)
+    modes, ratios = check_nonempty("modes", modes), check_nonempty("ratios", ratios)
+    check_finite_number("lr", lr, minimum=0, strict=True)
     for m in modes:
         check_choice("modes", m, AGGREGATION_MODES)
     for r in ratios:

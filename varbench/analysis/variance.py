@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice, check_nonempty, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat
@@ -368,6 +368,8 @@ def estimator_variance(
     (prompt ``p`` on rank ``p % world_size``) and gathered; every rank returns the full result.
     The gather is a collective: every rank must make the same call.
     """
+    schemes, Gs, modes = (check_nonempty("schemes", schemes), check_nonempty("Gs", Gs),
+                          check_nonempty("modes", modes))
     known = set(registered_schemes())
     for s in schemes:
         check_choice("schemes", scheme_of(s), sorted(known))
