@@ -189,8 +189,7 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
             ax.set_title(task)
             ax.legend(fontsize=7)
         name = f"{prefix}accuracy_vs_tokens.png"
-        fig.tight_layout()
-        fig.savefig(fig_dir / name, dpi=110)
+        _save(fig, fig_dir / name)
         out.append((name, "Held-out accuracy against sampled tokens, mean over seeds "
                           "(band: 1 std)."))
     traces = result.records.get("grad_traces")
@@ -208,8 +207,7 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
             ax.set_title(task)
             ax.legend(fontsize=7)
         name = f"{prefix}grad_norm_traces.png"
-        fig.tight_layout()
-        fig.savefig(fig_dir / name, dpi=110)
+        _save(fig, fig_dir / name)
         out.append((name, "Gradient-norm traces per run (a collapse shows as a surge)."))
     return out
 

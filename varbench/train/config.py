@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError, UsageTypeError
+from varbench.estimators.coefficients import TRANSFORMS
+from varbench.estimators.kl import KL_KINDS
+from varbench.estimators.loss import RATIO_KINDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,9 +29,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-RATIO_KINDS = ("token", "sequence")
-KL_KINDS = ("k1", "k2", "k3")
-TRANSFORMS = ("none", "min_replace", "adv_orthogonal")
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 
 
@@ -68,7 +68,8 @@ class TrainConfig:
     agg: str = "token-mean"
     """Loss aggregation mode (docs/science.md section 3)."""
     transform: str = "none"
-    """Exchangeability transform of the per-sample weights: none, min_replace, adv_orthogonal."""
+    """Exchangeability transform of the per-sample weights
+    (``varbench.estimators.coefficients.TRANSFORMS``)."""
     dynamic_filter: bool = False
     """Drop groups whose rewards all agree before the update (DAPO's dynamic sampling, without
     resampling: the step trains on the remaining groups; a step with none left is skipped)."""
