@@ -72,3 +72,89 @@ def test_rank_correlation_and_hacking_table():
     assert h["pearson"] == pytest.approx(np.corrcoef(curves["reward_sampled"],
                                                      curves["acc_sampled"])[0, 1])
     assert h["spearman"] == pytest.approx(0.9) and h["exact_end"] == 0.5
+
+
+def test_km_restricted_mean_hand_example():
+    # events at 2, 4, 8; one run censored at 6; tau 10:
+    # S = 1 on [0,2), 3/4 on [2,4), 1/2 on [4,8) (the censored run leaves after 6), 0 after 8
+    # -> RMST = 2*1 + 2*0.75 + 4*0.5 = 5.5
+    t, e = np.array([2.0, 4.0, 6.0, 8.0]), np.array([True, True, False, True])
+    assert vs.km_restricted_mean(t, e, 10.0) == pytest.approx(5.5)
+    # no censoring: the plain mean; all censored at tau: tau; a time past tau is cut at tau
+    assert vs.km_restricted_mean(t, np.ones(4, bool), 10.0) == pytest.approx(5.0)
+    assert vs.km_restricted_mean(np.full(3, 10.0), np.zeros(3, bool), 10.0) == 10.0
+    assert vs.km_restricted_mean(np.array([4.0, 12.0]), np.array([True, True]), 10.0) == 7.0
+    # censoring only at tau equals mean(min(T, tau)) (the old 'count at the budget' mean)
+    t2, e2 = np.array([3.0, 5.0, 10.0, 10.0]), np.array([True, True, False, False])
+    assert vs.km_restricted_mean(t2, e2, 10.0) == pytest.approx(t2.mean())
+    # an early-censored run is not counted at its early stop (that would say 5.0)
+    t3, e3 = np.array([2.0, 4.0, 6.0, 8.0]), np.array([True, True, False, True])
+    assert vs.km_restricted_mean(t3, e3, 10.0) > t3.mean()
+
+
+def test_rmst_saving_ci_and_pairing():
+    a, b = np.array([2.0, 3.0, 2.5, 3.5]), np.array([10.0, 10.0, 8.0, 10.0])
+    ea, eb = np.ones(4, bool), np.array([False, False, True, False])
+    out = vs.rmst_saving(a, ea, b, eb, tau=10.0)
+    assert out["rmst_a"] == pytest.approx(2.75) and out["rmst_b"] == pytest.approx(9.5)
+    assert out["saving"] == pytest.approx(1 - 2.75 / 9.5)
+    assert out["saving_ci_lo"] <= out["saving"] <= out["saving_ci_hi"]
+    assert out["censored_a"] == 0 and out["censored_b"] == 3
+    p = vs.rmst_saving(a, ea, a * 1.1, ea, tau=10.0, paired=True)
+    assert p["saving_ci_lo"] == pytest.approx(p["saving_ci_hi"])  # a fixed ratio when paired
+    with pytest.raises(ValueError, match="equal seeds"):
+        vs.rmst_saving(a, ea, b[:3], eb[:3], tau=10.0, paired=True)
+
+
+def test_wilson_and_newcombe_against_published_values():
+    # Newcombe (1998) table I: 0/10 -> [0, 0.2775]; 1/29 -> [0.0061, 0.1718];
+    # difference 56/70 - 48/80 -> 0.2, [0.0524, 0.3339] (method 10)
+    assert vs.wilson_ci(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert vs.wilson_ci(1, 29) == pytest.approx((0.0061, 0.1718), abs=1e-4)
+    d, lo, hi = vs.newcombe_diff_ci(56, 70, 48, 80)
+    assert (d, lo, hi) == pytest.approx((0.2, 0.0524, 0.3339), abs=1e-4)
+    assert np.isnan(vs.wilson_ci(0, 0)[0])
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "kw", "want"),
+    [(0.5, 0.7, {}, "confirmed"), (0.1, 0.4, {}, "refuted"), (-0.2, 0.8, {}, "undecided"),
+     (-0.3, -0.1, {}, "refuted"), (0.1, 0.4, {"censored_b": 1}, "undecided"),
+     (0.5, 0.7, {"censored_a": 1}, "undecided"), (float("nan"), 0.7, {}, "undecided")],
+)
+def test_verdict_saving(lo, hi, kw, want):
+    assert vs.verdict_saving(lo, hi, 0.62, **kw) == want
+
+
+def test_verdict_equivalence_and_interval():
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15) == "confirmed"
+    assert vs.verdict_equivalence(-0.4, -0.2, 0.15) == "refuted"
+    assert vs.verdict_equivalence(-0.3, 0.1, 0.15) == "undecided"
+    assert [vs.verdict_interval(*c) for c in ((0.1, 0.5), (-0.5, -0.1), (-0.1, 0.1))] == [
+        "confirmed", "refuted", "undecided"]
+
+
+def test_power_seeds_for_saving_matches_a_simulation():
+    # the delta-method n: z^2 (1-s)^2 (cva^2 + cvb^2) / h^2
+    n = vs.seeds_for_saving(0.3, 0.2, 0.5, half_width=0.15)
+    assert n == int(np.ceil(1.959964 ** 2 * 0.25 * 0.13 / 0.0225))  # = 6
+    assert vs.seeds_for_saving(0.01, 0.01, 0.5) == 3  # the floor
+    assert vs.saving_half_width(0.3, 0.2, 0.5, n) <= 0.15 < vs.saving_half_width(0.3, 0.2, 0.5,
+                                                                               n - 1)
+    # simulated: with n seeds of lognormal-ish runs the spread of the saving is as predicted
+    rng = np.random.default_rng(0)
+    ma, mb, n = 1000.0, 2000.0, 12
+    xa = ma * rng.gamma(1 / 0.3 ** 2, 0.3 ** 2, (20000, n))
+    xb = mb * rng.gamma(1 / 0.2 ** 2, 0.2 ** 2, (20000, n))
+    s = 1 - xa.mean(1) / xb.mean(1)
+    half = (np.quantile(s, 0.975) - np.quantile(s, 0.025)) / 2
+    assert half == pytest.approx(vs.saving_half_width(0.3, 0.2, 0.5, n), rel=0.1)
+
+
+def test_extrapolate_t2t():
+    tok = np.array([0.0, 100, 200, 300, 400])
+    assert vs.extrapolate_t2t(tok, np.array([0.1, 0.2, 0.5, 0.6, 0.7]), 0.5) == 200.0
+    # second half (200..400): acc 0.3, 0.35, 0.4 -> slope 5e-4: crosses 0.6 at 800
+    assert vs.extrapolate_t2t(tok, np.array([0.1, 0.2, 0.3, 0.35, 0.4]), 0.6) == pytest.approx(
+        800.0)
+    assert vs.extrapolate_t2t(tok, np.array([0.3, 0.3, 0.3, 0.2, 0.1]), 0.6) == np.inf

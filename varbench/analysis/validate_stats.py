@@ -153,3 +153,170 @@ def hacking_table(curves: pd.DataFrame) -> pd.DataFrame:
                      "reward_start": float(x[0]), "reward_end": float(x[-1]),
                      "exact_start": float(y[0]), "exact_end": float(y[-1])})
     return pd.DataFrame(rows)
+
+
+# --- survival-style tokens-to-threshold (runs that never reach the threshold) -------------------
+
+def km_restricted_mean(times: np.ndarray, reached: np.ndarray, tau: float) -> float:
+    """Kaplan-Meier restricted mean of tokens-to-threshold, ``integral_0^tau S(t) dt``.
+
+    ``times``: (n,) tokens at the first evaluation at or above the threshold, or, for a run that
+    never reached it (``reached`` False: right-censored), its final token count. ``tau``: the
+    restriction (the budget); times beyond it are cut at ``tau``. A censored run stays in the
+    risk set up to and including its censoring time (the usual tie rule). When every censored
+    run is censored at ``tau`` this equals ``mean(min(T, tau))``; an earlier-censored run (one
+    that stopped short of the budget) is handled by the product-limit estimate instead of being
+    counted at its early stop. Math caveat: beyond the last observation ``S`` is held flat.
+    """
+    t = np.minimum(np.asarray(times, dtype=float), float(tau))
+    e = np.asarray(reached, dtype=bool) & (np.asarray(times, dtype=float) <= tau)
+    if len(t) == 0:
+        return math.nan
+    surv, prev, area = 1.0, 0.0, 0.0
+    for tj in np.unique(t[e]):
+        area += surv * (tj - prev)
+        at_risk = int((t >= tj).sum())
+        surv *= 1.0 - int(((t == tj) & e).sum()) / at_risk
+        prev = tj
+    return float(area + surv * (float(tau) - prev))
+
+
+def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, tau: float, *,
+                paired: bool = False, seed: int = 0, level: float = 0.95) -> dict:
+    """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold, bootstrap CI.
+
+    Seeds (whole runs) are resampled, each arm independently, or jointly by index when
+    ``paired`` (the arms share seeds, e.g. proxy vs exact weights). Each resample's RMST is
+    :func:`km_restricted_mean` at ``tau``. Positive: ``a`` needs fewer tokens. Censoring makes
+    the estimate a bound: censored ``b`` runs can only lower RMST_b (the saving of the true
+    means is at least this, if ``a`` is uncensored); censored ``a`` runs the other way.
+    """
+    xa, xb = np.asarray(xa, float), np.asarray(xb, float)
+    ea, eb = np.asarray(ea, bool), np.asarray(eb, bool)
+    rng = np.random.default_rng(seed)
+    if paired and len(xa) != len(xb):
+        raise ValueError(f"paired saving needs equal seeds: {len(xa)} vs {len(xb)}")
+    ia = rng.integers(0, len(xa), (_B, len(xa)))
+    ib = ia if paired else rng.integers(0, len(xb), (_B, len(xb)))
+    ra = np.array([km_restricted_mean(xa[i], ea[i], tau) for i in ia])
+    rb = np.array([km_restricted_mean(xb[i], eb[i], tau) for i in ib])
+    boots = 1.0 - ra / rb
+    a = (1 - level) / 2
+    ma, mb = km_restricted_mean(xa, ea, tau), km_restricted_mean(xb, eb, tau)
+    return {"rmst_a": ma, "rmst_b": mb, "saving": 1.0 - ma / mb,
+            "saving_ci_lo": float(np.quantile(boots, a)),
+            "saving_ci_hi": float(np.quantile(boots, 1 - a)),
+            "censored_a": int((~ea).sum()), "censored_b": int((~eb).sum())}
+
+
+# --- proportions -------------------------------------------------------------------------------
+
+def wilson_ci(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``k / n`` (sane at k = 0 and k = n)."""
+    if n <= 0:
+        return math.nan, math.nan
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def newcombe_diff_ci(k1: int, n1: int, k2: int, n2: int,
+                     level: float = 0.95) -> tuple[float, float, float]:
+    """``(p1 - p2, lo, hi)``: Newcombe's hybrid score interval (method 10) from Wilson limits."""
+    p1, p2 = k1 / n1, k2 / n2
+    l1, u1 = wilson_ci(k1, n1, level)
+    l2, u2 = wilson_ci(k2, n2, level)
+    d = p1 - p2
+    lo = d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
+    hi = d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    return d, max(-1.0, lo), min(1.0, hi)
+
+
+# --- verdicts ----------------------------------------------------------------------------------
+
+VERDICT_RULES = {
+    "saving": "confirmed when the 95% CI of the saving lies above 0 and does not exclude the "
+              "claimed saving (upper limit >= claimed); refuted when the upper limit is below the "
+              "claimed saving (the claimed size is excluded) unless censored runs of the "
+              "reference arm make the estimate a lower bound; undecided otherwise. Censored runs "
+              "of the claimed-better arm make the estimate an upper bound: then it cannot be "
+              "confirmed.",
+    "equivalence": "confirmed when the 95% CI's lower limit is above -margin (the tested arm "
+                   "needs at most margin more); refuted when the upper limit is below -margin; "
+                   "undecided otherwise.",
+    "rate_diff": "confirmed when the 95% CI of (reference rate - tested rate) lies above 0; "
+                 "refuted when it lies below 0; undecided otherwise (including no collapses).",
+    "correlation": "confirmed when the 95% CI of Spearman's rho lies above 0 over at least "
+                   "min_cells cells; refuted when it lies below 0; undecided otherwise or with "
+                   "fewer cells.",
+}
+
+
+def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
+                   censored_b: int = 0) -> str:
+    """Verdict on 'a saves at least ``claimed`` over b' from the saving's CI (VERDICT_RULES)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    if lo > 0 and hi >= claimed and censored_a == 0:
+        return "confirmed"
+    if hi < claimed and censored_b == 0:
+        return "refuted"
+    return "undecided"
+
+
+def verdict_equivalence(lo: float, hi: float, margin: float) -> str:
+    """Verdict on 'a is no worse than b by more than ``margin``' (VERDICT_RULES)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    return "confirmed" if lo > -margin else "refuted" if hi < -margin else "undecided"
+
+
+def verdict_interval(lo: float, hi: float) -> str:
+    """Verdict on 'the quantity is positive' from its CI (rate differences, correlations)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    return "confirmed" if lo > 0 else "refuted" if hi < 0 else "undecided"
+
+
+# --- power -------------------------------------------------------------------------------------
+
+def seeds_for_saving(cv_a: float, cv_b: float, saving: float, *, half_width: float = 0.15,
+                     level: float = 0.95, min_seeds: int = 3) -> int:
+    """Seeds per arm so that the CI of ``s = 1 - m_a / m_b`` has half-width <= ``half_width``.
+
+    Delta method for a ratio of two independent means over ``n`` seeds each:
+    ``Var(s) ~= (1 - s)^2 (cv_a^2 + cv_b^2) / n`` (``cv``: coefficient of variation of one run's
+    tokens-to-threshold), so ``n = ceil(z^2 (1 - s)^2 (cv_a^2 + cv_b^2) / half_width^2)``.
+    Math caveat: the delta method is first-order; with few seeds the percentile bootstrap is
+    wider, hence a floor of ``min_seeds``.
+    """
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    n = z * z * (1 - saving) ** 2 * (cv_a ** 2 + cv_b ** 2) / half_width ** 2
+    return max(int(min_seeds), int(math.ceil(n - 1e-9)))
+
+
+def saving_half_width(cv_a: float, cv_b: float, saving: float, n: int,
+                      level: float = 0.95) -> float:
+    """The delta-method CI half-width of the saving with ``n`` seeds per arm (inverse of
+    :func:`seeds_for_saving`)."""
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    return z * (1 - saving) * math.sqrt((cv_a ** 2 + cv_b ** 2) / n)
+
+
+def extrapolate_t2t(tokens: np.ndarray, acc: np.ndarray, threshold: float) -> float:
+    """Tokens at which a least-squares line through the second half of a mean accuracy curve
+    crosses ``threshold`` (inf when it does not rise). For budgeting arms that never reached the
+    threshold in a short run; the first crossing is returned when the curve already reached it.
+    Math caveat: a linear trend; learning curves flatten, so this is optimistic."""
+    tokens, acc = np.asarray(tokens, float), np.asarray(acc, float)
+    hit = np.nonzero(acc >= threshold)[0]
+    if len(hit):
+        return float(tokens[hit[0]])
+    half = tokens >= tokens[len(tokens) // 2]
+    if half.sum() < 2:
+        return math.inf
+    slope, icpt = np.polyfit(tokens[half], acc[half], 1)
+    return float((threshold - icpt) / slope) if slope > 0 else math.inf
