@@ -47,34 +47,61 @@ def bootstrap_mean_ci(x: np.ndarray, seed: int = 0, level: float = 0.95) -> tupl
 
 
 def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float]) -> pd.DataFrame:
-    """Per run: tokens-to-threshold, reached, final accuracy. Columns as in the module doc."""
+    """Per run: tokens-to-threshold, reached, final accuracy (and, where the curves carry
+    ``wall_s``, wall seconds to threshold). Runs are keyed by task, scheme, G, variant (an arm
+    beyond scheme x G; '' when the curves have no ``variant`` column) and seed."""
+    curves = curves if "variant" in curves else curves.assign(variant="")
     rows = []
-    for (task, scheme, G, seed), c in curves.groupby(["task", "scheme", "G", "seed"], sort=True):
+    for (task, scheme, G, variant, seed), c in curves.groupby(
+            ["task", "scheme", "G", "variant", "seed"], sort=True):
         c = c.sort_values("step")
         tok, ok = tokens_to_threshold(c, thresholds[task])
-        rows.append({"task": task, "scheme": scheme, "G": int(G), "seed": int(seed),
-                     "threshold": thresholds[task], "tokens_to_threshold": tok, "reached": ok,
-                     "final_tokens": float(c["tokens"].iloc[-1]),
-                     "final_acc_sampled": float(c["acc_sampled"].iloc[-1]),
-                     "final_acc_greedy": float(c["acc_greedy"].iloc[-1])})
+        row = {"task": task, "scheme": scheme, "G": int(G), "variant": variant,
+               "seed": int(seed), "threshold": thresholds[task], "tokens_to_threshold": tok,
+               "reached": ok, "final_tokens": float(c["tokens"].iloc[-1]),
+               "final_acc_sampled": float(c["acc_sampled"].iloc[-1]),
+               "final_acc_greedy": float(c["acc_greedy"].iloc[-1])}
+        if "wall_s" in c:
+            hit = c[c["acc_sampled"] >= thresholds[task]]
+            row["wall_to_threshold"] = float((hit if len(hit) else c)["wall_s"].iloc[
+                0 if len(hit) else -1])
+            row["final_wall_s"] = float(c["wall_s"].iloc[-1])
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
-def cell_table(t2t: pd.DataFrame) -> pd.DataFrame:
-    """Per task x scheme x G: mean tokens-to-threshold (censored runs count at their final
-    tokens, so the mean is a lower bound when any is censored) with a bootstrap CI over seeds,
-    and final accuracy mean and std over seeds."""
+def cell_table(t2t: pd.DataFrame, budgets: dict[str, float] | None = None) -> pd.DataFrame:
+    """Per task x scheme x G (x variant): mean tokens-to-threshold (censored runs count at their
+    final tokens, so the mean is a lower bound when any is censored) with a bootstrap CI over
+    seeds; with ``budgets`` (task -> tokens) also the Kaplan-Meier restricted mean at the
+    budget (``t2t_rmst``); final accuracy mean and std over seeds."""
+    t2t = t2t if "variant" in t2t else t2t.assign(variant="")
     rows = []
-    for (task, scheme, G), c in t2t.groupby(["task", "scheme", "G"], sort=True):
+    for (task, scheme, G, variant), c in t2t.groupby(["task", "scheme", "G", "variant"],
+                                                      sort=True):
         x = c["tokens_to_threshold"].to_numpy()
         lo, hi = bootstrap_mean_ci(x)
-        rows.append({"task": task, "scheme": scheme, "G": int(G), "seeds": len(c),
-                     "reached": int(c["reached"].sum()),
-                     "t2t_mean": float(x.mean()), "t2t_ci_lo": lo, "t2t_ci_hi": hi,
-                     "t2t_is_lower_bound": bool((~c["reached"]).any()),
-                     "final_acc_mean": float(c["final_acc_sampled"].mean()),
-                     "final_acc_std": float(c["final_acc_sampled"].std(ddof=1))
-                     if len(c) > 1 else math.nan})
+        row = {"task": task, "scheme": scheme, "G": int(G), "variant": variant,
+               "seeds": len(c), "reached": int(c["reached"].sum()),
+               "t2t_mean": float(x.mean()), "t2t_ci_lo": lo, "t2t_ci_hi": hi,
+               "t2t_is_lower_bound": bool((~c["reached"]).any()),
+               "final_acc_mean": float(c["final_acc_sampled"].mean()),
+               "final_acc_std": float(c["final_acc_sampled"].std(ddof=1))
+               if len(c) > 1 else math.nan}
+        if budgets is not None:
+            row["t2t_rmst"] = km_restricted_mean(x, c["reached"].to_numpy(), budgets[task])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def rate_table(runs: pd.DataFrame, by: list[str], col: str = "collapsed") -> pd.DataFrame:
+    """Per group of ``by``: runs, how many have ``col`` true, the rate and its Wilson 95% CI."""
+    rows = []
+    for key, d in runs.groupby(by, sort=True):
+        k, n = int(d[col].sum()), len(d)
+        lo, hi = wilson_ci(k, n)
+        rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
+                     "runs": n, col: k, "rate": k / n, "rate_ci_lo": lo, "rate_ci_hi": hi})
     return pd.DataFrame(rows)
 
 
