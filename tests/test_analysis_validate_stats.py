@@ -158,3 +158,35 @@ def test_extrapolate_t2t():
     assert vs.extrapolate_t2t(tok, np.array([0.1, 0.2, 0.3, 0.35, 0.4]), 0.6) == pytest.approx(
         800.0)
     assert vs.extrapolate_t2t(tok, np.array([0.3, 0.3, 0.3, 0.2, 0.1]), 0.6) == np.inf
+
+
+def test_power_plan_hand_example():
+    # arm a: 4 runs reached at 100, 120, 80, 100 (mean 100, cv = sd/mean = 16.33/100);
+    # arm b: none reached by 400; its mean curve rises 0.1 per 100 tokens from 200 on and
+    # crosses the threshold 0.6 at 600 (extrapolated); its cv is borrowed from arm a.
+    rows = [dict(task="t", scheme="a", G=4, seed=i, threshold=0.6, tokens_to_threshold=x,
+                 reached=True) for i, x in enumerate([100.0, 120.0, 80.0, 100.0])]
+    rows += [dict(task="t", scheme="b", G=32, seed=i, threshold=0.6, tokens_to_threshold=400.0,
+                  reached=False) for i in range(3)]
+    curves = pd.DataFrame({"task": "t", "arm": "b/32", "tokens": [0.0, 100, 200, 300, 400],
+                           "acc_mean": [0.1, 0.15, 0.2, 0.3, 0.4]})
+    p = vs.power_plan(pd.DataFrame(rows), curves, [("t", "a/4", "b/32")]).iloc[0]
+    cv = np.std([100.0, 120, 80, 100], ddof=1) / 100
+    assert p["plan_mean_a"] == 100 and p["plan_mean_b"] == pytest.approx(600)
+    assert p["cv_a"] == pytest.approx(cv) and p["cv_b"] == pytest.approx(cv)
+    assert p["plan_saving"] == pytest.approx(5 / 6)
+    assert p["seeds_needed"] == vs.seeds_for_saving(cv, cv, 5 / 6)
+    assert p["budget_needed"] == int(np.ceil(600 * (1 + 2 * cv) / 1000) * 1000)
+    assert p["source"] == "b borrowed, b extrapolated"
+    with pytest.raises(ValueError, match="no pilot runs of c/4"):
+        vs.power_plan(pd.DataFrame(rows), curves, [("t", "c/4", "b/32")])
+
+
+def test_tokens_to_threshold_interpolated():
+    c = _curve([0.3, 0.5, 0.7, 0.65], [0, 100, 200, 300]).assign(wall_s=[0.0, 1, 3, 4])
+    # 0.6 lies halfway between 0.5 (100 tokens) and 0.7 (200 tokens)
+    assert vs.tokens_to_threshold(c, 0.6, interpolate=True) == (pytest.approx(150.0), True)
+    assert vs.tokens_to_threshold(c, 0.6, interpolate=True, col="wall_s") == (
+        pytest.approx(2.0), True)
+    assert vs.tokens_to_threshold(c, 0.2, interpolate=True) == (0.0, True)  # at the start
+    assert vs.tokens_to_threshold(c, 0.8, interpolate=True) == (300.0, False)

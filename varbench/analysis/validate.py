@@ -88,6 +88,9 @@ class ValidateConfig:
     written ``scheme/G`` or ``scheme/G/variant``; see :func:`claim_rows`."""
     threshold_frac: float = 0.3
     """Threshold = warm-start accuracy + this fraction of the remaining gap to 1."""
+    interpolate: bool = True
+    """Place the threshold crossing between the two evaluations around it (linear), rather
+    than at the first evaluation at or above it (quantised to the evaluation spacing)."""
     eval_responses: int = 512
     """Evaluate every this many sampled training responses (equal token spacing across G)."""
     base: dict[str, Any] = field(default_factory=lambda: dict(
@@ -315,7 +318,7 @@ def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
     acc0 = {t: float(c[c["step"] == 0]["acc_sampled"].iloc[0])
             for t, c in curves_df.groupby("task")}
     thresholds = {t: vs.threshold_of(a, cfg.threshold_frac) for t, a in acc0.items()}
-    t2t = vs.t2t_table(curves_df, thresholds)
+    t2t = vs.t2t_table(curves_df, thresholds, interpolate=cfg.interpolate)
     cells = vs.cell_table(t2t, {t: float(cfg.budgets[t]) for t in thresholds})
     traces_df = pd.concat(traces, ignore_index=True)
     stab_df, calib = _stability(cfg, pd.DataFrame(stab), traces_df, t2t, acc0)
@@ -719,8 +722,10 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
     for t in acc0:
         notes.append(f"{t}: warm-start held-out sampled accuracy {acc0[t]:.3f}; threshold "
                      f"{thresholds[t]:.3f} (= acc0 + {cfg.threshold_frac} x (1 - acc0)).")
-    notes.append("Tokens-to-threshold is the sampled-token count at the first held-out "
-                 "evaluation at or above the threshold. A run that never reaches it is right-"
+    notes.append("Tokens-to-threshold is the sampled-token count at which held-out accuracy "
+                 "first reaches the threshold (" + ("interpolated linearly between the two "
+                 "evaluations around the crossing" if cfg.interpolate else "at the first "
+                 "evaluation at or above it") + "). A run that never reaches it is right-"
                  "censored at its final count; arms are compared by the Kaplan-Meier restricted "
                  "mean up to the budget (RMST), with a percentile bootstrap over seeds (each arm "
                  "resampled separately; paired for the proxy claim).")
@@ -805,4 +810,56 @@ def plan_text(cfg: ValidateConfig, timing: pd.DataFrame, *, speedups: Sequence[f
     if e["guessed"]:
         lines.append("not measured, borrowed: " + "; ".join(e["guessed"]))
     lines.append("(plus the prediction check's warm-start variance analysis, minutes per task)")
+    return "\n".join(lines)
+
+
+def pilot_tables(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
+    """``(t2t, mean_curves, thresholds)`` of every finished run under ``out/runs`` (any grid):
+    the input of :func:`validate_stats.power_plan`. The threshold rule is the default
+    ``threshold_frac`` of :class:`ValidateConfig`."""
+    curves = []
+    for done in sorted(Path(out).glob("runs/*/*/done.json")):
+        label = done.parent.parent.name
+        if label == "hacking":
+            continue
+        tc = json.loads(done.read_text())["config"]
+        head, tail = f"{tc['scheme']}_G{tc['G']}", f"_s{tc['seed']}"
+        variant = done.parent.name[len(head):-len(tail)].lstrip("_")
+        df = read_records(done.parent / "records.csv")
+        curves.append(_curve_rows(df, task=label, scheme=tc["scheme"], G=int(tc["G"]),
+                                  variant=variant, seed=int(tc["seed"])))
+    if not curves:
+        raise UsageError(f"no finished runs under {str(Path(out) / 'runs')!r}")
+    c = pd.concat(curves, ignore_index=True)
+    frac = ValidateConfig().threshold_frac
+    thresholds = {t: vs.threshold_of(float(d[d.step == 0]["acc_sampled"].iloc[0]), frac)
+                  for t, d in c.groupby("task")}
+    t2t = vs.t2t_table(c, thresholds, interpolate=True)
+    lab = _figure_labels(c)  # scheme+variant
+    lab["arm"] = (c["scheme"] + "/" + c["G"].astype(str)
+                  + np.where(c["variant"] != "", "/" + c["variant"].astype(str), ""))
+    mean = lab.groupby(["task", "arm", "step"], as_index=False).agg(
+        tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"))
+    return t2t, mean, thresholds
+
+
+def power_text(cfg: ValidateConfig, pilot: Path, *, half_width: float = 0.15) -> str:
+    """The seeds and budgets the saving claims of ``cfg`` need, from the pilot runs under
+    ``pilot`` (``varbench validate --power-from DIR``)."""
+    t2t, mean, thr = pilot_tables(pilot)
+    pairs = [(c["task"], c["a"], c["b"]) for c in (cfg.claims or default_claims(cfg))
+             if c["kind"] in ("tokens", "proxy", "compute")]
+    rows, missing = [], []
+    for p in dict.fromkeys(pairs):
+        try:
+            rows.append(vs.power_plan(t2t, mean, [p], half_width=half_width))
+        except ValueError as err:
+            missing.append(f"{p[0]}: {p[1]} vs {p[2]} ({err})")
+    thr_text = ", ".join(f"{t} {v:.3f}" for t, v in thr.items())
+    lines = [f"power plan for a 95% CI half-width of {half_width:g} on each saving, from "
+             f"{len(t2t)} pilot runs (thresholds {thr_text}; crossings interpolated)"]
+    if rows:
+        lines.append(pd.concat(rows, ignore_index=True).to_string(index=False,
+                                                                  float_format="%.3g"))
+    lines += [f"not in the pilot: {m}" for m in missing]
     return "\n".join(lines)

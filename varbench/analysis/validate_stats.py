@@ -23,16 +23,27 @@ def threshold_of(acc0: float, frac: float) -> float:
     return acc0 + frac * (1.0 - acc0)
 
 
-def tokens_to_threshold(curve: pd.DataFrame, threshold: float) -> tuple[float, bool]:
+def tokens_to_threshold(curve: pd.DataFrame, threshold: float, *, interpolate: bool = False,
+                        col: str = "tokens") -> tuple[float, bool]:
     """``(tokens, reached)``: sampled tokens at the first evaluation with accuracy >= threshold.
 
     ``curve``: one run's evaluation rows (``tokens``, ``acc_sampled``) in step order. A run that
     never reaches it returns its final token count (a lower bound: censored) and False.
+    ``interpolate``: the crossing is placed on the straight line between the last evaluation
+    below the threshold and the first at or above it, rather than at the latter (evaluations
+    are spaced by hundreds of responses: without it the value is quantised to that spacing).
+    ``col``: the column to read (``wall_s``: seconds to threshold).
     """
-    hit = curve[curve["acc_sampled"] >= threshold]
-    if len(hit):
-        return float(hit["tokens"].iloc[0]), True
-    return float(curve["tokens"].iloc[-1]), False
+    acc = curve["acc_sampled"].to_numpy(float)
+    x = curve[col].to_numpy(float)
+    hit = np.nonzero(acc >= threshold)[0]
+    if len(hit) == 0:
+        return float(x[-1]), False
+    k = int(hit[0])
+    if not interpolate or k == 0:
+        return float(x[k]), True
+    frac = (threshold - acc[k - 1]) / (acc[k] - acc[k - 1])
+    return float(x[k - 1] + frac * (x[k] - x[k - 1])), True
 
 
 def bootstrap_mean_ci(x: np.ndarray, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -46,7 +57,8 @@ def bootstrap_mean_ci(x: np.ndarray, seed: int = 0, level: float = 0.95) -> tupl
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float]) -> pd.DataFrame:
+def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float], *,
+              interpolate: bool = False) -> pd.DataFrame:
     """Per run: tokens-to-threshold, reached, final accuracy (and, where the curves carry
     ``wall_s``, wall seconds to threshold). Runs are keyed by task, scheme, G, variant (an arm
     beyond scheme x G; '' when the curves have no ``variant`` column) and seed."""
@@ -55,16 +67,15 @@ def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float]) -> pd.DataFram
     for (task, scheme, G, variant, seed), c in curves.groupby(
             ["task", "scheme", "G", "variant", "seed"], sort=True):
         c = c.sort_values("step")
-        tok, ok = tokens_to_threshold(c, thresholds[task])
+        tok, ok = tokens_to_threshold(c, thresholds[task], interpolate=interpolate)
         row = {"task": task, "scheme": scheme, "G": int(G), "variant": variant,
                "seed": int(seed), "threshold": thresholds[task], "tokens_to_threshold": tok,
                "reached": ok, "final_tokens": float(c["tokens"].iloc[-1]),
                "final_acc_sampled": float(c["acc_sampled"].iloc[-1]),
                "final_acc_greedy": float(c["acc_greedy"].iloc[-1])}
         if "wall_s" in c:
-            hit = c[c["acc_sampled"] >= thresholds[task]]
-            row["wall_to_threshold"] = float((hit if len(hit) else c)["wall_s"].iloc[
-                0 if len(hit) else -1])
+            row["wall_to_threshold"] = tokens_to_threshold(
+                c, thresholds[task], interpolate=interpolate, col="wall_s")[0]
             row["final_wall_s"] = float(c["wall_s"].iloc[-1])
         rows.append(row)
     return pd.DataFrame(rows)
@@ -347,3 +358,67 @@ def extrapolate_t2t(tokens: np.ndarray, acc: np.ndarray, threshold: float) -> fl
         return math.inf
     slope, icpt = np.polyfit(tokens[half], acc[half], 1)
     return float((threshold - icpt) / slope) if slope > 0 else math.inf
+
+
+def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[str, str, str]],
+               *, half_width: float = 0.15, level: float = 0.95) -> pd.DataFrame:
+    """Seeds and budget each comparison needs, from pilot runs.
+
+    ``t2t``: :func:`t2t_table` of the pilot (arms named ``scheme/G[/variant]`` via the
+    ``scheme``, ``G``, ``variant`` columns); ``mean_curves``: per task x arm mean accuracy
+    (``task, arm, tokens, acc_mean``) for arms that never reached the threshold;
+    ``pairs``: ``(task, a, b)``, saving of ``a`` over ``b``. Per arm the planning mean is the
+    mean tokens-to-threshold when every pilot run reached it, else the linear extrapolation of
+    the mean curve (:func:`extrapolate_t2t`); the coefficient of variation comes from the
+    reached runs (>= 2 of them), else the median CV of the task's fully reached arms
+    ('borrowed'). Seeds: :func:`seeds_for_saving` for a CI half-width ``half_width``; budget:
+    the larger arm's planning mean x (1 + 2 CV) (about its 97.5% quantile, so nearly every run
+    is observed reaching the threshold), rounded up to 1000 tokens.
+    """
+    d = t2t if "variant" in t2t else t2t.assign(variant="")
+    d = d.assign(arm=d["scheme"] + "/" + d["G"].astype(str)
+                 + np.where(d["variant"] != "", "/" + d["variant"].astype(str), ""))
+
+    def arm_stats(task: str, arm: str) -> dict:
+        r = d[(d.task == task) & (d.arm == arm)]
+        if len(r) == 0:
+            raise ValueError(f"power_plan: no pilot runs of {arm} on {task}")
+        x, ok = r["tokens_to_threshold"].to_numpy(float), r["reached"].to_numpy(bool)
+        out = {"n": len(r), "reached": int(ok.sum())}
+        if ok.all():
+            out["mean"] = float(x.mean())
+        else:
+            c = mean_curves[(mean_curves.task == task) & (mean_curves.arm == arm)]
+            c = c.sort_values("tokens")
+            out["mean"] = extrapolate_t2t(c["tokens"].to_numpy(), c["acc_mean"].to_numpy(),
+                                          float(r["threshold"].iloc[0]))
+        out["cv"] = (float(x[ok].std(ddof=1) / x[ok].mean()) if ok.sum() >= 2 else math.nan)
+        return out
+
+    full_cv: dict[str, list[float]] = {}
+    for (task, _arm), r in d.groupby(["task", "arm"]):
+        if r["reached"].all() and len(r) >= 2:
+            x = r["tokens_to_threshold"].to_numpy(float)
+            full_cv.setdefault(task, []).append(float(x.std(ddof=1) / x.mean()))
+    rows = []
+    for task, a, b in pairs:
+        sa, sb = arm_stats(task, a), arm_stats(task, b)
+        src = []
+        for side, st in (("a", sa), ("b", sb)):
+            if not math.isfinite(st["cv"]):
+                st["cv"] = float(np.median(full_cv.get(task, [math.nan])))
+                src.append(f"{side} borrowed")
+            if st["reached"] < st["n"]:
+                src.append(f"{side} extrapolated")
+        s = 1 - sa["mean"] / sb["mean"] if math.isfinite(sb["mean"]) else 1.0
+        ok = all(math.isfinite(v) for v in (sa["cv"], sb["cv"], sa["mean"], sb["mean"]))
+        n = seeds_for_saving(sa["cv"], sb["cv"], s, half_width=half_width,
+                             level=level) if ok else -1
+        top = max(sa["mean"] * (1 + 2 * sa["cv"]), sb["mean"] * (1 + 2 * sb["cv"]))
+        rows.append({"task": task, "a": a, "b": b, "n_a": sa["n"], "reached_a": sa["reached"],
+                     "n_b": sb["n"], "reached_b": sb["reached"], "plan_mean_a": sa["mean"],
+                     "plan_mean_b": sb["mean"], "cv_a": sa["cv"], "cv_b": sb["cv"],
+                     "plan_saving": s, "seeds_needed": n,
+                     "budget_needed": int(math.ceil(top / 1000) * 1000) if ok else -1,
+                     "source": ", ".join(src) or "measured"})
+    return pd.DataFrame(rows)

@@ -206,6 +206,9 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, action="append", default=None,
                    help="--plan: also estimate at this factor of the measured speed "
                    "(repeatable)")
+    p.add_argument("--power-from", default=None, metavar="DIR",
+                   help="print the seeds and budgets each saving claim needs, from the pilot "
+                   "runs in DIR; train nothing")
     p.add_argument("--shards", type=int, default=1,
                    help="--plan: estimate the slowest of this many shards")
     add_policy_flags(p, dtype=False)
@@ -220,6 +223,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads={args.threads} is not valid; expected an integer >= 1")
     torch.set_num_threads(args.threads)
     cfg = validate_config(args)
+    if args.power_from:
+        from varbench.analysis.validate import power_text
+
+        print(power_text(cfg, Path(args.power_from)))
+        return 0
     if args.plan:
         from varbench.analysis.validate import plan_text, timing_from_runs
 
