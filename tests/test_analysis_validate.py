@@ -125,6 +125,8 @@ def test_jobs_arms_and_shards():
     assert len({j.rel_dir for j in jobs}) == len(jobs)  # one directory per run
     with pytest.raises(UsageError, match="shard"):
         V.shard_jobs(jobs, (4, 3))
+    more = V.jobs_of(_tiny_grid(task_seeds={"sort": [0, 1, 2]}))
+    assert len(more) == len(jobs) + 4 and {j.seed for j in more if j.task == "sort"} == {0, 1, 2}
 
 
 @pytest.mark.parametrize(
@@ -135,6 +137,7 @@ def test_jobs_arms_and_shards():
         ({"claims": ({"kind": "nope", "task": "sort", "a": "otb/4", "b": "otb/2"},)},
          r"claims kind='nope' is not valid"),
         ({"task_specs": {"toolsum_long": {"k": 4}}}, r"task_specs\['toolsum_long'\]"),
+        ({"task_seeds": {"arith": [0]}}, r"task_seeds: 'arith' is not one of tasks"),
         ({"arms": ({"task": "arith", "scheme": "otb", "G": 2, "bogus": 1},)},
          r"arms: key 'bogus'"),
         ({"arms": ({"task": "arith", "scheme": "otb", "G": 2, "ratio": "nope"},), "claims": ()},

@@ -75,6 +75,9 @@ class ValidateConfig:
     """Training seeds per cell (the warm start and held-out set are shared)."""
     budgets: dict[str, int] = field(default_factory=lambda: dict(FULL_BUDGETS))
     """Sampled-token budget per run, by task label."""
+    task_seeds: dict[str, list] = field(default_factory=dict)
+    """Seeds of the core grid per task label where they differ from ``seeds`` (a noisier task
+    needs more for the same CI width)."""
     task_specs: dict[str, dict] = field(default_factory=dict)
     """Task labels beyond the registered names: ``label -> {"task": name, knob: value}``, e.g.
     ``{"toolsum_long": {"task": "toolsum", "k": 6}}`` (a longer horizon: more tool turns)."""
@@ -176,8 +179,8 @@ class Job:
 
 def jobs_of(cfg: ValidateConfig) -> list[Job]:
     """Every run of the grid in a fixed order: core grid, arms, then the hacking probe."""
-    jobs = [Job(t, s, G, seed) for t in cfg.tasks for s in cfg.schemes for G in cfg.Gs
-            for seed in cfg.seeds]
+    jobs = [Job(t, s, G, int(seed)) for t in cfg.tasks for s in cfg.schemes for G in cfg.Gs
+            for seed in cfg.task_seeds.get(t, cfg.seeds)]
     for arm in cfg.arms:
         over = tuple(sorted((k, _freeze(v)) for k, v in arm.items() if k not in _ARM_KEYS))
         for seed in arm.get("seeds", cfg.seeds):
@@ -390,8 +393,11 @@ def _check(cfg: ValidateConfig) -> None:
         check_choice("schemes", s, schemes())
     for G in (*cfg.Gs, *(a.get("G") for a in cfg.arms)):
         check_positive_int("Gs", G)
-    if not cfg.seeds:
+    if not cfg.seeds or any(not v for v in cfg.task_seeds.values()):
         raise UsageError("seeds is empty; give at least one seed")
+    for t in cfg.task_seeds:
+        if t not in cfg.tasks:
+            raise UsageError(f"task_seeds: {t!r} is not one of tasks {list(cfg.tasks)}")
     for a in cfg.arms:
         for k in a:
             if k not in _ARM_KEYS and k not in {f.name for f in fields(TrainConfig)}:
