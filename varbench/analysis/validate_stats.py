@@ -1,5 +1,7 @@
-"""Statistics of the validation experiment: tokens-to-threshold, bootstrap CIs, the OTB claim,
-the prediction check and the reward-hacking correlations. Pure functions of record tables.
+"""Statistics of the validation experiment: tokens-to-threshold (Kaplan-Meier restricted means
+for censored runs), bootstrap CIs, savings and their verdicts, collapse-rate intervals, the
+power plan, the prediction check and the reward-hacking correlations. Pure functions of record
+tables.
 
 Tables in (one row per evaluation of one run): ``task, scheme, G, seed, step, tokens,
 acc_sampled, acc_greedy, reward_sampled``. The bootstrap resamples *seeds* (whole runs): the
@@ -114,49 +116,6 @@ def rate_table(runs: pd.DataFrame, by: list[str], col: str = "collapsed") -> pd.
         rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
                      "runs": n, col: k, "rate": k / n, "rate_ci_lo": lo, "rate_ci_hi": hi})
     return pd.DataFrame(rows)
-
-
-def claim(t2t: pd.DataFrame, task: str, a: tuple[str, int], b: tuple[str, int],
-          seed: int = 0) -> dict:
-    """Token saving of cell ``a`` against cell ``b``: ``1 - mean_a / mean_b`` with a bootstrap
-    CI (seeds of each cell resampled independently). Positive: ``a`` needs fewer tokens."""
-    ca = t2t[(t2t.task == task) & (t2t.scheme == a[0]) & (t2t.G == a[1])]
-    cb = t2t[(t2t.task == task) & (t2t.scheme == b[0]) & (t2t.G == b[1])]
-    out = {"task": task, "a": f"{a[0]} G={a[1]}", "b": f"{b[0]} G={b[1]}"}
-    if len(ca) == 0 or len(cb) == 0:
-        missing = a if len(ca) == 0 else b
-        return {**out, "available": False, "missing": f"{missing[0]} at G={missing[1]}"}
-    xa, xb = ca["tokens_to_threshold"].to_numpy(), cb["tokens_to_threshold"].to_numpy()
-    rng = np.random.default_rng(seed)
-    ma = rng.choice(xa, size=(_B, len(xa))).mean(1)
-    mb = rng.choice(xb, size=(_B, len(xb))).mean(1)
-    saving = 1 - ma / mb
-    return {**out, "available": True, "t2t_a": float(xa.mean()), "t2t_b": float(xb.mean()),
-            "reached_a": int(ca["reached"].sum()), "reached_b": int(cb["reached"].sum()),
-            "seeds_a": len(xa), "seeds_b": len(xb),
-            "saving": float(1 - xa.mean() / xb.mean()),
-            "saving_ci_lo": float(np.quantile(saving, 0.025)),
-            "saving_ci_hi": float(np.quantile(saving, 0.975))}
-
-
-def claim_sentence(c: dict) -> str:
-    """The claim as measured, whichever way it falls."""
-    if not c["available"]:
-        return (f"{c['task']}: cannot test '{c['a']} reaches the threshold with fewer sampled "
-                f"tokens than {c['b']}': no runs of {c['missing']} in this experiment.")
-    censored = ""
-    if c["reached_a"] < c["seeds_a"] or c["reached_b"] < c["seeds_b"]:
-        censored = (f" Not every run reached the threshold ({c['a']}: {c['reached_a']}/"
-                    f"{c['seeds_a']}, {c['b']}: {c['reached_b']}/{c['seeds_b']}); unreached runs "
-                    "count at their full budget, so those means are lower bounds.")
-    verdict = "fewer" if c["saving"] > 0 else "more"
-    holds = ("holds" if c["saving_ci_lo"] > 0 else
-             "is contradicted" if c["saving_ci_hi"] < 0 else "is not resolved (CI spans 0)")
-    return (f"{c['task']}: {c['a']} reached the threshold after {c['t2t_a']:,.0f} sampled tokens "
-            f"(mean of {c['seeds_a']} seeds) vs {c['t2t_b']:,.0f} for {c['b']}: "
-            f"{abs(c['saving']) * 100:.0f}% {verdict} tokens (saving {c['saving'] * 100:.0f}%, "
-            f"95% bootstrap CI [{c['saving_ci_lo'] * 100:.0f}%, {c['saving_ci_hi'] * 100:.0f}%]); "
-            f"the claim {holds} as measured.{censored}")
 
 
 def rank_correlation_ci(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
