@@ -111,6 +111,9 @@ def test_verdict_equivalence_and_interval():
     assert vs.verdict_equivalence(-0.1, 0.2, 0.15) == "confirmed"
     assert vs.verdict_equivalence(-0.4, -0.2, 0.15) == "refuted"
     assert vs.verdict_equivalence(-0.3, 0.1, 0.15) == "undecided"
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15, censored_a=1) == "undecided"
+    assert vs.verdict_equivalence(-0.4, -0.2, 0.15, censored_b=1) == "undecided"
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15, censored_b=1) == "confirmed"
     assert [vs.verdict_interval(*c) for c in ((0.1, 0.5), (-0.5, -0.1), (-0.1, 0.1))] == [
         "confirmed", "refuted", "undecided"]
 

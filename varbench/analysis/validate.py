@@ -585,7 +585,8 @@ def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame
                rmst_a=s["rmst_a"], rmst_b=s["rmst_b"])
     if kind == "proxy":
         row["verdict"] = vs.verdict_equivalence(s["saving_ci_lo"], s["saving_ci_hi"],
-                                                -row["claimed"])
+                                                -row["claimed"], censored_a=s["censored_a"],
+                                                censored_b=s["censored_b"])
         row["rule"] = vs.VERDICT_RULES["equivalence"].replace("margin", f"{-row['claimed']:g}")
     else:
         row["verdict"] = vs.verdict_saving(s["saving_ci_lo"], s["saving_ci_hi"], row["claimed"],

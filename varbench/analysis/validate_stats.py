@@ -242,8 +242,9 @@ VERDICT_RULES = {
               "of the claimed-better arm make the estimate an upper bound: then it cannot be "
               "confirmed.",
     "equivalence": "confirmed when the 95% CI's lower limit is above -margin (the tested arm "
-                   "needs at most margin more); refuted when the upper limit is below -margin; "
-                   "undecided otherwise.",
+                   "needs at most margin more) and none of its runs is censored; refuted when the "
+                   "upper limit is below -margin and no reference run is censored; undecided "
+                   "otherwise.",
     "rate_diff": "confirmed when the 95% CI of (reference rate - tested rate) lies above 0; "
                  "refuted when it lies below 0; undecided otherwise (including no collapses).",
     "correlation": "confirmed when the 95% CI of Spearman's rho lies above 0 over at least "
@@ -264,11 +265,16 @@ def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
     return "undecided"
 
 
-def verdict_equivalence(lo: float, hi: float, margin: float) -> str:
-    """Verdict on 'a is no worse than b by more than ``margin``' (VERDICT_RULES)."""
+def verdict_equivalence(lo: float, hi: float, margin: float, *, censored_a: int = 0,
+                        censored_b: int = 0) -> str:
+    """Verdict on 'a is no worse than b by more than ``margin``' (VERDICT_RULES); censored
+    runs bound the saving as in :func:`verdict_saving` (of ``a``: no confirmation; of ``b``: no
+    refutation)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "undecided"
-    return "confirmed" if lo > -margin else "refuted" if hi < -margin else "undecided"
+    if lo > -margin and censored_a == 0:
+        return "confirmed"
+    return "refuted" if hi < -margin and censored_b == 0 else "undecided"
 
 
 def verdict_interval(lo: float, hi: float) -> str:
