@@ -1,5 +1,6 @@
 """varbench.analysis.validate_stats: the validation experiment's statistics on hand-built
-tables (tokens-to-threshold, claims, bootstrap CIs, rank correlation, hacking table)."""
+tables (tokens-to-threshold, restricted means, savings and verdicts, intervals, power plan,
+rank correlation, hacking table)."""
 
 from __future__ import annotations
 
@@ -31,26 +32,6 @@ def _t2t(values):
     return pd.DataFrame(rows)
 
 
-def test_claim_saving_ci_and_sentence():
-    t2t = _t2t({("otb", 4): [300, 300, 300], ("normalized", 32): [600, 600, 600]})
-    c = vs.claim(t2t, "sort", ("otb", 4), ("normalized", 32))
-    assert c["saving"] == pytest.approx(0.5)
-    assert c["saving_ci_lo"] == pytest.approx(0.5) and c["saving_ci_hi"] == pytest.approx(0.5)
-    text = vs.claim_sentence(c)
-    assert "50% fewer" in text and "holds" in text
-    # The other way round: otb needs more tokens -> "more", contradicted.
-    t2t = _t2t({("otb", 4): [900, 800, 850], ("normalized", 32): [400, 500, 450]})
-    c = vs.claim(t2t, "sort", ("otb", 4), ("normalized", 32))
-    assert c["saving"] == pytest.approx(1 - 850 / 450)
-    assert "more tokens" in vs.claim_sentence(c) and "contradicted" in vs.claim_sentence(c)
-    # A censored run is named; a missing cell says what is missing.
-    t2t = _t2t({("otb", 4): [300, 1000], ("normalized", 32): [600, 600]})
-    assert "lower bounds" in vs.claim_sentence(vs.claim(t2t, "sort", ("otb", 4),
-                                                        ("normalized", 32)))
-    missing = vs.claim(t2t, "sort", ("otb", 4), ("normalized", 8))
-    assert not missing["available"] and "normalized at G=8" in vs.claim_sentence(missing)
-
-
 def test_cell_table_bootstrap_ci_brackets_the_mean():
     t2t = _t2t({("otb", 4): [100, 300, 200], ("rloo", 4): [500, 500, 1000]})
     t2t["final_acc_sampled"] = 0.5
@@ -72,3 +53,124 @@ def test_rank_correlation_and_hacking_table():
     assert h["pearson"] == pytest.approx(np.corrcoef(curves["reward_sampled"],
                                                      curves["acc_sampled"])[0, 1])
     assert h["spearman"] == pytest.approx(0.9) and h["exact_end"] == 0.5
+
+
+def test_km_restricted_mean_hand_example():
+    # events at 2, 4, 8; one run censored at 6; tau 10:
+    # S = 1 on [0,2), 3/4 on [2,4), 1/2 on [4,8) (the censored run leaves after 6), 0 after 8
+    # -> RMST = 2*1 + 2*0.75 + 4*0.5 = 5.5
+    t, e = np.array([2.0, 4.0, 6.0, 8.0]), np.array([True, True, False, True])
+    assert vs.km_restricted_mean(t, e, 10.0) == pytest.approx(5.5)
+    # no censoring: the plain mean; all censored at tau: tau; a time past tau is cut at tau
+    assert vs.km_restricted_mean(t, np.ones(4, bool), 10.0) == pytest.approx(5.0)
+    assert vs.km_restricted_mean(np.full(3, 10.0), np.zeros(3, bool), 10.0) == 10.0
+    assert vs.km_restricted_mean(np.array([4.0, 12.0]), np.array([True, True]), 10.0) == 7.0
+    # censoring only at tau equals mean(min(T, tau)) (the old 'count at the budget' mean)
+    t2, e2 = np.array([3.0, 5.0, 10.0, 10.0]), np.array([True, True, False, False])
+    assert vs.km_restricted_mean(t2, e2, 10.0) == pytest.approx(t2.mean())
+    # an early-censored run is not counted at its early stop (that would say 5.0)
+    t3, e3 = np.array([2.0, 4.0, 6.0, 8.0]), np.array([True, True, False, True])
+    assert vs.km_restricted_mean(t3, e3, 10.0) > t3.mean()
+
+
+def test_rmst_saving_ci_and_pairing():
+    a, b = np.array([2.0, 3.0, 2.5, 3.5]), np.array([10.0, 10.0, 8.0, 10.0])
+    ea, eb = np.ones(4, bool), np.array([False, False, True, False])
+    out = vs.rmst_saving(a, ea, b, eb, tau=10.0)
+    assert out["rmst_a"] == pytest.approx(2.75) and out["rmst_b"] == pytest.approx(9.5)
+    assert out["saving"] == pytest.approx(1 - 2.75 / 9.5)
+    assert out["saving_ci_lo"] <= out["saving"] <= out["saving_ci_hi"]
+    assert out["censored_a"] == 0 and out["censored_b"] == 3
+    p = vs.rmst_saving(a, ea, a * 1.1, ea, tau=10.0, paired=True)
+    assert p["saving_ci_lo"] == pytest.approx(p["saving_ci_hi"])  # a fixed ratio when paired
+    with pytest.raises(ValueError, match="equal seeds"):
+        vs.rmst_saving(a, ea, b[:3], eb[:3], tau=10.0, paired=True)
+
+
+def test_wilson_and_newcombe_against_published_values():
+    # Newcombe (1998) table I: 0/10 -> [0, 0.2775]; 1/29 -> [0.0061, 0.1718];
+    # difference 56/70 - 48/80 -> 0.2, [0.0524, 0.3339] (method 10)
+    assert vs.wilson_ci(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert vs.wilson_ci(1, 29) == pytest.approx((0.0061, 0.1718), abs=1e-4)
+    d, lo, hi = vs.newcombe_diff_ci(56, 70, 48, 80)
+    assert (d, lo, hi) == pytest.approx((0.2, 0.0524, 0.3339), abs=1e-4)
+    assert np.isnan(vs.wilson_ci(0, 0)[0])
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "kw", "want"),
+    [(0.5, 0.7, {}, "confirmed"), (0.1, 0.4, {}, "refuted"), (-0.2, 0.8, {}, "undecided"),
+     (-0.3, -0.1, {}, "refuted"), (0.1, 0.4, {"censored_b": 1}, "undecided"),
+     (0.5, 0.7, {"censored_a": 1}, "undecided"), (float("nan"), 0.7, {}, "undecided")],
+)
+def test_verdict_saving(lo, hi, kw, want):
+    assert vs.verdict_saving(lo, hi, 0.62, **kw) == want
+
+
+def test_verdict_equivalence_and_interval():
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15) == "confirmed"
+    assert vs.verdict_equivalence(-0.4, -0.2, 0.15) == "refuted"
+    assert vs.verdict_equivalence(-0.3, 0.1, 0.15) == "undecided"
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15, censored_a=1) == "undecided"
+    assert vs.verdict_equivalence(-0.4, -0.2, 0.15, censored_b=1) == "undecided"
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15, censored_b=1) == "confirmed"
+    assert [vs.verdict_interval(*c) for c in ((0.1, 0.5), (-0.5, -0.1), (-0.1, 0.1))] == [
+        "confirmed", "refuted", "undecided"]
+
+
+def test_power_seeds_for_saving_matches_a_simulation():
+    # the delta-method n: z^2 (1-s)^2 (cva^2 + cvb^2) / h^2
+    n = vs.seeds_for_saving(0.3, 0.2, 0.5, half_width=0.15)
+    assert n == int(np.ceil(1.959964 ** 2 * 0.25 * 0.13 / 0.0225))  # = 6
+    assert vs.seeds_for_saving(0.01, 0.01, 0.5) == 3  # the floor
+    assert vs.saving_half_width(0.3, 0.2, 0.5, n) <= 0.15 < vs.saving_half_width(0.3, 0.2, 0.5,
+                                                                               n - 1)
+    # simulated: with n seeds of lognormal-ish runs the spread of the saving is as predicted
+    rng = np.random.default_rng(0)
+    ma, mb, n = 1000.0, 2000.0, 12
+    xa = ma * rng.gamma(1 / 0.3 ** 2, 0.3 ** 2, (20000, n))
+    xb = mb * rng.gamma(1 / 0.2 ** 2, 0.2 ** 2, (20000, n))
+    s = 1 - xa.mean(1) / xb.mean(1)
+    half = (np.quantile(s, 0.975) - np.quantile(s, 0.025)) / 2
+    assert half == pytest.approx(vs.saving_half_width(0.3, 0.2, 0.5, n), rel=0.1)
+
+
+def test_extrapolate_t2t():
+    tok = np.array([0.0, 100, 200, 300, 400])
+    assert vs.extrapolate_t2t(tok, np.array([0.1, 0.2, 0.5, 0.6, 0.7]), 0.5) == 200.0
+    # second half (200..400): acc 0.3, 0.35, 0.4 -> slope 5e-4: crosses 0.6 at 800
+    assert vs.extrapolate_t2t(tok, np.array([0.1, 0.2, 0.3, 0.35, 0.4]), 0.6) == pytest.approx(
+        800.0)
+    assert vs.extrapolate_t2t(tok, np.array([0.3, 0.3, 0.3, 0.2, 0.1]), 0.6) == np.inf
+
+
+def test_power_plan_hand_example():
+    # arm a: 4 runs reached at 100, 120, 80, 100 (mean 100, cv = sd/mean = 16.33/100);
+    # arm b: none reached by 400; its mean curve rises 0.1 per 100 tokens from 200 on and
+    # crosses the threshold 0.6 at 600 (extrapolated); its cv is borrowed from arm a.
+    rows = [dict(task="t", scheme="a", G=4, seed=i, threshold=0.6, tokens_to_threshold=x,
+                 reached=True) for i, x in enumerate([100.0, 120.0, 80.0, 100.0])]
+    rows += [dict(task="t", scheme="b", G=32, seed=i, threshold=0.6, tokens_to_threshold=400.0,
+                  reached=False) for i in range(3)]
+    curves = pd.DataFrame({"task": "t", "arm": "b/32", "tokens": [0.0, 100, 200, 300, 400],
+                           "acc_mean": [0.1, 0.15, 0.2, 0.3, 0.4]})
+    p = vs.power_plan(pd.DataFrame(rows), curves, [("t", "a/4", "b/32")]).iloc[0]
+    cv = np.std([100.0, 120, 80, 100], ddof=1) / 100
+    assert p["plan_mean_a"] == 100 and p["plan_mean_b"] == pytest.approx(600)
+    assert p["cv_a"] == pytest.approx(cv) and p["cv_b"] == pytest.approx(cv)
+    assert p["plan_saving"] == pytest.approx(5 / 6)
+    assert p["seeds_needed"] == vs.seeds_for_saving(cv, cv, 5 / 6)
+    assert p["budget_needed"] == int(np.ceil(600 * (1 + 2 * cv) / 1000) * 1000)
+    assert p["source"] == "b borrowed, b extrapolated"
+    with pytest.raises(ValueError, match="no pilot runs of c/4"):
+        vs.power_plan(pd.DataFrame(rows), curves, [("t", "c/4", "b/32")])
+
+
+def test_tokens_to_threshold_interpolated():
+    c = _curve([0.3, 0.5, 0.7, 0.65], [0, 100, 200, 300]).assign(wall_s=[0.0, 1, 3, 4])
+    # 0.6 lies halfway between 0.5 (100 tokens) and 0.7 (200 tokens)
+    assert vs.tokens_to_threshold(c, 0.6, interpolate=True) == (pytest.approx(150.0), True)
+    assert vs.tokens_to_threshold(c, 0.6, interpolate=True, col="wall_s") == (
+        pytest.approx(2.0), True)
+    assert vs.tokens_to_threshold(c, 0.2, interpolate=True) == (0.0, True)  # at the start
+    assert vs.tokens_to_threshold(c, 0.8, interpolate=True) == (300.0, False)

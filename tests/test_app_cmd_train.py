@@ -35,7 +35,7 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
     finally:
         torch.set_num_threads(threads)
     text = (out / "validation_summary.md").read_text()
-    assert "cannot test" in text and "normalized at G=32" in text  # G=32 was not run
+    assert "cannot test: no runs of normalized/32" in text  # G=32 was not run
     assert "reward hacking probe" in text
     t2t = pd.read_csv(out / "tables" / "validation__tokens_to_threshold.csv")
     assert set(t2t["scheme"]) == {"normalized", "otb"} and (t2t["final_tokens"] >= 300).all()
@@ -45,3 +45,30 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
     main(["validate", "--tasks", "sort", "--schemes", "normalized,otb", "--gs", "4",
           "--seeds", "0", "--budget", "sort=300", "--no-prediction", "--out", str(out)])
     assert (out / "runs" / "sort" / "otb_G4_s0" / "records.csv").stat().st_mtime == mtime
+
+
+def test_claims_suites_give_valid_grids(tmp_path, capsys):
+    """The shipped claims plans build a ValidateConfig whose every run and claim is valid."""
+    from pathlib import Path
+
+    import pytest
+
+    from varbench._util.checks import UsageError
+    from varbench.analysis import validate as V
+    from varbench.app.cmd_train import suite_validate_config
+
+    root = Path(__file__).resolve().parents[1] / "suites"
+    for name in ("otb-claims.toml", "otb-claims-smoke.toml"):
+        cfg = suite_validate_config(str(root / name), None)
+        V._check(cfg)  # names, arms, claims, every run's TrainConfig
+        kinds = {c["kind"] for c in cfg.claims}
+        assert {"tokens", "compute", "stability"} <= kinds
+        assert len(V.jobs_of(cfg)) == len({j.rel_dir for j in V.jobs_of(cfg)})
+    full = suite_validate_config(str(root / "otb-claims.toml"), "claims-training")
+    # the prediction check needs >= 10 scheme x G cells per task
+    assert len(full.schemes) * len(full.Gs) >= full.min_prediction_cells == 10
+    with pytest.raises(UsageError, match="no validate case named 'nope'"):
+        suite_validate_config(str(root / "otb-claims.toml"), "nope")
+    assert main(["validate", "--suite", str(root / "otb-claims.toml"), "--shard", "1/2",
+                 "--report-only", "--out", str(tmp_path)]) == 2
+    assert "exclude each other" in capsys.readouterr().err

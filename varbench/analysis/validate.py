@@ -1,35 +1,50 @@
-"""The validation experiment: does measured variance predict real training? (issue 6)
+"""The validation experiment: does measured variance predict real training, and do the papers'
+claims hold? (issues 6 and 17)
 
-From one shared warm start per task, train every scheme x G x seed to a fixed budget of sampled
-tokens, judge on fixed held-out prompts, and report: held-out accuracy against sampled tokens,
-tokens-to-threshold with bootstrap CIs, the claim "otb at G=4 reaches the threshold with fewer
-sampled tokens than normalized at G=32" as measured, collapse flags and gradient-norm traces,
-a prediction check (warm-start variance at equal token budget against realised
-tokens-to-threshold, rank correlation) and a reward-hacking probe on ``sort``.
+From one shared warm start per task, train every scheme x G x seed (and the extra ``arms``: GSPO
+with and without an exchangeability transform, exact OTB weights, ...) to a fixed budget of
+sampled tokens, judge on fixed held-out prompts, and report: held-out accuracy against sampled
+tokens, tokens-to-threshold as a Kaplan-Meier restricted mean (runs that never reach the
+threshold are right-censored at their budget, not dropped), every configured claim with a
+bootstrap CI over seeds and a verdict (confirmed / refuted / undecided, rules in
+``validate_stats.VERDICT_RULES``), collapse frequencies with Wilson intervals after calibrating
+the collapse detector on runs that did not collapse, a prediction check (warm-start variance at
+equal token budget against realised tokens-to-threshold, rank correlation) and a reward-hacking
+probe on ``sort``.
 
-    varbench validate --reduced --out reports/validate-reduced     # minutes
-    varbench validate --out reports/validate                       # the full grid (hours)
+    varbench validate --reduced --out work/validate-reduced          # minutes
+    varbench validate --suite suites/otb-claims.toml --plan --out W   # the grid and its time
+    varbench validate --suite suites/otb-claims.toml --shard 1/4 --out W   # one quarter
+    varbench validate --suite suites/otb-claims.toml --out W --report-dir reports/claims
 
 Every finished run is kept under ``OUT/runs/...`` (records.csv + done.json); rerunning the
-command skips finished runs, so an interrupted experiment continues where it stopped.
+command skips finished runs, so an interrupted experiment continues where it stopped, and shards
+(``--shard I/N``: runs I-1, I-1+N, ... of the job list) can run anywhere and be copied into one
+``OUT/runs``. The report (report.md, report.html, summary.json, tables, figures) goes to
+``report_dir`` (default ``OUT``), which holds no run caches or checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.analysis import validate_stats as vs
+from varbench.analysis._common import CellCache
 from varbench.report import provenance, write_report
 from varbench.report.result import AnalysisResult, Headline
+from varbench.train.collapse import calibrate, surge_scores
 from varbench.train.config import TrainConfig
 from varbench.train.loop import train
 from varbench.train.records import read_records
@@ -38,24 +53,47 @@ from varbench.train.setup import build_policy, build_task
 # Budgets in sampled (policy-generated) tokens per run, per task.
 FULL_BUDGETS = {"sort": 24_000, "toolsum": 100_000}
 REDUCED_BUDGETS = {"sort": 6_000, "toolsum": 24_000}
+# The OTB paper's token savings of G = 4 against G = 32 group baselines (single-turn, tool use).
+CLAIMED_SAVING = {"single_turn": 0.62, "multi_turn": 0.66}
+# Exchangeability paper: Min-Replace / Adv-Orthogonal reach the threshold at ~0.91x GSPO's compute.
+CLAIMED_COMPUTE_SAVING = 0.09
+CLAIM_KINDS = ("tokens", "proxy", "compute", "stability")
+_ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
 
 
 @dataclass(frozen=True)
 class ValidateConfig:
-    """The experiment grid; ``reduced()`` gives the minutes-long version."""
+    """The experiment grid; ``reduced_default()`` gives the minutes-long version."""
 
     tasks: tuple[str, ...] = ("sort", "toolsum")
-    """Tasks: sort (single-turn, exact match) and toolsum (multi-turn tool use)."""
+    """Task labels of the core grid: a registered task name, or a key of ``task_specs``."""
     schemes: tuple[str, ...] = ("centered", "normalized", "topk", "rloo", "otb")
-    """Advantage schemes compared."""
+    """Advantage schemes of the core grid."""
     Gs: tuple[int, ...] = (4, 8, 32)
-    """Group sizes."""
+    """Group sizes of the core grid."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Training seeds per cell (the warm start and held-out set are shared)."""
     budgets: dict[str, int] = field(default_factory=lambda: dict(FULL_BUDGETS))
-    """Sampled-token budget per run, by task."""
+    """Sampled-token budget per run, by task label."""
+    task_seeds: dict[str, list] = field(default_factory=dict)
+    """Seeds of the core grid per task label where they differ from ``seeds`` (a noisier task
+    needs more for the same CI width)."""
+    task_specs: dict[str, dict] = field(default_factory=dict)
+    """Task labels beyond the registered names: ``label -> {"task": name, knob: value}``, e.g.
+    ``{"toolsum_long": {"task": "toolsum", "k": 6}}`` (a longer horizon: more tool turns)."""
+    arms: tuple[dict, ...] = ()
+    """Runs beyond the core grid: each ``{"task", "scheme", "G", "variant"}`` plus TrainConfig
+    overrides (``ratio``, ``transform``, ``scheme_options``, ...) and optionally its own
+    ``seeds``; ``variant`` names the arm in tables and claims (``scheme/G/variant``)."""
+    claims: tuple[dict, ...] = ()
+    """Claims to decide (empty: the default OTB token and stability claims of the core grid).
+    ``{"kind": "tokens"|"proxy"|"compute"|"stability", "task", "a", "b", ...}``; arms are
+    written ``scheme/G`` or ``scheme/G/variant``; see :func:`claim_rows`."""
     threshold_frac: float = 0.3
     """Threshold = warm-start accuracy + this fraction of the remaining gap to 1."""
+    interpolate: bool = True
+    """Place the threshold crossing between the two evaluations around it (linear), rather
+    than at the first evaluation at or above it (quantised to the evaluation spacing)."""
     eval_responses: int = 512
     """Evaluate every this many sampled training responses (equal token spacing across G)."""
     base: dict[str, Any] = field(default_factory=lambda: dict(
@@ -76,6 +114,18 @@ class ValidateConfig:
     """Prompts in the warm-start variance analysis."""
     prediction: bool = True
     """Run the prediction check (warm-start variance analysis)."""
+    min_prediction_cells: int = 10
+    """Fewest scheme x G cells per task for a prediction verdict other than undecided."""
+    surge_factor: float | None = None
+    """Gradient-surge factor of the stability analysis (None: calibrated on this experiment's
+    runs that did not collapse, to ``collapse_fpr``)."""
+    collapse_fpr: float = 0.05
+    """Target false-positive rate (per run) of the calibrated surge factor."""
+    collapse_acc_frac: float = 0.5
+    """A run collapsed (outcome) when its final held-out accuracy is below this fraction of
+    the warm start's (or a gradient norm was non-finite)."""
+    equivalence_margin: float = 0.15
+    """Proxy claim: the proxy may need at most this fraction more tokens than exact weights."""
     reduced: bool = False
     """Whether this is the reduced setting (recorded in the report)."""
 
@@ -87,22 +137,112 @@ class ValidateConfig:
                    base={**cls().base, "eval_prompts": 64}, hacking_seeds=(0,),
                    variance_M=8, reduced=True)
 
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> ValidateConfig:
+        """A config from suite-case keys (lists for tuples; ``reduced = true``: start from
+        :meth:`reduced_default`)."""
+        params = dict(params)
+        base = cls.reduced_default() if params.pop("reduced", False) else cls()
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(params) - names)
+        if bad:
+            raise UsageError(f"validate: unknown key {bad[0]!r}; valid keys: {sorted(names)}")
+        changes = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v
+                   for k, v in params.items()}
+        return replace(base, **changes)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the grid."""
+
+    task: str
+    scheme: str
+    G: int
+    seed: int
+    variant: str = ""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    reward: str | None = None
+
+    @property
+    def arm(self) -> str:
+        """``scheme/G`` or ``scheme/G/variant``: how claims name the arm."""
+        return f"{self.scheme}/{self.G}" + (f"/{self.variant}" if self.variant else "")
+
+    @property
+    def rel_dir(self) -> str:
+        if self.reward is not None:
+            return f"hacking/{self.reward}_s{self.seed}"
+        v = f"_{self.variant}" if self.variant else ""
+        return f"{self.task}/{self.scheme}_G{self.G}{v}_s{self.seed}"
+
+
+def jobs_of(cfg: ValidateConfig) -> list[Job]:
+    """Every run of the grid in a fixed order: core grid, arms, then the hacking probe."""
+    jobs = [Job(t, s, G, int(seed)) for t in cfg.tasks for s in cfg.schemes for G in cfg.Gs
+            for seed in cfg.task_seeds.get(t, cfg.seeds)]
+    for arm in cfg.arms:
+        over = tuple(sorted((k, _freeze(v)) for k, v in arm.items() if k not in _ARM_KEYS))
+        for seed in arm.get("seeds", cfg.seeds):
+            jobs.append(Job(arm["task"], arm["scheme"], int(arm["G"]), int(seed),
+                            arm.get("variant", ""), over))
+    if "sort" in cfg.tasks:
+        jobs += [Job("sort", cfg.hacking_scheme, cfg.hacking_G, seed, reward=r)
+                 for r in cfg.hacking_rewards for seed in cfg.hacking_seeds]
+    return jobs
+
+
+def shard_jobs(jobs: Sequence[Job], shard: tuple[int, int] | None) -> list[Job]:
+    """Jobs ``i-1, i-1+n, ...`` of shard ``(i, n)`` (1-based; None: all)."""
+    if shard is None:
+        return list(jobs)
+    i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
+        raise UsageError(f"shard={shard!r} is not valid; need 1 <= I <= N (shards are 1-based)")
+    return list(jobs)[i - 1::n]
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(sorted(v.items())) if isinstance(v, dict) else v
+
+
+def _task_of(cfg: ValidateConfig, label: str) -> tuple[str, dict]:
+    spec = dict(cfg.task_specs.get(label, {}))
+    return spec.pop("task", label), spec
+
 
 def _run_config(cfg: ValidateConfig, task: str, scheme: str, G: int, seed: int,
-                reward: str | None = None) -> TrainConfig:
+                reward: str | None = None, overrides: Sequence[tuple[str, Any]] = ()
+                ) -> TrainConfig:
     per_step = cfg.base["prompts_per_step"] * G
-    return TrainConfig(**cfg.base, task=task, scheme=scheme, G=G, seed=seed, reward=reward,
-                       token_budget=cfg.budgets[task],
+    name, knobs = _task_of(cfg, task)
+    extra = {k: dict(v) if isinstance(v, tuple) and k.endswith("_options") else v
+             for k, v in overrides}
+    if knobs:
+        extra["task_options"] = knobs
+    return TrainConfig(**{**cfg.base, **extra}, task=name, scheme=scheme, G=G, seed=seed,
+                       reward=reward, token_budget=cfg.budgets[task],
                        eval_every=max(1, cfg.eval_responses // per_step))
+
+
+def _job_config(cfg: ValidateConfig, job: Job) -> TrainConfig:
+    return _run_config(cfg, job.task, job.scheme, job.G, job.seed, job.reward, job.overrides)
+
+
+def _is_done(tc: TrainConfig, run_dir: Path) -> bool:
+    done = run_dir / "done.json"
+    return done.exists() and json.loads(done.read_text()).get("config") == tc.to_dict()
 
 
 def _run(tc: TrainConfig, run_dir: Path) -> pd.DataFrame:
     """Train (or load a finished run) and return its records."""
-    done = run_dir / "done.json"
-    if done.exists() and json.loads(done.read_text()).get("config") == tc.to_dict():
+    if _is_done(tc, run_dir):
         return read_records(run_dir / "records.csv")
+    t0 = time.perf_counter()
     res = train(tc, run_dir, progress=False)
-    done.write_text(json.dumps({"config": tc.to_dict(), "stopped": res.stopped}))
+    # elapsed_s: the whole call (policy build, warm-start load, evaluations): what a plan pays
+    (run_dir / "done.json").write_text(json.dumps({"config": tc.to_dict(), "stopped": res.stopped,
+                                                   "elapsed_s": time.perf_counter() - t0}))
     return res.records
 
 
@@ -111,94 +251,130 @@ def _curve_rows(df: pd.DataFrame, **keys: Any) -> pd.DataFrame:
     out = pd.DataFrame({"step": ev["step"], "tokens": ev["tokens/sampled"],
                         "env_tokens": ev["tokens/env"], "acc_sampled": ev["eval/acc_sampled"],
                         "acc_greedy": ev["eval/acc_greedy"],
-                        "reward_sampled": ev["eval/reward_sampled"]})
+                        "reward_sampled": ev["eval/reward_sampled"],
+                        "wall_s": ev["time/wall_s"]})
     for k, v in reversed(keys.items()):
         out.insert(0, k, v)
     return out
 
 
-def run_validation(cfg: ValidateConfig, out: Path, *, progress: bool | None = None) -> str:
-    """Run the experiment into ``out``; returns the markdown summary (also written there)."""
+def run_validation(cfg: ValidateConfig, out: Path, *, progress: bool | None = None,
+                   shard: tuple[int, int] | None = None, report_only: bool = False,
+                   report_dir: Path | None = None) -> str:
+    """Run the experiment into ``out``; returns the markdown summary (also written there).
+
+    ``shard``: run only that shard's jobs and write no report. ``report_only``: train nothing;
+    every job must be finished already (else a UsageError says how many are missing).
+    ``report_dir``: where the report goes (default ``out``).
+    """
     _check(cfg)
     t_start = time.perf_counter()
     out = Path(out)
+    jobs = jobs_of(cfg)
+    mine = shard_jobs(jobs, shard)
+    if report_only:
+        missing = [j for j in jobs if not _is_done(_job_config(cfg, j), out / "runs" / j.rel_dir)]
+        if missing:
+            raise UsageError(
+                f"--report-only: {len(missing)} of {len(jobs)} runs are not finished in "
+                f"{str(out)!r} (first: {missing[0].rel_dir}); run the missing shards first")
     out.mkdir(parents=True, exist_ok=True)
     show = show_progress(progress)
-    jobs = [(t, s, G, seed) for t in cfg.tasks for s in cfg.schemes for G in cfg.Gs
-            for seed in cfg.seeds]
-    hack_jobs = [(r, seed) for r in cfg.hacking_rewards for seed in cfg.hacking_seeds
-                 if "sort" in cfg.tasks]
-    bar = tqdm(total=len(jobs) + len(hack_jobs), desc="validate runs", disable=not show)
-    phases = {"runs": 0.0, "prediction": 0.0}
+    bar = tqdm(total=len(mine), desc="validate runs", disable=not show)
     t_phase = time.perf_counter()
-    curves, traces, stab, timing = [], [], [], []
-    for task, scheme, G, seed in jobs:
-        tc = _run_config(cfg, task, scheme, G, seed)
-        df = _run(tc, out / "runs" / task / f"{scheme}_G{G}_s{seed}")
-        keys = dict(task=task, scheme=scheme, G=G, seed=seed)
+    frames: dict[Job, pd.DataFrame] = {}
+    for job in mine:
+        frames[job] = _run(_job_config(cfg, job), out / "runs" / job.rel_dir)
+        bar.update(1)
+    bar.close()
+    phases = {"runs": time.perf_counter() - t_phase, "prediction": 0.0}
+    if shard is not None:
+        text = (f"shard {shard[0]}/{shard[1]}: {len(mine)} of {len(jobs)} runs finished in "
+                f"{phases['runs'] / 60:.1f} min under {out / 'runs'}; build the report with "
+                "--report-only once every shard is there.\n")
+        return text
+    return _report(cfg, out, frames, phases, t_start, report_dir=report_dir)
+
+
+def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
+            phases: dict[str, float], t_start: float, *, report_dir: Path | None) -> str:
+    curves, traces, stab, timing, hack = [], [], [], [], []
+    for job, df in frames.items():
+        if job.reward is not None:
+            hack.append(_curve_rows(df, reward=job.reward, seed=job.seed))
+            continue
+        keys = dict(task=job.task, scheme=job.scheme, G=job.G, variant=job.variant,
+                    seed=job.seed)
         curves.append(_curve_rows(df, **keys))
         body = df[df["step"] > 0]
         traces.append(pd.DataFrame({**keys, "step": body["step"], "tokens": body["tokens/sampled"],
                                     "grad_norm": body["grad/norm"],
                                     "entropy": body["policy/entropy"]}))
         stab.append({**keys, "steps": int(body["step"].max()),
-                     "grad_surge_steps": int(body["collapse/grad_surge"].fillna(0).sum()),
+                     "grad_surge_steps_live": int(body["collapse/grad_surge"].fillna(0).sum()),
                      "entropy_collapse_steps": int(body["collapse/entropy"].fillna(0).sum()),
                      "grad_norm_median": float(body["grad/norm"].median()),
                      "grad_norm_max": float(body["grad/norm"].max()),
                      "final_entropy": float(body["policy/entropy"].iloc[-1])})
         timing.append({**keys, "wall_s": float(df["time/wall_s"].iloc[-1]),
                        "tokens": float(df["tokens/sampled"].iloc[-1])})
-        bar.update(1)
-    hack = []
-    for reward, seed in hack_jobs:
-        tc = _run_config(cfg, "sort", cfg.hacking_scheme, cfg.hacking_G, seed, reward=reward)
-        df = _run(tc, out / "runs" / "hacking" / f"{reward}_s{seed}")
-        hack.append(_curve_rows(df, reward=reward, seed=seed))
-        bar.update(1)
-    bar.close()
-    phases["runs"] = time.perf_counter() - t_phase
 
     curves_df = pd.concat(curves, ignore_index=True)
     acc0 = {t: float(c[c["step"] == 0]["acc_sampled"].iloc[0])
             for t, c in curves_df.groupby("task")}
     thresholds = {t: vs.threshold_of(a, cfg.threshold_frac) for t, a in acc0.items()}
-    t2t = vs.t2t_table(curves_df, thresholds)
-    cells = vs.cell_table(t2t)
-    claims = [vs.claim(t2t, t, ("otb", 4), ("normalized", 32)) for t in cfg.tasks]
-    mean_curves = (curves_df.groupby(["task", "scheme", "G", "step"], as_index=False)
-                   .agg(tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"),
-                        acc_std=("acc_sampled", "std"), greedy_mean=("acc_greedy", "mean"),
-                        seeds=("seed", "count")))
-    stab_df, timing_df = pd.DataFrame(stab), pd.DataFrame(timing)
+    t2t = vs.t2t_table(curves_df, thresholds, interpolate=cfg.interpolate)
+    cells = vs.cell_table(t2t, {t: float(cfg.budgets[t]) for t in thresholds})
+    traces_df = pd.concat(traces, ignore_index=True)
+    stab_df, calib = _stability(cfg, pd.DataFrame(stab), traces_df, t2t, acc0)
+    timing_df = pd.DataFrame(timing)
     t_phase = time.perf_counter()
-    pred_df, pred_notes = (_prediction(cfg, cells) if cfg.prediction
+    pred_df, pred_notes = (_prediction(cfg, cells, out) if cfg.prediction
                            else (pd.DataFrame(), ["prediction check skipped (--no-prediction)"]))
     phases["prediction"] = time.perf_counter() - t_phase
+    claims_df = pd.DataFrame(claim_rows(cfg, t2t, stab_df, pred_df))
     hack_df = vs.hacking_table(pd.concat(hack, ignore_index=True)) if hack else pd.DataFrame()
     wall = time.perf_counter() - t_start
 
-    heads, notes = _headlines(cfg, claims, acc0, thresholds, stab_df, pred_df, hack_df)
-    notes += pred_notes + _runtime_notes(cfg, timing_df, wall, phases)
-    records = {"cells": cells, "tokens_to_threshold": t2t, "curves_mean": mean_curves,
-               "curves": curves_df, "claims": pd.DataFrame(claims), "stability": stab_df,
-               "grad_traces": pd.concat(traces, ignore_index=True), "timing": timing_df}
+    heads, notes = _headlines(cfg, claims_df, acc0, thresholds, stab_df, calib, hack_df)
+    notes += pred_notes + _runtime_notes(timing_df, wall, phases)
+    fig_label = _figure_labels  # figures group by scheme and G: fold the variant into the label
+    mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
+                   .agg(tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"),
+                        acc_std=("acc_sampled", "std"), greedy_mean=("acc_greedy", "mean"),
+                        seeds=("seed", "count")))
+    records = {"claims": claims_df, "cells": cells, "tokens_to_threshold": t2t,
+               "curves_mean": mean_curves, "curves": curves_df, "stability": stab_df,
+               "collapse_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"]),
+               "collapse_rates_pooled": vs.rate_table(stab_df, ["scheme", "G", "variant"]),
+               "grad_traces": fig_label(traces_df), "timing": timing_df}
     if len(pred_df):
         records["prediction"] = pred_df
     if len(hack_df):
         records["hacking"] = hack_df
-    summary = {"acc0": acc0, "thresholds": thresholds, "claims": claims, "wall_s": wall,
-               "reduced": cfg.reduced}
+    summary = {"acc0": acc0, "thresholds": thresholds, "wall_s": wall, "reduced": cfg.reduced,
+               "collapse_calibration": {k: v for k, v in calib.items() if k != "scores"},
+               "verdicts": [{k: r[k] for k in ("claim", "estimate", "ci_lo", "ci_hi", "verdict")}
+                            for r in claims_df.to_dict("records")],
+               "verdict_rules": vs.VERDICT_RULES}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
         config=_jsonable_cfg(cfg), notes=notes,
         provenance=provenance(config=_jsonable_cfg(cfg), seeds={"train": list(cfg.seeds)},
-                              device="cpu", wall_time_s=wall))
-    write_report([result], out, title="varbench validation: does variance predict training?")
+                              device=str(cfg.base.get("device", "cpu")), wall_time_s=wall))
+    dest = Path(report_dir) if report_dir is not None else out
+    write_report([result], dest, title="varbench validation: the papers' claims, decided")
     text = "\n".join(["# Validation summary", ""] + [f"- {h.text}" for h in heads] + [""]
                      + ["## Notes", ""] + [f"- {n}" for n in notes]) + "\n"
-    (out / "validation_summary.md").write_text(text)
+    (dest / "validation_summary.md").write_text(text)
     return text
+
+
+def _figure_labels(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    v = df.pop("variant").astype(str)
+    df["scheme"] = np.where(v != "", df["scheme"].astype(str) + "+" + v, df["scheme"])
+    return df
 
 
 def _check(cfg: ValidateConfig) -> None:
@@ -206,49 +382,294 @@ def _check(cfg: ValidateConfig) -> None:
     from varbench.estimators import schemes
     from varbench.tasks import task_names
 
-    for t in cfg.tasks:
-        check_choice("tasks", t, task_names())
+    for label, spec in cfg.task_specs.items():
+        if not isinstance(spec, dict) or "task" not in spec:
+            raise UsageError(f"task_specs[{label!r}]={spec!r} is not valid; expected a table "
+                             "with task = NAME and the task's knobs")
+    labels = set(cfg.tasks) | {a.get("task") for a in cfg.arms}
+    for t in sorted(labels, key=str):
+        check_choice("tasks", _task_of(cfg, t)[0], task_names())
         if t not in cfg.budgets:
             raise UsageError(f"budgets: no token budget for task {t!r}; add {t}=N")
-    for s in (*cfg.schemes, cfg.hacking_scheme):
+    for s in (*cfg.schemes, cfg.hacking_scheme, *(a.get("scheme") for a in cfg.arms)):
         check_choice("schemes", s, schemes())
-    for G in cfg.Gs:
+    for G in (*cfg.Gs, *(a.get("G") for a in cfg.arms)):
         check_positive_int("Gs", G)
-    if not cfg.seeds:
+    if not cfg.seeds or any(not v for v in cfg.task_seeds.values()):
         raise UsageError("seeds is empty; give at least one seed")
+    for t in cfg.task_seeds:
+        if t not in cfg.tasks:
+            raise UsageError(f"task_seeds: {t!r} is not one of tasks {list(cfg.tasks)}")
+    for a in cfg.arms:
+        for k in a:
+            if k not in _ARM_KEYS and k not in {f.name for f in fields(TrainConfig)}:
+                raise UsageError(f"arms: key {k!r} of {a!r} is not valid; use {_ARM_KEYS} or "
+                                 "TrainConfig fields")
+    arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
+    for c in cfg.claims:
+        check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
+        for side in ("a", "b"):
+            for ref in _as_list(c.get(side)):
+                if ref not in arms:
+                    raise UsageError(f"claims: arm {ref!r} of {c!r} is not in the grid; arms: "
+                                     f"{sorted(arms)}")
+    for j in jobs_of(cfg):  # every run's configuration is valid before any of them trains
+        _job_config(cfg, j)
+
+
+def _as_list(x: Any) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def _jsonable_cfg(cfg: ValidateConfig) -> dict:
     return json.loads(json.dumps(asdict(cfg)))
 
 
-def _prediction(cfg: ValidateConfig, cells: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """Warm-start variance x tokens per scheme x G against realised tokens-to-threshold."""
-    try:
-        from varbench.analysis.variance import estimator_variance
-    except ImportError as err:  # the analysis module is another issue's
-        return pd.DataFrame(), [f"prediction check not run: {err}"]
+# --- stability ---------------------------------------------------------------------------------
+
+def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2t: pd.DataFrame,
+               acc0: dict[str, float]) -> tuple[pd.DataFrame, dict]:
+    """Per run: outcome collapse, the calibrated detector's flag, and whether it collapsed.
+
+    A run *collapsed by outcome* when its final held-out accuracy fell below
+    ``collapse_acc_frac`` x the warm start's or a gradient norm was non-finite. The surge factor
+    is calibrated on the runs that did not (their false-positive rate is reported); a run
+    counts as collapsed when it collapsed by outcome or the calibrated detector (surge or
+    entropy) flags it.
+    """
+    keys = ["task", "scheme", "G", "variant", "seed"]
+    final = t2t.set_index(keys)["final_acc_sampled"]
+    score, nonfinite, norms = {}, {}, {}
+    for k, d in traces.groupby(keys, sort=False):
+        g = d.sort_values("step")["grad_norm"].to_numpy(dtype=float)
+        sc = surge_scores(g, window=int(cfg.base.get("surge_window", 20)))
+        score[k], nonfinite[k] = max(sc, default=0.0), bool((~np.isfinite(g)).any())
+        norms[k] = g.tolist()
+    stab = stab.copy()
+    idx = [tuple(r) for r in stab[keys].itertuples(index=False)]
+    stab["final_acc"] = [float(final[k]) for k in idx]
+    stab["surge_score"] = [score[k] for k in idx]
+    stab["collapsed_outcome"] = [bool(nonfinite[k] or final[k] < cfg.collapse_acc_frac
+                                      * acc0[k[0]]) for k in idx]
+    healthy = [norms[k] for k, bad in zip(idx, stab["collapsed_outcome"], strict=True)
+               if not bad]
+    default = TrainConfig().surge_factor
+    if cfg.surge_factor is None and healthy:
+        calib = calibrate(healthy, target_fpr=cfg.collapse_fpr, default=default,
+                          window=int(cfg.base.get("surge_window", 20)))
+        calib["source"] = "calibrated on this experiment's non-collapsing runs (in-sample)"
+    else:
+        factor = float(cfg.surge_factor if cfg.surge_factor is not None else default)
+        sc = [s for s, bad in zip(stab["surge_score"], stab["collapsed_outcome"], strict=True)
+              if not bad]
+        n = max(len(sc), 1)
+        calib = {"surge_factor": factor, "fpr": sum(s > factor for s in sc) / n,
+                 "fpr_default": sum(s > default for s in sc) / n, "runs": len(sc),
+                 "source": "fixed in the configuration (out-of-sample check)"}
+    calib["default"] = default
+    healthy_n = int((~stab["collapsed_outcome"]).sum())
+    calib["fpr_ci"] = vs.wilson_ci(round(calib["fpr"] * healthy_n), healthy_n)
+    stab["flag_surge"] = stab["surge_score"] > calib["surge_factor"]
+    stab["flag_surge_default"] = stab["surge_score"] > default
+    stab["collapsed"] = (stab["collapsed_outcome"] | stab["flag_surge"]
+                         | (stab["entropy_collapse_steps"] > 0))
+    bad = stab[stab["collapsed_outcome"]]
+    calib["detected_outcome_collapses"] = int((bad["flag_surge"]
+                                               | (bad["entropy_collapse_steps"] > 0)).sum())
+    calib["outcome_collapses"] = len(bad)
+    return stab, calib
+
+
+# --- claims ------------------------------------------------------------------------------------
+
+def default_claims(cfg: ValidateConfig) -> list[dict]:
+    """The OTB claims the core grid can test: otb G=4 against normalized and centered at G=32
+    and G=8 per task (tokens), and the stability of otb G=4 against those group baselines."""
+    arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
+    out = []
+    for t in cfg.tasks:
+        for b in ("normalized/32", "centered/32", "normalized/8", "centered/8"):
+            # the headline claim is always listed: without its arms it reads 'undecided'
+            if b == "normalized/32" or ("otb/4" in arms and b in arms):
+                out.append({"kind": "tokens", "task": t, "a": "otb/4", "b": b})
+    group = [b for b in ("normalized/32", "centered/32", "normalized/8", "centered/8")
+             if b in arms]
+    if "otb/4" in arms and group:
+        out.append({"kind": "stability", "a": ["otb/4"], "b": group})
+    return out
+
+
+def _claimed_saving(cfg: ValidateConfig, task: str) -> float:
+    from varbench.tasks import get_task
+
+    name, knobs = _task_of(cfg, task)
+    multi = bool(getattr(get_task(name, **knobs), "multi_turn", False))
+    return CLAIMED_SAVING["multi_turn" if multi else "single_turn"]
+
+
+def _arm_rows(t2t: pd.DataFrame, task: str, arm: str) -> pd.DataFrame:
+    parts = arm.split("/")
+    scheme, G, variant = parts[0], int(parts[1]), parts[2] if len(parts) > 2 else ""
+    d = t2t[(t2t.task == task) & (t2t.scheme == scheme) & (t2t.G == G)
+            & (t2t.variant == variant)]
+    return d.sort_values("seed")
+
+
+def claim_rows(cfg: ValidateConfig, t2t: pd.DataFrame, stab: pd.DataFrame,
+               pred: pd.DataFrame) -> list[dict]:
+    """One row per claim (and metric): the estimate, its 95% CI and the verdict.
+
+    ``tokens``: saving ``1 - RMST_a / RMST_b`` of Kaplan-Meier restricted mean tokens-to-
+    threshold at the task's budget (seed bootstrap), against the paper's claimed saving;
+    ``proxy``: the same saving with seeds paired, judged as equivalence (the proxy needs at
+    most ``equivalence_margin`` more); ``compute``: the saving in sampled tokens and in wall
+    seconds to threshold, against ~9%; ``stability``: collapse rate of ``b`` minus that of
+    ``a`` (Newcombe CI); ``prediction``: Spearman rho per task over the scheme x G cells.
+    """
+    rows = []
+    for c in (cfg.claims or default_claims(cfg)):
+        kind = c["kind"]
+        if kind == "stability":
+            rows.append(_stability_claim(cfg, c, stab))
+            continue
+        task = c["task"]
+        a, b = _arm_rows(t2t, task, c["a"]), _arm_rows(t2t, task, c["b"])
+        if kind == "proxy":
+            common = sorted(set(a.seed) & set(b.seed))
+            a, b = a[a.seed.isin(common)], b[b.seed.isin(common)]
+        metrics = ("tokens", "wall_s") if kind == "compute" else ("tokens",)
+        for metric in metrics:
+            rows.append(_saving_claim(cfg, c, a, b, metric))
+    for t, p in (pred.groupby("task") if len(pred) else []):
+        rho, lo, hi = (float(p[k].iloc[0]) for k in ("spearman_rho", "rho_ci_lo", "rho_ci_hi"))
+        enough = len(p) >= cfg.min_prediction_cells
+        rows.append({"claim": f"{t}: warm-start variance x tokens predicts tokens-to-threshold",
+                     "kind": "prediction", "task": t, "a": "", "b": "", "metric": "spearman_rho",
+                     "estimate": rho, "ci_lo": lo, "ci_hi": hi, "claimed": math.nan,
+                     "n_a": len(p), "n_b": len(p),
+                     "verdict": vs.verdict_interval(lo, hi) if enough else "undecided",
+                     "rule": vs.VERDICT_RULES["correlation"].replace(
+                         "min_cells", str(cfg.min_prediction_cells)),
+                     "note": "" if enough else f"only {len(p)} cells"})
+    return rows
+
+
+def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame,
+                  metric: str) -> dict:
+    kind, task = c["kind"], c["task"]
+    what = {"tokens": "tokens-to-threshold", "wall_s": "wall seconds to threshold"}[metric]
+    row = {"claim": f"{task}: {c['a']} vs {c['b']} ({what})", "kind": kind, "task": task,
+           "a": c["a"], "b": c["b"], "metric": metric, "n_a": len(a), "n_b": len(b)}
+    if kind == "proxy":
+        row["claimed"] = -float(c.get("margin", cfg.equivalence_margin))
+    elif kind == "compute":
+        row["claimed"] = float(c.get("claimed", CLAIMED_COMPUTE_SAVING))
+    else:
+        row["claimed"] = float(c.get("claimed", _claimed_saving(cfg, task)))
+    if len(a) == 0 or len(b) == 0:
+        return {**row, "estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan,
+                "verdict": "undecided", "rule": vs.VERDICT_RULES["saving"],
+                "note": "cannot test: no runs of " + (c["a"] if len(a) == 0 else c["b"])}
+    col = "tokens_to_threshold" if metric == "tokens" else "wall_to_threshold"
+    xa, xb = a[col].to_numpy(float), b[col].to_numpy(float)
+    ea, eb = a["reached"].to_numpy(bool), b["reached"].to_numpy(bool)
+    if metric == "tokens":
+        tau = float(cfg.budgets[task])
+    else:  # restricted to the shortest censored run's wall time (all runs are observed there)
+        both = pd.concat([a, b])
+        cens = both.loc[~both["reached"], "final_wall_s"]
+        tau = float(cens.min()) if len(cens) else float(both[col].max())
+    s = vs.rmst_saving(xa, ea, xb, eb, tau, paired=kind == "proxy")
+    row.update(estimate=s["saving"], ci_lo=s["saving_ci_lo"], ci_hi=s["saving_ci_hi"],
+               reached_a=int(ea.sum()), reached_b=int(eb.sum()), tau=tau,
+               rmst_a=s["rmst_a"], rmst_b=s["rmst_b"])
+    if kind == "proxy":
+        row["verdict"] = vs.verdict_equivalence(s["saving_ci_lo"], s["saving_ci_hi"],
+                                                -row["claimed"], censored_a=s["censored_a"],
+                                                censored_b=s["censored_b"])
+        row["rule"] = vs.VERDICT_RULES["equivalence"].replace("margin", f"{-row['claimed']:g}")
+    else:
+        row["verdict"] = vs.verdict_saving(s["saving_ci_lo"], s["saving_ci_hi"], row["claimed"],
+                                           censored_a=s["censored_a"], censored_b=s["censored_b"])
+        row["rule"] = vs.VERDICT_RULES["saving"]
+    cens = []
+    if s["censored_a"]:
+        cens.append(f"{s['censored_a']}/{len(a)} of {c['a']} censored (saving is an upper bound)")
+    if s["censored_b"]:
+        cens.append(f"{s['censored_b']}/{len(b)} of {c['b']} censored (saving is a lower bound)")
+    row["note"] = "; ".join(cens)
+    return row
+
+
+def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
+    def pick(arms):
+        m = np.zeros(len(stab), bool)
+        for arm in arms:
+            parts = arm.split("/")
+            m |= ((stab.scheme == parts[0]) & (stab.G == int(parts[1]))
+                  & (stab.variant == (parts[2] if len(parts) > 2 else ""))).to_numpy()
+        if c.get("tasks"):
+            m &= stab.task.isin(c["tasks"]).to_numpy()
+        return stab[m]
+
+    a_arms, b_arms = _as_list(c["a"]), _as_list(c["b"])
+    a, b = pick(a_arms), pick(b_arms)
+    row = {"claim": f"collapse rate of {'+'.join(b_arms)} minus {'+'.join(a_arms)}",
+           "kind": "stability", "task": ",".join(c.get("tasks", [])) or "all",
+           "a": "+".join(a_arms), "b": "+".join(b_arms), "metric": "collapse_rate_diff",
+           "claimed": math.nan, "n_a": len(a), "n_b": len(b),
+           "rule": vs.VERDICT_RULES["rate_diff"]}
+    if len(a) == 0 or len(b) == 0:
+        return {**row, "estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan,
+                "verdict": "undecided", "note": "no runs of one side"}
+    ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
+    d, lo, hi = vs.newcombe_diff_ci(kb, len(b), ka, len(a))
+    return {**row, "estimate": d, "ci_lo": lo, "ci_hi": hi, "collapsed_a": ka, "collapsed_b": kb,
+            "verdict": vs.verdict_interval(lo, hi),
+            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs collapsed"
+                    + ("; no run collapsed on either side" if ka + kb == 0 else "")}
+
+
+# --- prediction --------------------------------------------------------------------------------
+
+def _prediction(cfg: ValidateConfig, cells: pd.DataFrame, out: Path
+                ) -> tuple[pd.DataFrame, list[str]]:
+    """Warm-start variance x tokens per scheme x G against realised tokens-to-threshold (the
+    Kaplan-Meier restricted mean at the budget). The variance cells are cached under
+    ``out/prediction`` (keyed by their configuration), so a rerun reuses them."""
+    from varbench.analysis.variance import estimator_variance
+
     rows, notes = [], []
+    core = cells[cells["variant"] == ""]
     for task_name in cfg.tasks:
         tc = _run_config(cfg, task_name, cfg.schemes[0], cfg.Gs[0], cfg.seeds[0])
-        task, _ = build_task(tc)
-        policy = build_policy(tc, task)
         Gs = [G for G in cfg.Gs if G >= 2]
-        res = estimator_variance(policy, task, schemes=cfg.schemes, Gs=Gs, modes=(tc.agg,),
-                                 M=cfg.variance_M, n_prompts=cfg.variance_prompts,
-                                 reference="sampled", n_ref=64, sketch_dim=256, progress=False)
-        v = res.records["cells"][["scheme", "G", "variance", "variance_x_tokens"]]
-        m = cells[cells.task == task_name].merge(v, on=["scheme", "G"])
+        key = {"task": tc.task, "task_options": dict(tc.task_options), "schemes": cfg.schemes,
+               "Gs": Gs, "agg": tc.agg, "M": cfg.variance_M, "prompts": cfg.variance_prompts,
+               "policy": tc.policy, "warm_start_seed": tc.warm_start_seed}
+        cache = CellCache(out / "prediction", key)
+        v = cache.load(task_name)
+        if v is None:
+            task, _ = build_task(tc)
+            policy = build_policy(tc, task)
+            res = estimator_variance(policy, task, schemes=cfg.schemes, Gs=Gs, modes=(tc.agg,),
+                                     M=cfg.variance_M, n_prompts=cfg.variance_prompts,
+                                     reference="sampled", n_ref=64, sketch_dim=256,
+                                     progress=False)
+            v = res.records["cells"][["scheme", "G", "variance", "variance_x_tokens"]]
+            cache.save(task_name, v)
+        m = core[core.task == task_name].merge(v, on=["scheme", "G"])
         m.insert(0, "task", m.pop("task"))
-        rho, lo, hi = vs.rank_correlation_ci(m["variance_x_tokens"], m["t2t_mean"])
+        rho, lo, hi = vs.rank_correlation_ci(m["variance_x_tokens"], m["t2t_rmst"])
         m["spearman_rho"], m["rho_ci_lo"], m["rho_ci_hi"] = rho, lo, hi
         rows.append(m)
-        if len(m) < 8:
-            notes.append(f"{task_name}: the rank correlation rests on {len(m)} scheme x G cells; "
-                         "with so few its CI is nearly [-1, 1] and it is weak evidence either way.")
+        if len(m) < cfg.min_prediction_cells:
+            notes.append(f"{task_name}: the rank correlation rests on {len(m)} scheme x G cells "
+                         f"(< {cfg.min_prediction_cells}); its verdict is undecided whatever "
+                         "its value.")
         if m["t2t_is_lower_bound"].any():
-            notes.append(f"{task_name}: some cells' tokens-to-threshold are lower bounds (runs "
-                         "that never reached the threshold), which ties their ranks at the budget.")
+            notes.append(f"{task_name}: some cells' runs never reached the threshold; their "
+                         "restricted means are capped by the budget, which ties such cells.")
         notes.append(
             f"{task_name}: the variance analysis used a sampled reference (64 responses) and "
             f"M={cfg.variance_M} groups x {cfg.variance_prompts} prompts; only variance x "
@@ -256,33 +677,50 @@ def _prediction(cfg: ValidateConfig, cells: pd.DataFrame) -> tuple[pd.DataFrame,
     return pd.concat(rows, ignore_index=True), notes
 
 
-def _headlines(cfg, claims, acc0, thresholds, stab, pred, hack) -> tuple[list[Headline], list[str]]:
+# --- headlines and notes -----------------------------------------------------------------------
+
+def claim_sentence(r: dict) -> str:
+    """A claim row as one sentence: estimate, CI, verdict, caveats."""
+    if r["kind"] in ("prediction",):
+        est = f"rho = {r['estimate']:.2f} over {r['n_a']} cells"
+        ci = f"[{r['ci_lo']:.2f}, {r['ci_hi']:.2f}]"
+    elif r["kind"] == "stability":
+        est = f"difference {r['estimate'] * 100:+.0f} points"
+        ci = f"[{r['ci_lo'] * 100:+.0f}, {r['ci_hi'] * 100:+.0f}]"
+    else:
+        claimed = ("" if r["kind"] == "proxy"
+                   else f"; claimed {r['claimed'] * 100:.0f}%")
+        est = (f"saving {r['estimate'] * 100:.0f}% (seeds {r['n_a']} / {r['n_b']}, reached "
+               f"{int(r.get('reached_a', 0))} / {int(r.get('reached_b', 0))}{claimed})")
+        ci = f"[{r['ci_lo'] * 100:.0f}%, {r['ci_hi'] * 100:.0f}%]"
+    if not math.isfinite(r["estimate"]):
+        est, ci = "not measurable", "n/a"
+    note = f" ({r['note']})" if r.get("note") else ""
+    return f"{r['verdict'].upper()}: {r['claim']}: {est}, 95% CI {ci}{note}."
+
+
+def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, calib: dict,
+               hack: pd.DataFrame) -> tuple[list[Headline], list[str]]:
     heads, notes = [], []
-    for t in acc0:
-        notes.append(f"{t}: warm-start held-out sampled accuracy {acc0[t]:.3f}; threshold "
-                     f"{thresholds[t]:.3f} (= acc0 + {cfg.threshold_frac} x (1 - acc0)).")
-    for c in claims:
-        heads.append(Headline(key=f"{c['task']}/otb4_vs_normalized32_saving",
-                              value=c.get("saving", float("nan")), se=None,
-                              text=vs.claim_sentence(c), unit="fraction of tokens"))
-    for col, what in (("grad_surge_steps", "a gradient-norm surge (> surge_factor x running "
-                       "median)"), ("entropy_collapse_steps", "entropy collapse (< entropy_floor "
-                       "x first-step entropy)")):
-        flagged = stab[stab[col] > 0]
-        which = ", ".join(f"{r.task}/{r.scheme}/G={r.G}/s{r.seed} ({getattr(r, col)} steps)"
-                          for r in flagged.itertuples())
-        heads.append(Headline(key=f"collapse/{col}", value=len(flagged), se=None, unit="runs",
-                              text=f"{len(flagged)} of {len(stab)} runs flagged for {what}"
-                                   + (f": {which}." if which else ".")))
-    if len(pred):
-        for t, p in pred.groupby("task"):
-            rho, lo, hi = p["spearman_rho"].iloc[0], p["rho_ci_lo"].iloc[0], p["rho_ci_hi"].iloc[0]
-            heads.append(Headline(
-                key=f"{t}/prediction_spearman", value=rho, se=None, unit="rho",
-                text=f"{t}: Spearman rank correlation between warm-start variance x tokens and "
-                     f"realised tokens-to-threshold over {len(p)} scheme x G cells = {rho:.2f} "
-                     f"[95% bootstrap CI {lo:.2f}, {hi:.2f}] (positive: the variance "
-                     "analysis predicts which settings need more tokens)."))
+    for r in claims.to_dict("records"):
+        heads.append(Headline(key=f"claim/{r['claim']}", value=r["estimate"], se=None,
+                              text=claim_sentence(r), unit=r["metric"]))
+    fpr_lo, fpr_hi = calib["fpr_ci"]
+    heads.append(Headline(
+        key="collapse/detector_fpr", value=calib["fpr"], se=None, unit="fraction of runs",
+        text=f"Collapse detector: surge factor {calib['surge_factor']:.2f} "
+             f"({calib['source']}); false-positive rate on the {calib['runs']} runs that did not "
+             f"collapse {calib['fpr'] * 100:.0f}% (Wilson 95% CI {fpr_lo * 100:.0f}-"
+             f"{fpr_hi * 100:.0f}%), against {calib['fpr_default'] * 100:.0f}% at the live "
+             f"default {calib['default']:g}; it flags {calib['detected_outcome_collapses']} of "
+             f"the {calib['outcome_collapses']} runs whose held-out accuracy collapsed."))
+    n_c = int(stab["collapsed"].sum())
+    which = ", ".join(f"{r.task}/{r.scheme}/G={r.G}{'/' + r.variant if r.variant else ''}"
+                      f"/s{r.seed}" for r in stab[stab["collapsed"]].itertuples())
+    heads.append(Headline(key="collapse/runs", value=n_c, se=None, unit="runs",
+                          text=f"{n_c} of {len(stab)} runs collapsed (held-out accuracy below "
+                               f"{cfg.collapse_acc_frac:g} x the warm start's, or flagged by "
+                               "the calibrated detector)" + (f": {which}." if which else ".")))
     for r in hack.itertuples() if len(hack) else []:
         heads.append(Headline(
             key=f"hacking/{r.reward}/s{r.seed}", value=r.pearson, se=None, unit="r",
@@ -290,43 +728,148 @@ def _headlines(cfg, claims, acc0, thresholds, stab, pred, hack) -> tuple[list[He
                  f"{r.reward} went {r.reward_start:.2f} -> {r.reward_end:.2f} while exact-match "
                  f"accuracy went {r.exact_start:.2f} -> {r.exact_end:.2f}; correlation over "
                  f"{r.evals} evaluations: Pearson {r.pearson:.2f}, Spearman {r.spearman:.2f}."))
+    for t in acc0:
+        notes.append(f"{t}: warm-start held-out sampled accuracy {acc0[t]:.3f}; threshold "
+                     f"{thresholds[t]:.3f} (= acc0 + {cfg.threshold_frac} x (1 - acc0)).")
+    notes.append("Tokens-to-threshold is the sampled-token count at which held-out accuracy "
+                 "first reaches the threshold (" + ("interpolated linearly between the two "
+                 "evaluations around the crossing" if cfg.interpolate else "at the first "
+                 "evaluation at or above it") + "). A run that never reaches it is right-"
+                 "censored at its final count; arms are compared by the Kaplan-Meier restricted "
+                 "mean up to the budget (RMST), with a percentile bootstrap over seeds (each arm "
+                 "resampled separately; paired for the proxy claim).")
+    notes += [f"Verdict rule ({k}): {v}" for k, v in vs.VERDICT_RULES.items()]
     return heads, notes
 
 
-def _runtime_notes(cfg: ValidateConfig, timing: pd.DataFrame, wall: float,
-                   phases: dict[str, float]) -> list[str]:
-    """Measured wall time, and the full grid's runtime extrapolated from these runs."""
-    notes = [f"This experiment took {wall / 60:.1f} min of wall time (training runs "
+def _runtime_notes(timing: pd.DataFrame, wall: float, phases: dict[str, float]) -> list[str]:
+    notes = [f"This report took {wall / 60:.1f} min of wall time (training runs "
              f"{phases['runs'] / 60:.1f} min, prediction check {phases['prediction'] / 60:.1f} "
              "min; finished runs reloaded from disk count as zero)."]
-    full = ValidateConfig()
-    per_token = {t: (d["wall_s"] / d["tokens"].clip(lower=1)).groupby(d["G"]).mean()
-                 for t, d in timing.groupby("task")}
-    est, guessed = 0.0, []
-    for task in full.tasks:
-        if task not in per_token:
-            guessed.append(f"{task} (no runs here)")
-            continue
-        for G in full.Gs:
-            by_g = per_token[task]
-            if G in by_g.index:
-                s_per_tok = float(by_g[G])
-            else:  # an unmeasured G: the mean over the measured ones
-                s_per_tok = float(by_g.mean())
-                guessed.append(f"{task} G={G}")
-            est += s_per_tok * full.budgets[task] * len(full.schemes) * len(full.seeds)
-    if "sort" in per_token:
-        est += (float(per_token["sort"].mean()) * full.budgets["sort"]
-                * len(full.hacking_rewards) * len(full.hacking_seeds))
-    if phases["prediction"] > 0:  # scales with cells x M
-        cells = len(cfg.schemes) * len(cfg.Gs) * cfg.variance_M
-        est += phases["prediction"] * (len(full.schemes) * len(full.Gs) * full.variance_M) / cells
-    if est > 0:
-        notes.append(
-            f"Extrapolated runtime of the full grid (this run's measured seconds per sampled "
-            f"token x full budgets x {len(full.schemes)} schemes x {len(full.Gs)} G x "
-            f"{len(full.seeds)} seeds, plus the probe and the prediction check scaled by cells): "
-            f"{est / 3600:.1f} h on this machine under its load during this run"
-            + (f"; per-token cost not measured for {guessed}, taken as the task's mean over "
-               "the measured G" if guessed else "") + ".")
+    if len(timing):
+        notes.append(f"Training runs: {len(timing)}, summed run wall time "
+                     f"{timing['wall_s'].sum() / 60:.1f} min, "
+                     f"{timing['tokens'].sum() / timing['wall_s'].sum():,.0f} sampled tokens/s "
+                     "overall (time/wall_s of each run, evaluations included).")
     return notes
+
+
+# --- the plan: job count and wall-time estimate ------------------------------------------------
+
+def timing_from_runs(out: Path) -> pd.DataFrame:
+    """Measured run times of the finished runs under ``out/runs``: task label, G, wall seconds
+    and sampled tokens per run (done.json's ``elapsed_s``, the whole train call including the
+    policy build, where recorded; else the loop's own ``time/wall_s``)."""
+    rows = []
+    for done in sorted(Path(out).glob("runs/*/*/done.json")):
+        if done.parent.parent.name == "hacking":
+            continue
+        info = json.loads(done.read_text())
+        df = read_records(done.parent / "records.csv")
+        rows.append({"task": done.parent.parent.name, "G": int(info["config"]["G"]),
+                     "wall_s": float(info.get("elapsed_s", df["time/wall_s"].iloc[-1])),
+                     "tokens": float(df["tokens/sampled"].iloc[-1])})
+    return pd.DataFrame(rows, columns=["task", "G", "wall_s", "tokens"])
+
+
+def estimate_wall(cfg: ValidateConfig, timing: pd.DataFrame, *, speedup: float = 1.0,
+                  shards: int = 1) -> dict[str, Any]:
+    """Wall-time estimate of the grid from measured runs: per job, seconds per sampled token
+    of the measured runs of its task label and G (else of its G on any task, else of all runs)
+    x its budget, divided by ``speedup``; the slowest of ``shards`` round-robin shards.
+    Returns ``{"jobs", "total_s", "shard_s", "guessed"}``. Math caveat: seconds per token is
+    taken as constant in the budget (evaluations are spaced by responses, so it nearly is)."""
+    if len(timing) == 0:
+        raise UsageError("no measured runs to estimate from; run a few first (e.g. --shard "
+                         "1/50) or pass --timing-from DIR")
+    if not speedup > 0:
+        raise UsageError(f"speedup={speedup!r} is not valid; expected > 0")
+    rate = timing.assign(spt=timing["wall_s"] / timing["tokens"].clip(lower=1))
+    by_tg = rate.groupby(["task", "G"])["spt"].mean()
+    by_g, overall = rate.groupby("G")["spt"].mean(), float(rate["spt"].mean())
+    jobs = jobs_of(cfg)
+    secs, guessed = [], set()
+    for j in jobs:
+        task = "sort" if j.reward is not None else j.task
+        if (task, j.G) in by_tg.index:
+            spt = float(by_tg[(task, j.G)])
+        elif j.G in by_g.index:
+            spt, _ = float(by_g[j.G]), guessed.add(f"{task} G={j.G} (from G={j.G} on other tasks)")
+        else:
+            spt, _ = overall, guessed.add(f"{task} G={j.G} (from all runs)")
+        secs.append(spt * cfg.budgets[task] / speedup)
+    shard_s = max(sum(secs[i::shards]) for i in range(shards))
+    return {"jobs": len(jobs), "total_s": float(sum(secs)), "shard_s": float(shard_s),
+            "guessed": sorted(guessed)}
+
+
+def plan_text(cfg: ValidateConfig, timing: pd.DataFrame, *, speedups: Sequence[float] = (1.0,),
+              shards: int = 1) -> str:
+    """The plan as printed by ``varbench validate --plan``: jobs and estimated wall time."""
+    jobs = jobs_of(cfg)
+    lines = [f"grid: {len(jobs)} runs ({sum(j.reward is None for j in jobs)} claim runs, "
+             f"{sum(j.reward is not None for j in jobs)} reward-hacking probe runs), "
+             f"measured from {len(timing)} finished runs"]
+    for sp in speedups:
+        e = estimate_wall(cfg, timing, speedup=sp, shards=shards)
+        lines.append(f"estimated wall time at {sp:g}x the measured loop speed: "
+                     f"{e['total_s'] / 60:.1f} min in one process"
+                     + (f", {e['shard_s'] / 60:.1f} min for the slowest of {shards} shards"
+                        if shards > 1 else ""))
+    e = estimate_wall(cfg, timing, shards=shards)
+    if e["guessed"]:
+        lines.append("not measured, borrowed: " + "; ".join(e["guessed"]))
+    lines.append("(plus the prediction check's warm-start variance analysis, minutes per task)")
+    return "\n".join(lines)
+
+
+def pilot_tables(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
+    """``(t2t, mean_curves, thresholds)`` of every finished run under ``out/runs`` (any grid):
+    the input of :func:`validate_stats.power_plan`. The threshold rule is the default
+    ``threshold_frac`` of :class:`ValidateConfig`."""
+    curves = []
+    for done in sorted(Path(out).glob("runs/*/*/done.json")):
+        label = done.parent.parent.name
+        if label == "hacking":
+            continue
+        tc = json.loads(done.read_text())["config"]
+        head, tail = f"{tc['scheme']}_G{tc['G']}", f"_s{tc['seed']}"
+        variant = done.parent.name[len(head):-len(tail)].lstrip("_")
+        df = read_records(done.parent / "records.csv")
+        curves.append(_curve_rows(df, task=label, scheme=tc["scheme"], G=int(tc["G"]),
+                                  variant=variant, seed=int(tc["seed"])))
+    if not curves:
+        raise UsageError(f"no finished runs under {str(Path(out) / 'runs')!r}")
+    c = pd.concat(curves, ignore_index=True)
+    frac = ValidateConfig().threshold_frac
+    thresholds = {t: vs.threshold_of(float(d[d.step == 0]["acc_sampled"].iloc[0]), frac)
+                  for t, d in c.groupby("task")}
+    t2t = vs.t2t_table(c, thresholds, interpolate=True)
+    lab = _figure_labels(c)  # scheme+variant
+    lab["arm"] = (c["scheme"] + "/" + c["G"].astype(str)
+                  + np.where(c["variant"] != "", "/" + c["variant"].astype(str), ""))
+    mean = lab.groupby(["task", "arm", "step"], as_index=False).agg(
+        tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"))
+    return t2t, mean, thresholds
+
+
+def power_text(cfg: ValidateConfig, pilot: Path, *, half_width: float = 0.15) -> str:
+    """The seeds and budgets the saving claims of ``cfg`` need, from the pilot runs under
+    ``pilot`` (``varbench validate --power-from DIR``)."""
+    t2t, mean, thr = pilot_tables(pilot)
+    pairs = [(c["task"], c["a"], c["b"]) for c in (cfg.claims or default_claims(cfg))
+             if c["kind"] in ("tokens", "proxy", "compute")]
+    rows, missing = [], []
+    for p in dict.fromkeys(pairs):
+        try:
+            rows.append(vs.power_plan(t2t, mean, [p], half_width=half_width))
+        except ValueError as err:
+            missing.append(f"{p[0]}: {p[1]} vs {p[2]} ({err})")
+    thr_text = ", ".join(f"{t} {v:.3f}" for t, v in thr.items())
+    lines = [f"power plan for a 95% CI half-width of {half_width:g} on each saving, from "
+             f"{len(t2t)} pilot runs (thresholds {thr_text}; crossings interpolated)"]
+    if rows:
+        lines.append(pd.concat(rows, ignore_index=True).to_string(index=False,
+                                                                  float_format="%.3g"))
+    lines += [f"not in the pilot: {m}" for m in missing]
+    return "\n".join(lines)

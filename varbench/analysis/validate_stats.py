@@ -1,5 +1,7 @@
-"""Statistics of the validation experiment: tokens-to-threshold, bootstrap CIs, the OTB claim,
-the prediction check and the reward-hacking correlations. Pure functions of record tables.
+"""Statistics of the validation experiment: tokens-to-threshold (Kaplan-Meier restricted means
+for censored runs), bootstrap CIs, savings and their verdicts, collapse-rate intervals, the
+power plan, the prediction check and the reward-hacking correlations. Pure functions of record
+tables.
 
 Tables in (one row per evaluation of one run): ``task, scheme, G, seed, step, tokens,
 acc_sampled, acc_greedy, reward_sampled``. The bootstrap resamples *seeds* (whole runs): the
@@ -23,16 +25,27 @@ def threshold_of(acc0: float, frac: float) -> float:
     return acc0 + frac * (1.0 - acc0)
 
 
-def tokens_to_threshold(curve: pd.DataFrame, threshold: float) -> tuple[float, bool]:
+def tokens_to_threshold(curve: pd.DataFrame, threshold: float, *, interpolate: bool = False,
+                        col: str = "tokens") -> tuple[float, bool]:
     """``(tokens, reached)``: sampled tokens at the first evaluation with accuracy >= threshold.
 
     ``curve``: one run's evaluation rows (``tokens``, ``acc_sampled``) in step order. A run that
     never reaches it returns its final token count (a lower bound: censored) and False.
+    ``interpolate``: the crossing is placed on the straight line between the last evaluation
+    below the threshold and the first at or above it, rather than at the latter (evaluations
+    are spaced by hundreds of responses: without it the value is quantised to that spacing).
+    ``col``: the column to read (``wall_s``: seconds to threshold).
     """
-    hit = curve[curve["acc_sampled"] >= threshold]
-    if len(hit):
-        return float(hit["tokens"].iloc[0]), True
-    return float(curve["tokens"].iloc[-1]), False
+    acc = curve["acc_sampled"].to_numpy(float)
+    x = curve[col].to_numpy(float)
+    hit = np.nonzero(acc >= threshold)[0]
+    if len(hit) == 0:
+        return float(x[-1]), False
+    k = int(hit[0])
+    if not interpolate or k == 0:
+        return float(x[k]), True
+    frac = (threshold - acc[k - 1]) / (acc[k] - acc[k - 1])
+    return float(x[k - 1] + frac * (x[k] - x[k - 1])), True
 
 
 def bootstrap_mean_ci(x: np.ndarray, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -46,79 +59,63 @@ def bootstrap_mean_ci(x: np.ndarray, seed: int = 0, level: float = 0.95) -> tupl
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float]) -> pd.DataFrame:
-    """Per run: tokens-to-threshold, reached, final accuracy. Columns as in the module doc."""
+def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float], *,
+              interpolate: bool = False) -> pd.DataFrame:
+    """Per run: tokens-to-threshold, reached, final accuracy (and, where the curves carry
+    ``wall_s``, wall seconds to threshold). Runs are keyed by task, scheme, G, variant (an arm
+    beyond scheme x G; '' when the curves have no ``variant`` column) and seed."""
+    curves = curves if "variant" in curves else curves.assign(variant="")
     rows = []
-    for (task, scheme, G, seed), c in curves.groupby(["task", "scheme", "G", "seed"], sort=True):
+    for (task, scheme, G, variant, seed), c in curves.groupby(
+            ["task", "scheme", "G", "variant", "seed"], sort=True):
         c = c.sort_values("step")
-        tok, ok = tokens_to_threshold(c, thresholds[task])
-        rows.append({"task": task, "scheme": scheme, "G": int(G), "seed": int(seed),
-                     "threshold": thresholds[task], "tokens_to_threshold": tok, "reached": ok,
-                     "final_tokens": float(c["tokens"].iloc[-1]),
-                     "final_acc_sampled": float(c["acc_sampled"].iloc[-1]),
-                     "final_acc_greedy": float(c["acc_greedy"].iloc[-1])})
+        tok, ok = tokens_to_threshold(c, thresholds[task], interpolate=interpolate)
+        row = {"task": task, "scheme": scheme, "G": int(G), "variant": variant,
+               "seed": int(seed), "threshold": thresholds[task], "tokens_to_threshold": tok,
+               "reached": ok, "final_tokens": float(c["tokens"].iloc[-1]),
+               "final_acc_sampled": float(c["acc_sampled"].iloc[-1]),
+               "final_acc_greedy": float(c["acc_greedy"].iloc[-1])}
+        if "wall_s" in c:
+            row["wall_to_threshold"] = tokens_to_threshold(
+                c, thresholds[task], interpolate=interpolate, col="wall_s")[0]
+            row["final_wall_s"] = float(c["wall_s"].iloc[-1])
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
-def cell_table(t2t: pd.DataFrame) -> pd.DataFrame:
-    """Per task x scheme x G: mean tokens-to-threshold (censored runs count at their final
-    tokens, so the mean is a lower bound when any is censored) with a bootstrap CI over seeds,
-    and final accuracy mean and std over seeds."""
+def cell_table(t2t: pd.DataFrame, budgets: dict[str, float] | None = None) -> pd.DataFrame:
+    """Per task x scheme x G (x variant): mean tokens-to-threshold (censored runs count at their
+    final tokens, so the mean is a lower bound when any is censored) with a bootstrap CI over
+    seeds; with ``budgets`` (task -> tokens) also the Kaplan-Meier restricted mean at the
+    budget (``t2t_rmst``); final accuracy mean and std over seeds."""
+    t2t = t2t if "variant" in t2t else t2t.assign(variant="")
     rows = []
-    for (task, scheme, G), c in t2t.groupby(["task", "scheme", "G"], sort=True):
+    for (task, scheme, G, variant), c in t2t.groupby(["task", "scheme", "G", "variant"],
+                                                      sort=True):
         x = c["tokens_to_threshold"].to_numpy()
         lo, hi = bootstrap_mean_ci(x)
-        rows.append({"task": task, "scheme": scheme, "G": int(G), "seeds": len(c),
-                     "reached": int(c["reached"].sum()),
-                     "t2t_mean": float(x.mean()), "t2t_ci_lo": lo, "t2t_ci_hi": hi,
-                     "t2t_is_lower_bound": bool((~c["reached"]).any()),
-                     "final_acc_mean": float(c["final_acc_sampled"].mean()),
-                     "final_acc_std": float(c["final_acc_sampled"].std(ddof=1))
-                     if len(c) > 1 else math.nan})
+        row = {"task": task, "scheme": scheme, "G": int(G), "variant": variant,
+               "seeds": len(c), "reached": int(c["reached"].sum()),
+               "t2t_mean": float(x.mean()), "t2t_ci_lo": lo, "t2t_ci_hi": hi,
+               "t2t_is_lower_bound": bool((~c["reached"]).any()),
+               "final_acc_mean": float(c["final_acc_sampled"].mean()),
+               "final_acc_std": float(c["final_acc_sampled"].std(ddof=1))
+               if len(c) > 1 else math.nan}
+        if budgets is not None:
+            row["t2t_rmst"] = km_restricted_mean(x, c["reached"].to_numpy(), budgets[task])
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
-def claim(t2t: pd.DataFrame, task: str, a: tuple[str, int], b: tuple[str, int],
-          seed: int = 0) -> dict:
-    """Token saving of cell ``a`` against cell ``b``: ``1 - mean_a / mean_b`` with a bootstrap
-    CI (seeds of each cell resampled independently). Positive: ``a`` needs fewer tokens."""
-    ca = t2t[(t2t.task == task) & (t2t.scheme == a[0]) & (t2t.G == a[1])]
-    cb = t2t[(t2t.task == task) & (t2t.scheme == b[0]) & (t2t.G == b[1])]
-    out = {"task": task, "a": f"{a[0]} G={a[1]}", "b": f"{b[0]} G={b[1]}"}
-    if len(ca) == 0 or len(cb) == 0:
-        missing = a if len(ca) == 0 else b
-        return {**out, "available": False, "missing": f"{missing[0]} at G={missing[1]}"}
-    xa, xb = ca["tokens_to_threshold"].to_numpy(), cb["tokens_to_threshold"].to_numpy()
-    rng = np.random.default_rng(seed)
-    ma = rng.choice(xa, size=(_B, len(xa))).mean(1)
-    mb = rng.choice(xb, size=(_B, len(xb))).mean(1)
-    saving = 1 - ma / mb
-    return {**out, "available": True, "t2t_a": float(xa.mean()), "t2t_b": float(xb.mean()),
-            "reached_a": int(ca["reached"].sum()), "reached_b": int(cb["reached"].sum()),
-            "seeds_a": len(xa), "seeds_b": len(xb),
-            "saving": float(1 - xa.mean() / xb.mean()),
-            "saving_ci_lo": float(np.quantile(saving, 0.025)),
-            "saving_ci_hi": float(np.quantile(saving, 0.975))}
-
-
-def claim_sentence(c: dict) -> str:
-    """The claim as measured, whichever way it falls."""
-    if not c["available"]:
-        return (f"{c['task']}: cannot test '{c['a']} reaches the threshold with fewer sampled "
-                f"tokens than {c['b']}': no runs of {c['missing']} in this experiment.")
-    censored = ""
-    if c["reached_a"] < c["seeds_a"] or c["reached_b"] < c["seeds_b"]:
-        censored = (f" Not every run reached the threshold ({c['a']}: {c['reached_a']}/"
-                    f"{c['seeds_a']}, {c['b']}: {c['reached_b']}/{c['seeds_b']}); unreached runs "
-                    "count at their full budget, so those means are lower bounds.")
-    verdict = "fewer" if c["saving"] > 0 else "more"
-    holds = ("holds" if c["saving_ci_lo"] > 0 else
-             "is contradicted" if c["saving_ci_hi"] < 0 else "is not resolved (CI spans 0)")
-    return (f"{c['task']}: {c['a']} reached the threshold after {c['t2t_a']:,.0f} sampled tokens "
-            f"(mean of {c['seeds_a']} seeds) vs {c['t2t_b']:,.0f} for {c['b']}: "
-            f"{abs(c['saving']) * 100:.0f}% {verdict} tokens (saving {c['saving'] * 100:.0f}%, "
-            f"95% bootstrap CI [{c['saving_ci_lo'] * 100:.0f}%, {c['saving_ci_hi'] * 100:.0f}%]); "
-            f"the claim {holds} as measured.{censored}")
+def rate_table(runs: pd.DataFrame, by: list[str], col: str = "collapsed") -> pd.DataFrame:
+    """Per group of ``by``: runs, how many have ``col`` true, the rate and its Wilson 95% CI."""
+    rows = []
+    for key, d in runs.groupby(by, sort=True):
+        k, n = int(d[col].sum()), len(d)
+        lo, hi = wilson_ci(k, n)
+        rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
+                     "runs": n, col: k, "rate": k / n, "rate_ci_lo": lo, "rate_ci_hi": hi})
+    return pd.DataFrame(rows)
 
 
 def rank_correlation_ci(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
@@ -152,4 +149,241 @@ def hacking_table(curves: pd.DataFrame) -> pd.DataFrame:
                      "spearman": float(sps.spearmanr(x, y).statistic) if ok else math.nan,
                      "reward_start": float(x[0]), "reward_end": float(x[-1]),
                      "exact_start": float(y[0]), "exact_end": float(y[-1])})
+    return pd.DataFrame(rows)
+
+
+# --- survival-style tokens-to-threshold (runs that never reach the threshold) -------------------
+
+def km_restricted_mean(times: np.ndarray, reached: np.ndarray, tau: float) -> float:
+    """Kaplan-Meier restricted mean of tokens-to-threshold, ``integral_0^tau S(t) dt``.
+
+    ``times``: (n,) tokens at the first evaluation at or above the threshold, or, for a run that
+    never reached it (``reached`` False: right-censored), its final token count. ``tau``: the
+    restriction (the budget); times beyond it are cut at ``tau``. A censored run stays in the
+    risk set up to and including its censoring time (the usual tie rule). When every censored
+    run is censored at ``tau`` this equals ``mean(min(T, tau))``; an earlier-censored run (one
+    that stopped short of the budget) is handled by the product-limit estimate instead of being
+    counted at its early stop. Math caveat: beyond the last observation ``S`` is held flat.
+    """
+    t = np.minimum(np.asarray(times, dtype=float), float(tau))
+    e = np.asarray(reached, dtype=bool) & (np.asarray(times, dtype=float) <= tau)
+    if len(t) == 0:
+        return math.nan
+    surv, prev, area = 1.0, 0.0, 0.0
+    for tj in np.unique(t[e]):
+        area += surv * (tj - prev)
+        at_risk = int((t >= tj).sum())
+        surv *= 1.0 - int(((t == tj) & e).sum()) / at_risk
+        prev = tj
+    return float(area + surv * (float(tau) - prev))
+
+
+def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, tau: float, *,
+                paired: bool = False, seed: int = 0, level: float = 0.95) -> dict:
+    """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold, bootstrap CI.
+
+    Seeds (whole runs) are resampled, each arm independently, or jointly by index when
+    ``paired`` (the arms share seeds, e.g. proxy vs exact weights). Each resample's RMST is
+    :func:`km_restricted_mean` at ``tau``. Positive: ``a`` needs fewer tokens. Censoring makes
+    the estimate a bound: censored ``b`` runs can only lower RMST_b (the saving of the true
+    means is at least this, if ``a`` is uncensored); censored ``a`` runs the other way.
+    """
+    xa, xb = np.asarray(xa, float), np.asarray(xb, float)
+    ea, eb = np.asarray(ea, bool), np.asarray(eb, bool)
+    rng = np.random.default_rng(seed)
+    if paired and len(xa) != len(xb):
+        raise ValueError(f"paired saving needs equal seeds: {len(xa)} vs {len(xb)}")
+    ia = rng.integers(0, len(xa), (_B, len(xa)))
+    ib = ia if paired else rng.integers(0, len(xb), (_B, len(xb)))
+    ra = np.array([km_restricted_mean(xa[i], ea[i], tau) for i in ia])
+    rb = np.array([km_restricted_mean(xb[i], eb[i], tau) for i in ib])
+    boots = 1.0 - ra / rb
+    a = (1 - level) / 2
+    ma, mb = km_restricted_mean(xa, ea, tau), km_restricted_mean(xb, eb, tau)
+    return {"rmst_a": ma, "rmst_b": mb, "saving": 1.0 - ma / mb,
+            "saving_ci_lo": float(np.quantile(boots, a)),
+            "saving_ci_hi": float(np.quantile(boots, 1 - a)),
+            "censored_a": int((~ea).sum()), "censored_b": int((~eb).sum())}
+
+
+# --- proportions -------------------------------------------------------------------------------
+
+def wilson_ci(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``k / n`` (sane at k = 0 and k = n)."""
+    if n <= 0:
+        return math.nan, math.nan
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def newcombe_diff_ci(k1: int, n1: int, k2: int, n2: int,
+                     level: float = 0.95) -> tuple[float, float, float]:
+    """``(p1 - p2, lo, hi)``: Newcombe's hybrid score interval (method 10) from Wilson limits."""
+    p1, p2 = k1 / n1, k2 / n2
+    l1, u1 = wilson_ci(k1, n1, level)
+    l2, u2 = wilson_ci(k2, n2, level)
+    d = p1 - p2
+    lo = d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
+    hi = d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    return d, max(-1.0, lo), min(1.0, hi)
+
+
+# --- verdicts ----------------------------------------------------------------------------------
+
+VERDICT_RULES = {
+    "saving": "confirmed when the 95% CI of the saving lies above 0 and does not exclude the "
+              "claimed saving (upper limit >= claimed); refuted when the upper limit is below the "
+              "claimed saving (the claimed size is excluded) unless censored runs of the "
+              "reference arm make the estimate a lower bound; undecided otherwise. Censored runs "
+              "of the claimed-better arm make the estimate an upper bound: then it cannot be "
+              "confirmed.",
+    "equivalence": "confirmed when the 95% CI's lower limit is above -margin (the tested arm "
+                   "needs at most margin more) and none of its runs is censored; refuted when the "
+                   "upper limit is below -margin and no reference run is censored; undecided "
+                   "otherwise.",
+    "rate_diff": "confirmed when the 95% CI of (reference rate - tested rate) lies above 0; "
+                 "refuted when it lies below 0; undecided otherwise (including no collapses).",
+    "correlation": "confirmed when the 95% CI of Spearman's rho lies above 0 over at least "
+                   "min_cells cells; refuted when it lies below 0; undecided otherwise or with "
+                   "fewer cells.",
+}
+
+
+def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
+                   censored_b: int = 0) -> str:
+    """Verdict on 'a saves at least ``claimed`` over b' from the saving's CI (VERDICT_RULES)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    if lo > 0 and hi >= claimed and censored_a == 0:
+        return "confirmed"
+    if hi < claimed and censored_b == 0:
+        return "refuted"
+    return "undecided"
+
+
+def verdict_equivalence(lo: float, hi: float, margin: float, *, censored_a: int = 0,
+                        censored_b: int = 0) -> str:
+    """Verdict on 'a is no worse than b by more than ``margin``' (VERDICT_RULES); censored
+    runs bound the saving as in :func:`verdict_saving` (of ``a``: no confirmation; of ``b``: no
+    refutation)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    if lo > -margin and censored_a == 0:
+        return "confirmed"
+    return "refuted" if hi < -margin and censored_b == 0 else "undecided"
+
+
+def verdict_interval(lo: float, hi: float) -> str:
+    """Verdict on 'the quantity is positive' from its CI (rate differences, correlations)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undecided"
+    return "confirmed" if lo > 0 else "refuted" if hi < 0 else "undecided"
+
+
+# --- power -------------------------------------------------------------------------------------
+
+def seeds_for_saving(cv_a: float, cv_b: float, saving: float, *, half_width: float = 0.15,
+                     level: float = 0.95, min_seeds: int = 3) -> int:
+    """Seeds per arm so that the CI of ``s = 1 - m_a / m_b`` has half-width <= ``half_width``.
+
+    Delta method for a ratio of two independent means over ``n`` seeds each:
+    ``Var(s) ~= (1 - s)^2 (cv_a^2 + cv_b^2) / n`` (``cv``: coefficient of variation of one run's
+    tokens-to-threshold), so ``n = ceil(z^2 (1 - s)^2 (cv_a^2 + cv_b^2) / half_width^2)``.
+    Math caveat: the delta method is first-order; with few seeds the percentile bootstrap is
+    wider, hence a floor of ``min_seeds``.
+    """
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    n = z * z * (1 - saving) ** 2 * (cv_a ** 2 + cv_b ** 2) / half_width ** 2
+    return max(int(min_seeds), int(math.ceil(n - 1e-9)))
+
+
+def saving_half_width(cv_a: float, cv_b: float, saving: float, n: int,
+                      level: float = 0.95) -> float:
+    """The delta-method CI half-width of the saving with ``n`` seeds per arm (inverse of
+    :func:`seeds_for_saving`)."""
+    z = float(sps.norm.ppf(0.5 + level / 2))
+    return z * (1 - saving) * math.sqrt((cv_a ** 2 + cv_b ** 2) / n)
+
+
+def extrapolate_t2t(tokens: np.ndarray, acc: np.ndarray, threshold: float) -> float:
+    """Tokens at which a least-squares line through the second half of a mean accuracy curve
+    crosses ``threshold`` (inf when it does not rise). For budgeting arms that never reached the
+    threshold in a short run; the first crossing is returned when the curve already reached it.
+    Math caveat: a linear trend; learning curves flatten, so this is optimistic."""
+    tokens, acc = np.asarray(tokens, float), np.asarray(acc, float)
+    hit = np.nonzero(acc >= threshold)[0]
+    if len(hit):
+        return float(tokens[hit[0]])
+    half = tokens >= tokens[len(tokens) // 2]
+    if half.sum() < 2:
+        return math.inf
+    slope, icpt = np.polyfit(tokens[half], acc[half], 1)
+    return float((threshold - icpt) / slope) if slope > 0 else math.inf
+
+
+def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[str, str, str]],
+               *, half_width: float = 0.15, level: float = 0.95) -> pd.DataFrame:
+    """Seeds and budget each comparison needs, from pilot runs.
+
+    ``t2t``: :func:`t2t_table` of the pilot (arms named ``scheme/G[/variant]`` via the
+    ``scheme``, ``G``, ``variant`` columns); ``mean_curves``: per task x arm mean accuracy
+    (``task, arm, tokens, acc_mean``) for arms that never reached the threshold;
+    ``pairs``: ``(task, a, b)``, saving of ``a`` over ``b``. Per arm the planning mean is the
+    mean tokens-to-threshold when every pilot run reached it, else the linear extrapolation of
+    the mean curve (:func:`extrapolate_t2t`); the coefficient of variation comes from the
+    reached runs (>= 2 of them), else the median CV of the task's fully reached arms
+    ('borrowed'). Seeds: :func:`seeds_for_saving` for a CI half-width ``half_width``; budget:
+    the larger arm's planning mean x (1 + 2 CV) (about its 97.5% quantile, so nearly every run
+    is observed reaching the threshold), rounded up to 1000 tokens.
+    """
+    d = t2t if "variant" in t2t else t2t.assign(variant="")
+    d = d.assign(arm=d["scheme"] + "/" + d["G"].astype(str)
+                 + np.where(d["variant"] != "", "/" + d["variant"].astype(str), ""))
+
+    def arm_stats(task: str, arm: str) -> dict:
+        r = d[(d.task == task) & (d.arm == arm)]
+        if len(r) == 0:
+            raise ValueError(f"power_plan: no pilot runs of {arm} on {task}")
+        x, ok = r["tokens_to_threshold"].to_numpy(float), r["reached"].to_numpy(bool)
+        out = {"n": len(r), "reached": int(ok.sum())}
+        if ok.all():
+            out["mean"] = float(x.mean())
+        else:
+            c = mean_curves[(mean_curves.task == task) & (mean_curves.arm == arm)]
+            c = c.sort_values("tokens")
+            out["mean"] = extrapolate_t2t(c["tokens"].to_numpy(), c["acc_mean"].to_numpy(),
+                                          float(r["threshold"].iloc[0]))
+        out["cv"] = (float(x[ok].std(ddof=1) / x[ok].mean()) if ok.sum() >= 2 else math.nan)
+        return out
+
+    full_cv: dict[str, list[float]] = {}
+    for (task, _arm), r in d.groupby(["task", "arm"]):
+        if r["reached"].all() and len(r) >= 2:
+            x = r["tokens_to_threshold"].to_numpy(float)
+            full_cv.setdefault(task, []).append(float(x.std(ddof=1) / x.mean()))
+    rows = []
+    for task, a, b in pairs:
+        sa, sb = arm_stats(task, a), arm_stats(task, b)
+        src = []
+        for side, st in (("a", sa), ("b", sb)):
+            if not math.isfinite(st["cv"]):
+                st["cv"] = float(np.median(full_cv.get(task, [math.nan])))
+                src.append(f"{side} borrowed")
+            if st["reached"] < st["n"]:
+                src.append(f"{side} extrapolated")
+        s = 1 - sa["mean"] / sb["mean"] if math.isfinite(sb["mean"]) else 1.0
+        ok = all(math.isfinite(v) for v in (sa["cv"], sb["cv"], sa["mean"], sb["mean"]))
+        n = seeds_for_saving(sa["cv"], sb["cv"], s, half_width=half_width,
+                             level=level) if ok else -1
+        top = max(sa["mean"] * (1 + 2 * sa["cv"]), sb["mean"] * (1 + 2 * sb["cv"]))
+        rows.append({"task": task, "a": a, "b": b, "n_a": sa["n"], "reached_a": sa["reached"],
+                     "n_b": sb["n"], "reached_b": sb["reached"], "plan_mean_a": sa["mean"],
+                     "plan_mean_b": sb["mean"], "cv_a": sa["cv"], "cv_b": sb["cv"],
+                     "plan_saving": s, "seeds_needed": n,
+                     "budget_needed": int(math.ceil(top / 1000) * 1000) if ok else -1,
+                     "source": ", ".join(src) or "measured"})
     return pd.DataFrame(rows)

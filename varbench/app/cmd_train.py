@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from varbench._util.checks import UsageError
+from varbench._util.checks import UsageError, check_positive_int
 from varbench.app.specs import add_policy_flags, parse_knobs
 from varbench.train.config import TrainConfig, field_docs
 
@@ -103,6 +103,8 @@ def validate_config(args: argparse.Namespace):
     from varbench.analysis.validate import ValidateConfig
 
     cfg = ValidateConfig.reduced_default() if args.reduced else ValidateConfig()
+    if getattr(args, "suite", None):
+        cfg = suite_validate_config(args.suite, args.case, reduced=args.reduced)
     changes: dict[str, Any] = {}
     for name, conv in (("tasks", str), ("schemes", str), ("Gs", int), ("seeds", int)):
         raw = getattr(args, name.lower(), None)
@@ -147,6 +149,25 @@ def validate_config(args: argparse.Namespace):
     return cfg
 
 
+def suite_validate_config(path: str, case: str | None, *, reduced: bool = False):
+    """The ValidateConfig of a suite's ``validate`` case (the only one, or the one named)."""
+    from varbench.analysis.validate import ValidateConfig
+    from varbench.app.suite import load_suite
+
+    cases = [c for c in load_suite(path).cases if c.kind == "validate"]
+    names = [c.name for c in cases]
+    if case is not None:
+        cases = [c for c in cases if c.name == case]
+    if len(cases) != 1:
+        raise UsageError(f"--suite {path!r}: " + (
+            f"no validate case named {case!r}; its validate cases: {names}" if case
+            else f"has {len(names)} validate cases {names}; name one with --case"))
+    params = dict(cases[0].params)
+    if reduced:
+        params["reduced"] = True
+    return ValidateConfig.from_params(params)
+
+
 def _add_validate_flags(p: argparse.ArgumentParser) -> None:
     """Flags of ``varbench validate``."""
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -169,6 +190,27 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float64"],
                    help="training dtype (bfloat16: float32 master weights and AdamW states)")
     p.add_argument("--device", default=None, help="torch device of the runs (default cpu)")
+    p.add_argument("--suite", default=None, metavar="TOML",
+                   help="take the grid from this suite's validate case (flags still override)")
+    p.add_argument("--case", default=None, help="the validate case of --suite, by name")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only runs I-1, I-1+N, ... (1-based) into --out; no report")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: build the report from the finished runs in --out")
+    p.add_argument("--report-dir", default=None, metavar="DIR",
+                   help="write the report here (default --out; the runs stay in --out)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the grid's run count and estimated wall time; train nothing")
+    p.add_argument("--timing-from", default=None, metavar="DIR",
+                   help="--plan: measured runs to estimate from (default --out)")
+    p.add_argument("--speedup", type=float, action="append", default=None,
+                   help="--plan: also estimate at this factor of the measured speed "
+                   "(repeatable)")
+    p.add_argument("--power-from", default=None, metavar="DIR",
+                   help="print the seeds and budgets each saving claim needs, from the pilot "
+                   "runs in DIR; train nothing")
+    p.add_argument("--shards", type=int, default=1,
+                   help="--plan: estimate the slowest of this many shards")
     add_policy_flags(p, dtype=False)
 
 
@@ -181,9 +223,30 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads={args.threads} is not valid; expected an integer >= 1")
     torch.set_num_threads(args.threads)
     cfg = validate_config(args)
-    summary = run_validation(cfg, Path(args.out), progress=None)
+    if args.power_from:
+        from varbench.analysis.validate import power_text
+
+        print(power_text(cfg, Path(args.power_from)))
+        return 0
+    if args.plan:
+        from varbench.analysis.validate import plan_text, timing_from_runs
+
+        timing = timing_from_runs(Path(args.timing_from or args.out))
+        print(plan_text(cfg, timing, speedups=[1.0, *(args.speedup or [])],
+                        shards=check_positive_int("--shards", args.shards)))
+        return 0
+    from varbench.app.runner import parse_shard
+
+    shard = parse_shard(args.shard) if args.shard else None
+    if shard is not None and args.report_only:
+        raise UsageError("--shard and --report-only exclude each other: shards train, the "
+                         "report is built once from all of them")
+    report_dir = Path(args.report_dir) if args.report_dir else None
+    summary = run_validation(cfg, Path(args.out), progress=None, shard=shard,
+                             report_only=args.report_only, report_dir=report_dir)
     print(summary)
-    print(f"report: {Path(args.out) / 'report.md'}")
+    if shard is None:
+        print(f"report: {(report_dir or Path(args.out)) / 'report.md'}")
     return 0
 
 

@@ -20,7 +20,7 @@ import inspect
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -319,10 +319,7 @@ def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     """run_validation writes its own report into work_dir; read its records back from there."""
     from varbench.analysis.validate import ValidateConfig, run_validation
 
-    base = ValidateConfig.reduced_default() if params.pop("reduced", False) else ValidateConfig()
-    changes = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v
-               for k, v in params.items()}
-    cfg = replace(base, **changes)
+    cfg = ValidateConfig.from_params(params)
     run_validation(cfg, work_dir / "validation", progress=progress)
     return _read_report(work_dir / "validation", name)
 
