@@ -15,11 +15,12 @@ validation experiment; keys are :class:`~varbench.analysis.validate.ValidateConf
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -235,26 +236,44 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
                 for t in tasks}
         settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
         before = error_counts()
-        results = [fn(pols, tasks, **params, **run)]
+        with batchable_attention(pols) as attention:
+            results = [fn(pols, tasks, **params, **run)]
     else:
         task = resolve_task(params.pop("task"), knobs)
         settings["task_fingerprints"] = [task.fingerprint()]  # a data file's content hash
         pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
         settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
         before = error_counts()
-        if how == "states":
-            results = [fn(pols, task, **params, **run)]
-        else:
-            results = []
-            for state, pol in pols.items():
-                res = fn(pol, task, **params, **{**run, "config": {**settings, "state": state}})
-                res.name = f"{name} ({state})" if len(pols) > 1 else name
-                results.append(res)
+        with batchable_attention(pols) as attention:
+            if how == "states":
+                results = [fn(pols, task, **params, **run)]
+            else:
+                results = []
+                for state, pol in pols.items():
+                    res = fn(pol, task, **params,
+                             **{**run, "config": {**settings, "state": state}})
+                    res.name = f"{name} ({state})" if len(pols) > 1 else name
+                    results.append(res)
     for r in results:
         if how != "each":
             r.name = name
         _annotate(r, pols, before)
+        r.notes = [*list(r.notes or []), *attention]
+        r.provenance["attention_switch"] = attention
     return results
+
+
+@contextlib.contextmanager
+def batchable_attention(pols: dict[str, Any]) -> Iterator[list[str]]:
+    """Every policy's attention on a kernel with a batched (vmap) backward while inside (on
+    CUDA the fused sdpa kernels have none: math SDPA instead; see
+    :func:`~varbench.grads.precision.batched_backward_attention`); yields the notes saying
+    what was switched, one per distinct switch (empty: nothing needed switching)."""
+    from varbench.grads.precision import batched_backward_attention
+
+    with contextlib.ExitStack() as stack:
+        notes = [stack.enter_context(batched_backward_attention(p.model)) for p in pols.values()]
+        yield list(dict.fromkeys(n for n in notes if n))
 
 
 def _annotate(res, pols: dict[str, Any], before) -> None:
