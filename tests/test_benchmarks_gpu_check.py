@@ -1,0 +1,54 @@
+"""benchmarks/gpu_check.py: its CPU smoke run (tiny Qwen2-shaped model, float32 against
+float64) covers every phase and passes; a row beyond its tolerance makes it exit 1; its
+comparisons never pass on nothing (an empty or all-zero reference)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_quick_cpu_run_covers_every_phase_and_passes(capsys):
+    assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    for phase in gpu_check.PHASES:
+        assert f" {phase} " in out, phase
+    assert " FAIL " not in out and "0 FAIL" in out
+    assert "loop: 3 steps finite" in out and "logp (KV cache)" in out
+
+
+def test_a_row_beyond_tolerance_exits_1(monkeypatch, capsys):
+    monkeypatch.setitem(gpu_check.TOLERANCES, ("float32", "rel"), 0.0)
+    assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32",
+                           "--phases", "forward"]) == 1
+    assert " FAIL " in capsys.readouterr().out
+
+
+def test_comparisons_never_pass_on_nothing():
+    z = torch.zeros(3)
+    assert gpu_check.rel_err(z, z) == math.inf and gpu_check.abs_err(z, z) == math.inf
+    assert gpu_check.rel_err(torch.ones(2), torch.ones(3)) == math.inf
+    assert gpu_check.rel_err(torch.ones(2), torch.ones(2), torch.zeros(2)) == math.inf
+    assert gpu_check.rel_err(torch.tensor([1.0, 2.1]), torch.tensor([1.0, 2.0])) == (
+        pytest.approx(0.05))
+    assert not gpu_check.Row("s", "p", "float32", "q", math.nan, 1.0, "cpu").passed
+
+
+def test_cuda_without_a_gpu_is_a_fail_not_a_pass(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--device", "cuda"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_realistic_size_is_qwen2_0_5b_shaped_and_seq_fits_its_context():
+    cfg = gpu_check.SIZES["realistic"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["intermediate_size"]) == (896, 24, 14, 2, 4864)
+    assert 256 <= cfg["max_position_embeddings"]  # the default --seq
