@@ -28,7 +28,7 @@ Two model sizes, both Qwen2-shaped (GQA, q/k/v biases) and built locally from a 
 Tolerance per row: ``err`` is the max absolute difference over the max absolute reference
 value (normwise relative), or the max absolute difference for log-probabilities and losses
 (nats). TF32 is off, so float32 is float32. Times are measured after one warm-up pass of the
-candidate, with CUDA synchronised; peak memory is ``torch.cuda.max_memory_allocated`` after
+candidate on CUDA, with CUDA synchronised; peak memory is ``torch.cuda.max_memory_allocated`` after
 ``torch.cuda.reset_peak_memory_stats`` at the start of each phase (CPU: not measured).
 """
 
@@ -372,7 +372,8 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
     G = 8
     batch = fixture_batch(ref, task, prompts, G)
     ctx = {"inputs": synthetic_inputs(ref.model.config.vocab_size, batch_rows, seq),
-           "task": task, "variance_task": get_task("sort", n=1), "prompts": prompts, "G": G, "seed": 0, "batch": batch,
+           "task": task, "variance_task": get_task("sort", n=1), "prompts": prompts, "G": G,
+           "seed": 0, "batch": batch,
            "ref_policy": ref, "sketch_dim": sketch_dim, "loop": loop}
     refs = {}
     for ph in phases:
@@ -383,7 +384,8 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
     ref_tag = f"{ref_device.type}/float64"
     for dtype in dtypes:
         cand = on(base, device, getattr(torch, dtype))
-        phase_norms(cand, ctx)  # warm-up: kernels, allocator, cuBLAS handles
+        if device.type == "cuda":
+            phase_norms(cand, ctx)  # warm-up: kernels, allocator, cuBLAS handles
         for ph in phases:
             with batched_backward_attention(cand.model) as note, Timer(device) as tm:
                 got = PHASE_FNS[ph](cand, ctx)

@@ -15,20 +15,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_check  # noqa: E402
 
 
-def test_quick_cpu_run_covers_every_phase_and_passes(capsys):
-    assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32"]) == 0
-    out = capsys.readouterr().out
-    for phase in gpu_check.PHASES:
-        assert f" {phase} " in out, phase
-    assert " FAIL " not in out and "0 FAIL" in out
-    assert "loop: 3 steps finite" in out and "logp (KV cache)" in out
+def test_quick_cpu_run_covers_every_phase_and_passes(tmp_path, capsys):
+    import pandas as pd
+
+    csv = tmp_path / "table.csv"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32",
+                           "--csv", str(csv)]) == 0
+    df = pd.read_csv(csv)
+    assert set(df["phase"]) == set(gpu_check.PHASES)
+    assert (df["result"] == "PASS").all() and (df["tol"] >= 0).all()
+    assert {"loop: 3 steps finite", "logp (KV cache)", "g* (exact reference)",
+            "residual (k=1)", "token_sq", "sequence_sq"} <= set(df["quantity"])
+    assert "0 FAIL" in capsys.readouterr().out
 
 
 def test_a_row_beyond_tolerance_exits_1(monkeypatch, capsys):
     monkeypatch.setitem(gpu_check.TOLERANCES, ("float32", "rel"), 0.0)
     assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32",
                            "--phases", "forward"]) == 1
-    assert " FAIL " in capsys.readouterr().out
+    assert "   FAIL " in capsys.readouterr().out
 
 
 def test_comparisons_never_pass_on_nothing():
