@@ -136,29 +136,19 @@ def batch_to(batch, device: torch.device):
     return dataclasses.replace(batch, **moved)
 
 
-def rel_err(got, ref, mask=None) -> float:
-    """max |got - ref| / max |ref| over ``mask`` (all entries by default), in float64."""
-    got = torch.as_tensor(got).detach().double().cpu()
-    ref = torch.as_tensor(ref).detach().double().cpu()
-    if mask is not None:
-        mask = torch.as_tensor(mask).cpu().bool()
-        got, ref = got[mask], ref[mask]
-    if got.shape != ref.shape:
-        return math.inf
-    if ref.numel() == 0 or not bool(ref.abs().max() > 0):
-        return math.inf  # nothing compared, or an all-zero reference: never a pass
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
-def abs_err(got, ref, mask=None) -> float:
+def max_err(got, ref, mask=None, *, relative: bool = True) -> float:
+    """max |got - ref| over ``mask`` (all entries by default), in float64; divided by max |ref|
+    when ``relative``. inf when nothing is compared, the shapes differ or the reference is all
+    zero (such a row can never pass)."""
     got = torch.as_tensor(got).detach().double().cpu()
     ref = torch.as_tensor(ref).detach().double().cpu()
     if mask is not None:
         mask = torch.as_tensor(mask).cpu().bool()
         got, ref = got[mask], ref[mask]
     if got.shape != ref.shape or ref.numel() == 0 or not bool(ref.abs().max() > 0):
-        return math.inf  # nothing compared, or an all-zero reference: never a pass
-    return float((got - ref).abs().max())
+        return math.inf
+    diff = float((got - ref).abs().max())
+    return diff / float(ref.abs().max()) if relative else diff
 
 
 class Timer:
@@ -353,7 +343,7 @@ def _compare(kind: str, dtype: str, got, ref, mask) -> tuple[float, float]:
         ok = bool(torch.isfinite(torch.as_tensor(got)).all()) and torch.as_tensor(got).numel()
         return (0.0 if ok else math.inf), 0.0
     tol = TOLERANCES[(dtype, kind)]
-    err = abs_err(got, ref, mask) if kind == "nats" else rel_err(got, ref, mask)
+    err = max_err(got, ref, mask, relative=kind != "nats")
     return err, tol
 
 
