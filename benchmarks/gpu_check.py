@@ -1,121 +1,450 @@
-"""One-command CUDA check of the gradient harness: run every path with device='cuda' and
-compare against CPU float64.
+"""One command that proves varbench on a GPU: every phase on CUDA in float32 and bfloat16
+against a float64 reference, timed, with peak memory, as a PASS/FAIL table (exit 1 on a FAIL).
 
-Run on a GPU machine: python benchmarks/gpu_check.py   (exit 0 = all checks pass)
-float64 on CUDA must match CPU float64 to rtol 1e-8; float32 on CUDA (TF32 off) to rtol 1e-3.
-Also times token_grad_norms on the `small` preset at T=512 on CUDA.
+    python benchmarks/gpu_check.py                    # CUDA: check size + realistic size
+    python benchmarks/gpu_check.py --device cpu --quick   # CPU smoke run (tests run this)
+
+Phases (each on the candidate device and dtype, compared to the reference on the same inputs):
+forward statistics (logp, entropy, sum pi^2, w_t); exact token / prefix / sequence gradient
+norms; sampling with the KV cache (the sampler's own log-probs and entropies of the tokens it
+drew against a full forward of the reference on those tokens); one proxy cell (the token
+records of the proxy analysis); one variance cell with an exact reference (enumerated response
+table: g* and the exact variance / MSE of two schemes); one cancellation cell (shared-step
+residuals and gradient cancellation ratios); three training steps (the clipped loss and the
+gradient norm of three AdamW steps on one fixed batch, plus three steps of the real training
+loop, which must give finite records).
+
+Two model sizes, both Qwen2-shaped (GQA, q/k/v biases) and built locally from a transformers
+``Qwen2Config`` with the embedded tokenizer's vocabulary (nothing is downloaded):
+- ``check``: small enough for an exact float64 reference on the CPU (the table's rows say
+  ``ref cpu/float64``); the variance cell keeps flat (unsketched) gradients.
+- ``realistic`` (CUDA only; ``--no-realistic`` to skip): the Qwen2-0.5B transformer body
+  (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; the vocabulary is the tasks' own),
+  against its float64 copy on the same GPU (``ref cuda/float64``: a CPU float64 run of this
+  size would take hours); the variance cell uses a CountSketch (the same one for candidate and
+  reference, both on the one device). Sequence length of the norms phase: ``--seq`` (checked
+  against the model's context).
+
+Tolerance per row: ``err`` is the max absolute difference over the max absolute reference
+value (normwise relative), or the max absolute difference for log-probabilities and losses
+(nats). TF32 is off, so float32 is float32. Times are measured after one warm-up pass of the
+candidate on CUDA, with CUDA synchronised; peak memory is ``torch.cuda.max_memory_allocated`` after
+``torch.cuda.reset_peak_memory_stats`` at the start of each phase (CPU: not measured).
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import dataclasses
+import math
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+import pandas as pd
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from varbench.analysis.cancellation import ppo_logps
+from varbench.analysis.oracle import enumerate_distribution, response_table
+from varbench.analysis.proxy import token_records
+from varbench.analysis.trie import shared_steps
+from varbench.analysis.variance import table_cells
+from varbench.estimators.coefficients import sample_weights
+from varbench.estimators.loss import policy_loss
+from varbench.estimators.registry import advantages
 from varbench.grads import (
-    CountSketch,
     exact_float64,
     forward_stats,
-    sequence_grads,
-    sketched_token_norms,
-    tail_token_norms,
+    sequence_grad_norms,
     token_grad_norms,
+    token_vectors,
 )
+from varbench.grads.precision import batched_backward_attention
+from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs
+from varbench.models.presets import Policy
+from varbench.models.tokenizer import build_tokenizer
+from varbench.rollout.sampler import sample
+from varbench.tasks import get_task
+
+PHASES = ("forward", "norms", "sampling", "proxy", "variance", "cancellation", "train")
+
+# Tolerances by (candidate dtype, kind): "rel" = normwise relative error, "nats" = absolute
+# difference of log-probabilities / losses. float32 with TF32 off; bf16 keeps 8 bits.
+TOLERANCES = {
+    ("float32", "rel"): 2e-4, ("float32", "norm"): 2e-3, ("float32", "nats"): 1e-4,
+    ("bfloat16", "rel"): 5e-2, ("bfloat16", "norm"): 1.5e-1, ("bfloat16", "nats"): 5e-2,
+}
+
+SIZES = {  # Qwen2-shaped bodies; the vocabulary is the embedded tokenizer's
+    "quick": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "check": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "realistic": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2,
+                      max_position_embeddings=2048),
+}
 
 
-def main() -> int:
-    # `--device cpu` dry-runs the same script on the CPU (float32 vs float64 still compared)
-    dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
-    if dev == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check")
+@dataclasses.dataclass
+class Row:
+    size: str
+    phase: str
+    dtype: str
+    quantity: str
+    err: float
+    tol: float
+    ref: str
+    time_s: float = math.nan
+    peak_mib: float = math.nan
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.err) and self.err <= self.tol
+
+
+def qwen2_policy(size: str, seed: int = 0) -> Policy:
+    """A randomly initialised Qwen2ForCausalLM of ``SIZES[size]`` with the embedded tokenizer."""
+    tok = build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=False, rms_norm_eps=1e-6, **SIZES[size])
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    model.eval()
+    return Policy(model=model, tokenizer=tok, name=f"qwen2-{size}", meta={"size": size})
+
+
+def on(policy: Policy, device: torch.device, dtype: torch.dtype) -> Policy:
+    """A copy of ``policy`` on ``device`` in ``dtype`` (float64: the verified float64 copy)."""
+    model = exact_float64(policy.model) if dtype == torch.float64 else copy.deepcopy(
+        policy.model).to(dtype=dtype)
+    return dataclasses.replace(policy, model=model.to(device).eval())
+
+
+def batch_to(batch, device: torch.device):
+    """A RolloutBatch with every tensor on ``device``."""
+    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return dataclasses.replace(batch, **moved)
+
+
+def max_err(got, ref, mask=None, *, relative: bool = True) -> float:
+    """max |got - ref| over ``mask`` (all entries by default), in float64; divided by max |ref|
+    when ``relative``. inf when nothing is compared, the shapes differ or the reference is all
+    zero (such a row can never pass)."""
+    got = torch.as_tensor(got).detach().double().cpu()
+    ref = torch.as_tensor(ref).detach().double().cpu()
+    if mask is not None:
+        mask = torch.as_tensor(mask).cpu().bool()
+        got, ref = got[mask], ref[mask]
+    if got.shape != ref.shape or ref.numel() == 0 or not bool(ref.abs().max() > 0):
+        return math.inf
+    diff = float((got - ref).abs().max())
+    return diff / float(ref.abs().max()) if relative else diff
+
+
+class Timer:
+    """Wall time (CUDA events when on CUDA) and peak memory of one phase."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> Timer:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.time_s = self.start.elapsed_time(self.end) / 1000
+            self.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            self.time_s = time.perf_counter() - self.t0
+            self.peak_mib = math.nan
+
+
+def synthetic_inputs(vocab: int, B: int, L: int, seed: int = 0):
+    """``[B, L]`` ids, response mask and attention mask: row 1 left-padded by 3, responses from
+    position L // 4, one hole (an environment token) in the last row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (B, L), generator=g)
+    am = torch.ones(B, L, dtype=torch.long)
+    if B > 1:
+        am[1, :3] = 0
+    ids = ids * am
+    rm = torch.zeros(B, L)
+    rm[:, L // 4:] = 1
+    rm[-1, L // 2] = 0
+    return ids, rm * am, am
+
+
+def fixture_batch(ref: Policy, task, prompts, G: int):
+    """One batch for every device (same tokens): sampled by the reference, then the first
+    token tied within two halves of each group (so the prefix trie has shared steps) and
+    seeded rewards in {0, 0.5, 1} (a random-init policy earns 0 everywhere: advantages, losses
+    and gradients would all be 0 and prove nothing)."""
+    batch = sample(ref, task, prompts, G, seed=0)
+    tokens = batch.tokens.clone()
+    tokens[:, :, 0] = tokens[:, :2, 0].repeat_interleave(G // 2, dim=1)
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 3, batch.rewards.shape, generator=g).to(batch.rewards) / 2
+    rewards[:, 0], rewards[:, 1] = 0.0, 1.0  # never an all-agree group
+    return dataclasses.replace(batch, tokens=tokens, rewards=rewards)
+
+
+# --- phases: each returns {quantity: (value, kind, mask or None)} on the given policy ------
+
+def phase_forward(pol, ctx) -> dict:
+    ids, rm, am = (x.to(pol.device) for x in ctx["inputs"])
+    st = forward_stats(pol.model, ids, rm, am)
+    return {"logp": (st.logp, "nats", rm), "entropy": (st.entropy, "rel", rm),
+            "sum_pi_sq": (st.sum_pi_sq, "rel", rm), "w_t": (st.proxy, "rel", rm)}
+
+
+def phase_norms(pol, ctx) -> dict:
+    ids, rm, am = (x.to(pol.device) for x in ctx["inputs"])
+    r = token_grad_norms(pol.model, ids, rm, am, progress=False)
+    seq = sequence_grad_norms(pol.model, ids, rm, am)
+    return {"token_sq": (r.token_sq, "norm", rm), "prefix_sq": (r.prefix_sq, "norm", rm),
+            "sequence_sq": (seq, "norm", None)}
+
+
+def phase_sampling(pol, ctx) -> dict:
+    """The sampler's own statistics of the tokens it drew (KV-cache decode) against a full
+    forward of the reference model on those tokens (on the reference device)."""
+    batch = sample(pol, ctx["task"], ctx["prompts"], ctx["G"], seed=ctx["seed"])
+    flat = batch.flat()
+    ref = ctx["ref_policy"]
+    dev = ref.device
+    st = forward_stats(ref.model, flat.input_ids.to(dev), flat.response_mask.to(dev),
+                       flat.attention_mask.to(dev))
+    P, G, T = batch.tokens.shape
+    lp = st.logp[:, flat.prompt_len:].reshape(P, G, T)
+    ent = st.entropy[:, flat.prompt_len:].reshape(P, G, T)
+    mask = batch.mask.cpu()
+    return {"logp (KV cache)": (batch.logprobs, "nats", mask, lp),
+            "entropy (KV cache)": (batch.entropy, "rel", mask, ent)}
+
+
+def phase_proxy(pol, ctx) -> dict:
+    rec = token_records(pol, batch_to(ctx["batch"], pol.device), state="check")
+    return {c: (torch.tensor(rec[c].to_numpy()), "rel" if c.startswith(("w", "W")) else "norm",
+                None) for c in ("w_t", "W_t", "token_sq", "prefix_sq")}
+
+
+def phase_variance(pol, ctx) -> dict:
+    task = ctx["variance_task"]  # sort n = 1: every response enumerated (V of them)
+    dist = enumerate_distribution(pol, task, task.prompts(1, seed=0)[0])
+    table = response_table(pol, dist, sketch_dim=ctx["sketch_dim"], sketch_seed=1)
+    cells, _ = table_cells(table, 4, 8, schemes=("centered", "rloo"), exact=True)
+    exact = cells[cells["method"] == "exact"].sort_values(["scheme", "mode"])
+    out = {"g* (exact reference)": (table.reference(), "norm", None)}
+    for col in ("variance", "mse"):
+        out[f"exact {col}"] = (torch.tensor(exact[col].to_numpy(dtype=float)), "norm", None)
+    return out
+
+
+def phase_cancellation(pol, ctx) -> dict:
+    batch = batch_to(ctx["batch"], pol.device)
+    mask = batch.mask != 0
+    rewards = batch.rewards.to(batch.logprobs.dtype)
+    adv = advantages("centered", rewards, mask, logprobs=batch.logprobs,
+                     sum_pi_sq=batch.sum_pi_sq)
+    # one PPO inner step (k = 1) on the device: the ratios, hence c, depend on the model (at
+    # k = 0 every shared-step quantity is a function of the batch alone)
+    logps = ppo_logps(pol, batch, adv, [1], lr=1e-3, clip=(0.2, 0.2))
+    c = sample_weights(logps[1], batch.logprobs, adv, mask, "seq-mean-token-sum")
+    grads = token_vectors(pol.model, batch, sketch_dim=ctx["sketch_dim"], sketch_seed=1).vec
+    df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask, token_grads=grads)
+    df = df.sort_values(["p", "t", "token"]).reset_index(drop=True)
+    out = {f"{col} (k=1)": (torch.tensor(df[col].to_numpy(dtype=float)).nan_to_num(-1.0),
+                            "norm", None) for col in ("residual", "rel_residual", "grad_ratio")}
+    with torch.no_grad():
+        lr_ = (logps[1] - batch.logprobs)[mask].abs().mean()
+    out["mean |log ratio| (k=1)"] = (lr_, "norm", None)
+    return out
+
+
+def phase_train(pol, ctx) -> dict:
+    """Three AdamW steps of the clipped loss on one fixed batch (the losses and gradient
+    norms are compared), then three steps of the real loop (its records must be finite)."""
+    model = copy.deepcopy(pol.model).train()
+    dev = pol.device
+    batch = batch_to(ctx["batch"], dev)
+    flat = batch.flat()
+    P, G, T = batch.tokens.shape
+    mask = batch.mask
+    adv = advantages("centered", batch.rewards.double(), mask != 0).to(dev)
+    old = batch.logprobs
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, gnorms = [], []
+    for _ in range(3):
+        opt.zero_grad()
+        logits = forward_logits(model, flat.input_ids, flat.attention_mask).logits
+        lp = token_logprobs(logits.float(), flat.input_ids)[:, flat.prompt_len:]
+        loss, _ = policy_loss(lp.reshape(P, G, T), old.to(lp.dtype), adv.to(lp.dtype),
+                              mask.to(lp.dtype), "token-mean")
+        loss.backward()
+        gnorms.append(torch.stack([p.grad.double().norm() for p in model.parameters()
+                                   if p.grad is not None]).norm())
+        losses.append(loss.detach().double())
+        opt.step()
+    out = {"loss x3 (fixed batch)": (torch.stack(losses), "nats", None),
+           "grad norm x3": (torch.stack(gnorms), "norm", None)}
+    if ctx.get("loop") and pol is not ctx["ref_policy"]:
+        out["loop: 3 steps finite"] = (_loop_steps(pol, ctx), "finite", None)
+    return out
+
+
+def _loop_steps(pol, ctx) -> torch.Tensor:
+    from varbench.models.io import save_policy
+    from varbench.train.config import TrainConfig
+    from varbench.train.loop import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = save_policy(dataclasses.replace(pol, model=copy.deepcopy(pol.model).float()),
+                           Path(tmp) / "ckpt")
+        dtype = str(next(pol.model.parameters()).dtype).removeprefix("torch.")
+        cfg = TrainConfig(policy=str(ckpt), warm_start=False, task="sort",
+                          task_options={"n": 2}, steps=3, G=ctx["G"], prompts_per_step=1,
+                          eval_every=3, eval_prompts=2, eval_samples=1, dtype=dtype,
+                          device=str(pol.device), seed=ctx["seed"])
+        df = train(cfg, run_dir=Path(tmp) / "run", resume=False, progress=False).records
+    steps = df[df["step"] >= 1] if "step" in df else df.iloc[:0]
+    cols = ["loss/total", "grad/norm", "policy/entropy"]
+    if len(steps) != 3 or not all(c in steps for c in cols):
+        return torch.tensor([math.nan])  # not three recorded steps: a FAIL
+    return torch.tensor(steps[cols].to_numpy(dtype=float))
+
+
+PHASE_FNS: dict[str, Callable] = {
+    "forward": phase_forward, "norms": phase_norms, "sampling": phase_sampling,
+    "proxy": phase_proxy, "variance": phase_variance, "cancellation": phase_cancellation,
+    "train": phase_train,
+}
+
+
+def _compare(kind: str, dtype: str, got, ref, mask) -> tuple[float, float]:
+    if kind == "finite":
+        ok = bool(torch.isfinite(torch.as_tensor(got)).all()) and torch.as_tensor(got).numel()
+        return (0.0 if ok else math.inf), 0.0
+    tol = TOLERANCES[(dtype, kind)]
+    err = max_err(got, ref, mask, relative=kind != "nats")
+    return err, tol
+
+
+def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: list[str],
+             phases: list[str], *, seq: int, batch_rows: int, sketch_dim: int | None,
+             loop: bool, say: Callable[[str], None]) -> list[Row]:
+    """Every phase of one model size on ``device`` in each dtype against float64 on
+    ``ref_device``."""
+    base = qwen2_policy(size)
+    ctx_len = base.context_length
+    if seq > ctx_len:
+        raise SystemExit(f"--seq {seq} exceeds the {size} model's context {ctx_len}")
+    ref = on(base, ref_device, torch.float64)
+    task = get_task("sort", n=2)
+    prompts = task.prompts(1, seed=0)
+    G = 8
+    batch = fixture_batch(ref, task, prompts, G)
+    ctx = {"inputs": synthetic_inputs(ref.model.config.vocab_size, batch_rows, seq),
+           "task": task, "variance_task": get_task("sort", n=1), "prompts": prompts, "G": G,
+           "seed": 0, "batch": batch,
+           "ref_policy": ref, "sketch_dim": sketch_dim, "loop": loop}
+    refs = {}
+    for ph in phases:
+        t0 = time.perf_counter()
+        refs[ph] = PHASE_FNS[ph](ref, ctx)
+        say(f"  reference {size} {ph}: {time.perf_counter() - t0:.1f}s")
+    rows: list[Row] = []
+    ref_tag = f"{ref_device.type}/float64"
+    for dtype in dtypes:
+        cand = on(base, device, getattr(torch, dtype))
+        if device.type == "cuda":
+            phase_norms(cand, ctx)  # warm-up: kernels, allocator, cuBLAS handles
+        for ph in phases:
+            with batched_backward_attention(cand.model) as note, Timer(device) as tm:
+                got = PHASE_FNS[ph](cand, ctx)
+            if note:
+                say(f"  {note}")
+            for q, item in got.items():
+                value, kind, mask = item[:3]
+                want = item[3] if len(item) > 3 else refs[ph].get(q, (None,))[0]
+                err, tol = _compare(kind, dtype, value, want, mask)
+                rows.append(Row(size, ph, dtype, q, err, tol, ref_tag, tm.time_s, tm.peak_mib))
+            say(f"  {size} {ph} {dtype}: {tm.time_s:.2f}s")
+        del cand
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[Row]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "size": r.size, "phase": r.phase, "dtype": r.dtype, "quantity": r.quantity,
+        "err": r.err, "tol": r.tol, "result": "PASS" if r.passed else "FAIL", "ref": r.ref,
+        "time_s": r.time_s, "peak_MiB": r.peak_mib} for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="candidate device (default cuda)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shapes only (the CPU smoke run of the test suite)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16"])
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--no-realistic", action="store_true", help="skip the realistic size")
+    ap.add_argument("--seq", type=int, default=256,
+                    help="sequence length of the norms phase at the realistic size")
+    ap.add_argument("--csv", default=None, help="also write the table to this CSV file")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: FAIL: --device cuda but torch.cuda.is_available() is False "
+              f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    base = LlamaForCausalLM(cfg)
-    m64 = exact_float64(base)
-    B, L = 3, 40
-    ids = torch.randint(1, 40, (B, L))
-    am = torch.ones(B, L, dtype=torch.long)
-    am[1, :3] = 0
-    ids = ids * am
-    rm = torch.zeros(B, L)
-    rm[:, 8:] = 1
-    rm[2, 20] = 0
-    failures = 0
-
-    def check(name, got, ref, rtol):
-        nonlocal failures
-        got = got.detach().double().cpu()
-        ok = torch.allclose(got, ref.double(), rtol=rtol, atol=1e-10)
-        err = ((got - ref).abs() / ref.abs().clamp(min=1e-12)).max().item()
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:40s} max rel err {err:.2e} (rtol {rtol:g})")
-
-    ref = token_grad_norms(m64, ids, rm, am, progress=False)
-    for dev_dtype, rtol in ((torch.float64, 1e-8), (torch.float32, 1e-3)):
-        model = m64 if dev_dtype == torch.float64 else base
-        tag = str(dev_dtype).replace("torch.", "")
-        for method in ("ghost", "materialize"):
-            got = token_grad_norms(model, ids, rm, am, device=dev, method=method, progress=False)
-            check(f"token_sq {dev} {tag} {method}", got.token_sq, ref.token_sq, rtol)
-            check(f"prefix_sq {dev} {tag} {method}", got.prefix_sq, ref.prefix_sq, rtol)
-        st_ref = forward_stats(m64, ids, rm, am, hidden_norms=True)
-        st = forward_stats(model.to(dev), ids.to(dev), rm.to(dev), am.to(dev), hidden_norms=True)
-        model.to("cpu")
-        check(f"proxy {dev} {tag}", st.proxy, st_ref.proxy, rtol)
-        tail_ref = tail_token_norms(m64, ids, rm, am)
-        check(
-            f"tail {dev} {tag}",
-            tail_token_norms(model, ids, rm, am, device=dev).prefix_sq,
-            tail_ref.prefix_sq,
-            rtol,
-        )
-        s_dev = CountSketch.for_model(model, 4, seed=1, device=dev)
-        s_ref = CountSketch.for_model(m64, 4, seed=1)  # the same S: its state is drawn on the CPU
-        check(
-            f"sequence sketch {dev} {tag}",
-            sequence_grads(model, ids, rm, am, sketch=s_dev, device=dev),
-            sequence_grads(m64, ids, rm, am, sketch=s_ref),
-            rtol,
-        )
-        sk = sketched_token_norms(model, ids, rm, am, k=8, seed=3, device=dev)
-        sk_ref = sketched_token_norms(m64, ids, rm, am, k=8, seed=3)
-        check(f"sketched prefix {dev} {tag}", sk.prefix_sq, sk_ref.prefix_sq, max(rtol, 1e-6))
-    try:
-        from varbench.models import build_policy
-
-        small = build_policy("small").model
-        T = 512 if dev == "cuda" else 32
-        ids = torch.randint(4, 30, (4, 8 + T))
-        rm = torch.zeros(4, 8 + T)
-        rm[:, 8:] = 1
-        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        token_grad_norms(small, ids, rm, device=dev, progress=False)
-        sync()
-        peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else float("nan")
-        print(
-            f"small preset T={T} B=4 token_grad_norms on {dev}: "
-            f"{time.perf_counter() - t0:.2f}s, peak {peak:.0f} MiB"
-        )
-    except ImportError as e:  # pragma: no cover - foundation not present
-        print(f"skipped small-preset timing: {e}")
-    print("gpu_check:", "PASS" if failures == 0 else f"{failures} FAILED")
-    return 0 if failures == 0 else 1
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    start = time.perf_counter()
+    if device.type == "cuda":
+        say(f"gpu_check on {torch.cuda.get_device_name(device)} (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda})")
+    plan = [("quick", torch.device("cpu"), 16, 2, None) if args.quick
+            else ("check", torch.device("cpu"), 64, 3, None)]
+    if device.type == "cuda" and not args.quick and not args.no_realistic:
+        plan.append(("realistic", device, args.seq, 2, 256))
+    rows: list[Row] = []
+    for size, ref_device, seq, b, sketch in plan:
+        rows += run_size(size, device, ref_device, args.dtypes, args.phases, seq=seq,
+                         batch_rows=b, sketch_dim=sketch, loop=True, say=say)
+    df = table(rows)
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+    failed = int((df["result"] == "FAIL").sum())
+    missing = [(p, d) for p in args.phases for d in args.dtypes
+               if not ((df["phase"] == p) & (df["dtype"] == d)).any()]
+    print(f"gpu_check: {len(df) - failed} PASS, {failed} FAIL"
+          + (f", phases without a row: {missing}" if missing else "")
+          + f" ({time.perf_counter() - start:.0f}s)")
+    return 1 if failed or missing else 0
 
 
 if __name__ == "__main__":

@@ -86,3 +86,36 @@ def test_concat_skips_missing_and_empty_frames():
     out = concat([a, None, pd.DataFrame(), b])
     assert len(out) == 3 and list(out.index) == [0, 1, 2]
     assert concat([]).empty and concat([None, pd.DataFrame()]).empty
+
+
+def test_cell_keys_name_device_and_dtype(tmp_path):
+    """Regression: cell keys left out device and dtype, while CPU and CUDA generators draw
+    different tokens for one seed: cells of the two silently mixed."""
+    import torch
+
+    from varbench.analysis._common import placement_of
+
+    cfg = {"M": 4}
+    model = torch.nn.Linear(2, 2)
+    cpu32 = placement_of({"a": model})
+    assert cpu32 == {"device": ["cpu"], "dtype": ["float32"]}
+    cpu64 = placement_of(model.double())
+    base = CellCache(tmp_path, cfg, placement=cpu32)
+    base.save("c", _frame())
+    for other in (cpu64, {"device": ["cuda"], "dtype": ["float32"]}, None):
+        moved = CellCache(tmp_path, cfg, placement=other)
+        assert moved.tag != base.tag and moved.load("c") is None
+    assert CellCache(tmp_path, cfg, placement=dict(cpu32)).load("c") is not None
+
+
+def test_cells_of_the_previous_format_are_not_reused(tmp_path):
+    """A cell written under format 3 (no device in its key) is a miss, never a result."""
+    import hashlib
+    import json
+
+    from varbench.analysis import _common
+
+    cfg = {"M": 4}
+    old = hashlib.sha256(json.dumps({"format": 3, **cfg}, sort_keys=True).encode()).hexdigest()
+    new = CellCache(tmp_path, cfg)
+    assert _common._CELL_FORMAT == 4 and new.tag != old[:12]

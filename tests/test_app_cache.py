@@ -159,3 +159,34 @@ def test_unreadable_case_file_is_a_permission_error_not_corruption(tmp_path, mon
     with pytest.raises(UsageError, match="permission denied"):  # not recomputed, not replaced
         run_suite(suite, out)
     assert path.stat().st_mtime_ns == before
+
+
+def test_case_keys_name_device_and_dtype(tmp_path, monkeypatch):
+    """The same case on another device or dtype has another key (and another file): a CPU
+    result never answers for a CUDA run, nor float32 for bfloat16; a case file of the previous
+    key (no placement) is not found."""
+    from varbench.app.suite import Case, case_key
+
+    def key(**params):
+        return Case(0, "v", "variance", {"preset": "micro", **params}).key
+
+    cpu = key(device="cpu")
+    assert Case(0, "v", "variance", {"preset": "micro", "device": "cpu"}).config()[
+        "placement"] == {"device": "cpu", "dtype": "auto"}
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolved, never used
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert key(device="cuda") != cpu
+
+    def where(**params):
+        return Case(0, "v", "variance", {"preset": "micro", **params}).config()["placement"]
+
+    assert where() == where(device="cuda:1") == {"device": "cuda", "dtype": "auto"}
+    assert key(device="cpu", dtype="bfloat16") != cpu
+    assert key(device="cpu", dtype="float64") != key(device="cpu", dtype="float32")
+    case = Case(0, "v", "variance", {"preset": "micro", "device": "cpu"})
+    old = {k: v for k, v in case.config().items() if k != "placement"}
+    assert case_key(old) != case.key
+    cache = CaseCache(tmp_path)
+    assert not cache.has(case)

@@ -69,3 +69,26 @@ def test_every_kind_dispatches_to_the_library(tmp_path):
         assert results and all(isinstance(r, AnalysisResult) for r in results)
         assert all(r.records and r.name == case.name for r in results), case.name
     assert (tmp_path / "train" / "run" / "records.csv").is_file()
+
+
+def test_fused_attention_is_switched_and_said_in_the_result(tmp_path, monkeypatch):
+    """An analysis on a model whose attention kernel has no batched backward (pretended here:
+    CUDA's fused sdpa) runs it as math SDPA and says so in the result's notes; the model's own
+    setting is back afterwards."""
+    from varbench.grads import precision
+
+    seen = []
+    real = precision.fused_attention_kernel
+
+    def pretend(model, device=None):
+        seen.append(real(model, "cuda"))  # the same model, as it would be on a GPU
+        return "sdpa (flash CUDA kernels)"
+
+    monkeypatch.setattr(precision, "fused_attention_kernel", pretend)
+    p = tmp_path / "kinds.toml"
+    p.write_text(KIND_CASES)
+    case = load_suite(p).cases[0]  # proxy
+    (res,) = kinds.KINDS["proxy"].execute(case.name, case.params, tmp_path / "p", False)
+    assert seen and seen[0] is not None and seen[0].startswith("sdpa (")
+    assert any("math SDPA" in n for n in res.notes)
+    assert res.provenance["attention_switch"] == [n for n in res.notes if "math SDPA" in n]

@@ -3,6 +3,8 @@ attention), its attention function against torch's, and the temporary functional
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _fixtures_grads import batch, tiny_llama
@@ -10,8 +12,10 @@ from _fixtures_grads import batch, tiny_llama
 from varbench.grads.precision import (
     ATTN_NAME,
     KeepDtypeRMSNorm,
+    batched_backward_attention,
     exact_float64,
     functional_attention,
+    fused_attention_kernel,
     keep_dtype_attention,
 )
 from varbench.models.forward import forward_logits
@@ -140,3 +144,99 @@ def test_gemma2_float64_nan_is_reported_clearly():
         stepper(model)(ids, am, (am.cumsum(-1) - 1).clamp(min=0), None)
     r = token_grad_norms(exact_float64(build("gemma2")), ids, rm, am)
     assert torch.isfinite(r.prefix_sq).all()
+
+
+def test_matmul_attention_softmax_runs_in_float32_for_bf16():
+    """Regression: the swap used for forward-mode AD built the scores and the softmax in the
+    model dtype (bf16). Now its only bf16 error is the final rounding of the output."""
+    g = torch.Generator().manual_seed(0)
+    B, H, L, D = 2, 4, 256, 64
+    q, k = ((2 * torch.randn(B, H, L, D, generator=g)).bfloat16() for _ in range(2))
+    v = torch.randn(B, H, L, D, generator=g).bfloat16()
+    module = torch.nn.Module().eval()
+    out, weights = keep_dtype_attention(module, q, k, v, None, D**-0.5)
+    assert out.dtype == weights.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True).transpose(1, 2)
+    bound = 2**-8 * ref.abs() * 1.01 + 1e-5  # half a bf16 ulp (+ float32 arithmetic)
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    # what the swap computed before: every step in bf16 (the bound is not vacuous)
+    scores = (q @ k.transpose(2, 3)) * D**-0.5
+    scores = scores.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), -1e30)
+    old = (torch.softmax(scores, -1) @ v).transpose(1, 2)
+    assert not bool(((old.double() - ref).abs() <= bound).all())
+
+
+def test_fused_attention_detection(monkeypatch):
+    model = tiny_llama()
+    assert model.config._attn_implementation == "sdpa"
+    assert fused_attention_kernel(model) is None  # CPU sdpa: has a batched backward
+    cuda = torch.backends.cuda
+    for flag in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled"):
+        monkeypatch.setattr(cuda, flag, lambda: False)
+    assert fused_attention_kernel(model, device="cuda") is None  # math only: fine
+    monkeypatch.setattr(cuda, "flash_sdp_enabled", lambda: True)
+    assert fused_attention_kernel(model, device="cuda") == "sdpa (flash CUDA kernels)"
+    monkeypatch.setattr(cuda, "mem_efficient_sdp_enabled", lambda: True)
+    assert "flash / memory-efficient" in fused_attention_kernel(model, device="cuda:0")
+    assert fused_attention_kernel(tiny_llama(attn="eager"), device="cuda") is None
+    model.config._attn_implementation = "flash_attention_2"
+    assert fused_attention_kernel(model) == "flash_attention_2"  # on any device
+    assert fused_attention_kernel(torch.nn.Linear(2, 2), device="cuda") is None
+
+
+def _sdpa_node(fn) -> str:
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = fn(q)
+    return type(out.grad_fn).__name__
+
+
+def test_batched_backward_attention_switches_to_math_and_says_so(monkeypatch):
+    """On a pretend CUDA device the switch restricts sdpa to the math backend (the same flags
+    govern the CPU kernels: the fused CPU kernel disappears from the graph) and yields a note;
+    on the CPU nothing changes."""
+    model = tiny_llama()
+    attn = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q):
+        return attn(q, q, q, is_causal=True)
+
+    fused = _sdpa_node(sdpa)
+    assert "Flash" in fused  # this build's CPU sdpa runs its fused kernel by default
+    with batched_backward_attention(model) as note:
+        assert note is None and _sdpa_node(sdpa) == fused
+    with batched_backward_attention(model, device="cuda") as note:
+        assert "math SDPA" in note and "sdpa (" in note
+        assert "Flash" not in _sdpa_node(sdpa)
+    assert _sdpa_node(sdpa) == fused  # restored
+    calls = []
+    model.config._attn_implementation = "flash_attention_2"
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: calls.append(name))
+    with batched_backward_attention(model) as note:
+        assert "flash_attention_2" in note and calls == ["sdpa"]
+    assert calls == ["sdpa", "flash_attention_2"]
+
+
+def test_math_and_eager_attention_give_the_fused_numbers_float64():
+    """Per-token gradients by a batched backward, float64: the default sdpa kernel, the math
+    backend the switch selects and the matmul attention agree to 1e-12, transformers' eager
+    attention to float32 rounding (right padding: eager gives NaN on a fully masked pad row)."""
+    ids, rm, am = batch("right")
+    grads = {}
+    for name in ("sdpa", "math", "eager", "matmul"):
+        model = tiny_llama(attn="eager" if name == "eager" else "sdpa").double()
+        params = list(model.parameters())
+        ctx = {"math": batched_backward_attention(model, device="cuda"),
+               "matmul": functional_attention(model)}.get(name, contextlib.nullcontext())
+        with ctx:
+            logits = forward_logits(model, ids, am).logits
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+            lp = lp[rm[:, 1:].bool()]
+            eye = torch.eye(lp.numel(), dtype=lp.dtype)
+            g = torch.autograd.grad(lp, params, grad_outputs=eye, is_grads_batched=True)
+        grads[name] = torch.cat([x.reshape(lp.numel(), -1) for x in g], 1)
+    assert torch.isfinite(grads["sdpa"]).all() and grads["sdpa"].abs().max() > 0
+    for name in ("math", "matmul"):
+        torch.testing.assert_close(grads[name], grads["sdpa"], rtol=1e-12, atol=1e-13)
+    # transformers' eager attention rounds its softmax to float32 (also in a float64 model)
+    torch.testing.assert_close(grads["eager"], grads["sdpa"], rtol=1e-5, atol=1e-6)

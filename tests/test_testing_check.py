@@ -185,3 +185,24 @@ def test_all_zero_estimator_and_g1_get_a_failed_verdict():
         assert not row["passed"] and "no gradient signal" in row["detail"]
     ok = check_estimator("rloo", G=2, num_steps=30, baselines=("centered",))
     assert "variance ratio vs centered" in set(ok.table["check"])
+
+
+def test_estimators_run_on_the_device_and_must_answer_there():
+    """check_estimator(device=...) runs the estimator on that device: an estimator that
+    answers on another device (it made a tensor without the inputs' device) is caught."""
+    import torch
+
+    from varbench.testing.check import on_device
+
+    seen = []
+
+    def cpu_only(rewards, mask, **stats):
+        seen.append(rewards.device.type)
+        return torch.zeros(mask.shape)  # on the CPU whatever the inputs
+
+    meta = torch.device("meta")
+    call = on_device(cpu_only, meta)
+    with pytest.raises(ValueError, match="tensor on cpu for inputs on meta"):
+        call(torch.zeros(2, 3), torch.ones(2, 3, 4), logprobs=torch.zeros(2, 3, 4))
+    assert seen == ["meta"]
+    assert on_device(cpu_only, torch.device("cpu")) is cpu_only  # the identity on the CPU

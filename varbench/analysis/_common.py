@@ -15,7 +15,8 @@ from varbench._util.checks import UsageError
 from varbench._util.io import atomic_write, check_seal, frame_from_data, frame_to_data, seal_json
 
 # Bump when the columns a cell stores change: old cells then miss instead of loading stale.
-_CELL_FORMAT = 3  # 3: exact frames with a content hash
+# 4: keys name the device type and dtype (cells computed before that never load as current)
+_CELL_FORMAT = 4
 
 
 class CellCache:
@@ -23,12 +24,18 @@ class CellCache:
 
     A cell is written atomically (temporary file + ``os.replace``), so an interrupted run
     leaves only whole cells; rerunning with the same configuration skips them. The key hashes
-    the analysis configuration, so a changed configuration never reads stale cells.
+    the analysis configuration, so a changed configuration never reads stale cells, and
+    ``placement`` (:func:`placement_of` the policies: device type and dtype; CPU and CUDA
+    generators draw different tokens for one seed, so their cells must never mix).
     """
 
-    def __init__(self, root: str | Path | None, config: dict[str, Any]) -> None:
+    def __init__(self, root: str | Path | None, config: dict[str, Any], *,
+                 placement: dict[str, Any] | None = None) -> None:
         self.root = None if root is None else Path(root)
-        blob = json.dumps({"format": _CELL_FORMAT, **config}, sort_keys=True, default=str).encode()
+        key = {"format": _CELL_FORMAT, **config}
+        if placement is not None:
+            key["placement"] = placement
+        blob = json.dumps(key, sort_keys=True, default=str).encode()
         self.tag = hashlib.sha256(blob).hexdigest()[:12]
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -61,6 +68,20 @@ class CellCache:
         # repr floats and a content hash: a resumed cell is the computed one bit for bit.
         atomic_write(self._path(name), json.dumps(seal_json({"frame": frame_to_data(df)}),
                                                   allow_nan=False))
+
+
+def placement_of(policies: Any) -> dict[str, list[str]]:
+    """``{"device": [types], "dtype": [names]}`` of a Policy, a model or a ``{name: Policy}``
+    mapping (sorted, distinct): the part of a cell key that says where the cell was computed.
+    The device *type* only: ``cuda:0`` and ``cuda:1`` draw alike, so torchrun ranks agree."""
+    items = policies.values() if isinstance(policies, dict) else [policies]
+    devices, dtypes = set(), set()
+    for pol in items:
+        model = getattr(pol, "model", pol)
+        p = next(model.parameters())
+        devices.add(p.device.type)
+        dtypes.add(str(p.dtype).removeprefix("torch."))
+    return {"device": sorted(devices), "dtype": sorted(dtypes)}
 
 
 def concat(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:

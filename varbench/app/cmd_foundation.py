@@ -141,7 +141,7 @@ def _warmstart(args: argparse.Namespace) -> int:
         raise UsageError(f"--policy={args.preset!r} is not valid; choose a preset {presets()} "
                          "or a local checkpoint directory containing config.json")
     dtype = resolve_dtype(args.dtype)
-    device = resolve_device(args.device) if args.device else None
+    device = resolve_device(args.device)  # default: cuda when available, else cpu
     check_dtype_on_device(dtype, device)
     t0 = time.perf_counter()
     policy = warm_start(args.preset, task, target=tuple(args.target), seed=args.seed,

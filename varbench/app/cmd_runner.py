@@ -13,6 +13,8 @@ import sys
 
 import pandas as pd
 
+from varbench.app.specs import DEVICE_HELP, resolve_device
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the runner's subcommands to the top-level parser."""
@@ -24,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only shard I of N (1-based; cases I-1, I-1+N, ...); no report: "
                    "combine shards with `varbench merge`")
+    p.add_argument("--device", default=None,
+                   help=f"device of every case that names none: {DEVICE_HELP}")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("merge", help="combine shard outputs into one report")
@@ -60,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also require the raw (unrescaled) bias test to pass")
     p.add_argument("--max-variance-ratio", type=float, default=None,
                    help="fail when the variance ratio to a baseline exceeds this")
+    p.add_argument("--device", default=None,
+                   help=f"where the estimators run (the toy task stays on the cpu): {DEVICE_HELP}")
     p.set_defaults(func=_check)
 
 
@@ -67,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
     from varbench.app.runner import parse_shard, run_suite
 
     shard = parse_shard(args.shard) if args.shard else None
-    summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True))
+    summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True),
+                        device=args.device)
     print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
           f"{summary.wall_time_s:.1f} s")
     if summary.report is not None:
@@ -115,11 +122,12 @@ def _check(args: argparse.Namespace) -> int:
     rank, _ = init_from_env()  # under torchrun: the sampled steps are split across ranks
     failed = 0
     try:
+        device = resolve_device(args.device)  # after joining: a rank's own GPU under NCCL
         for ref in args.estimators:
             res = check_estimator(ref, G=args.G, num_steps=args.steps, seed=args.seed,
                                   alpha=args.alpha, tolerance=args.tolerance,
                                   baselines=baselines, require_unbiased=args.require_unbiased,
-                                  max_variance_ratio=args.max_variance_ratio)
+                                  max_variance_ratio=args.max_variance_ratio, device=device)
             if rank == 0:
                 print(res, flush=True)
             failed += not res.passed

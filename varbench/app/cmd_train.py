@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from varbench._util.checks import UsageError, check_positive_int
-from varbench.app.specs import add_policy_flags, parse_knobs
+from varbench.app.specs import DEVICE_HELP, add_policy_flags, parse_knobs, resolve_device
 from varbench.train.config import TrainConfig, field_docs
 
 _SHORT = {"G": "-G"}
@@ -39,6 +39,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=f"{docs.get(f.name, '')} (default: "
                            f"{getattr(defaults, f.name)})".replace("%", "%%"))
+        elif f.name == "device":  # default: cuda when available (config_from_args)
+            g.add_argument(*names, dest=f.name, default=None, metavar="DEVICE",
+                           help=DEVICE_HELP.replace("%", "%%"))
         else:
             conv = {"int": int, "float": float}.get(kind, str)
             g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
@@ -57,12 +60,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     saved = Path(args.out) / "config.json" if getattr(args, "out", None) else None
     if getattr(args, "config", None):
         base = TrainConfig.from_toml(args.config)
+        device_set = _toml_sets_device(args.config)
     elif getattr(args, "resume", False) and saved is not None and saved.is_file():
         # --resume without --config continues the run with the settings it was started with
         base = TrainConfig.from_dict(json.loads(saved.read_text()), source=str(saved))
+        device_set = True  # the run's own device
     else:
         base = TrainConfig()
+        device_set = False
     data = base.to_dict()
+    if not device_set:  # neither flag nor file names one: cuda when available, else cpu
+        data["device"] = str(resolve_device(None))
     for f in fields(TrainConfig):
         value = getattr(args, f.name, None)
         if value is not None and f.name not in ("task_options", "scheme_options"):
@@ -73,6 +81,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     register_estimators(data)  # a user's MODULE:FUNCTION scheme, imported by name
     return TrainConfig.from_dict(data, source="command line")
+
+
+def _toml_sets_device(path: str) -> bool:
+    """Whether the TrainConfig TOML file at ``path`` (already read once) names a device."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    return "device" in tomllib.loads(Path(path).read_text())
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -133,6 +152,7 @@ def validate_config(args: argparse.Namespace):
     for key in ("dtype", "device"):
         if getattr(args, key, None) is not None:
             base[key] = getattr(args, key)
+    base["device"] = str(resolve_device(base.get("device")))  # default: cuda when available
     if args.trust_remote_code:
         base["trust_remote_code"] = True
     if args.add_task_tokens:
@@ -189,7 +209,7 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
                    help="a preset or a local checkpoint directory (warm-started on each task)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float64"],
                    help="training dtype (bfloat16: float32 master weights and AdamW states)")
-    p.add_argument("--device", default=None, help="torch device of the runs (default cpu)")
+    p.add_argument("--device", default=None, help=f"torch device of the runs: {DEVICE_HELP}")
     p.add_argument("--suite", default=None, metavar="TOML",
                    help="take the grid from this suite's validate case (flags still override)")
     p.add_argument("--case", default=None, help="the validate case of --suite, by name")

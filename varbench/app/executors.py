@@ -15,12 +15,13 @@ validation experiment; keys are :class:`~varbench.analysis.validate.ValidateConf
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ _MODEL_SETTINGS = {
     "checkpoint": _setting("checkpoint", None),  # a local HF checkpoint dir instead, used as is
     "knobs": _setting("knobs", None),  # task knobs, e.g. { n = 3 }
     "dtype": _setting("dtype", "auto"),  # model dtype: auto (stored) or a torch dtype name
-    "device": _setting("device", ""),  # "" (model as built: cpu) or cpu, cuda, cuda:N, mps
+    "device": _setting("device", ""),  # "" (auto: cuda if available, else cpu), cpu, cuda:N
     "trust_remote_code": _setting("trust_remote_code", False),
     "add_task_tokens": _setting("add_task_tokens", False),  # add a toy task's symbols as tokens
 }
@@ -83,7 +84,9 @@ class CaseKind:
 
             from varbench.analysis.validate import ValidateConfig
 
-            return {f.name: _setting(f.name, None) for f in fields(ValidateConfig)}
+            out = {f.name: _setting(f.name, None) for f in fields(ValidateConfig)}
+            out["device"] = _setting("device", None)  # of every run (default: cuda if any)
+            return out
         sig = inspect.signature(self.function())
         out = {}
         for i, p in enumerate(sig.parameters.values()):
@@ -98,6 +101,23 @@ class CaseKind:
             out.update(_MODEL_SETTINGS)
         out.update({k: _setting(k, v) for k, v in self.settings})
         return out
+
+    def placement(self, params: dict[str, Any]) -> dict[str, str]:
+        """``{"device": type, "dtype": spec}`` the case computes on (a check: no dtype), with the
+        device resolved now (:func:`~varbench.app.specs.resolve_device`): part of the case's
+        cache key, since CPU and CUDA generators draw different tokens from one seed."""
+        from varbench.app.specs import resolve_device
+
+        if self.name == "check":  # no model: the estimators run there on toy tensors
+            return {"device": resolve_device(params.get("device")).type}
+        if self.name == "validate":
+            base = params.get("base") or {}
+            device = params.get("device") or base.get("device")
+            dtype = base.get("dtype", "float32")
+        else:
+            device = params.get("device")
+            dtype = params.get("dtype", "float32" if self.name == "train" else "auto")
+        return {"device": resolve_device(device).type, "dtype": str(dtype)}
 
     def execute(self, name: str, params: dict[str, Any], work_dir: Path,
                 progress: bool | None, *, cache: bool = True) -> list:
@@ -151,10 +171,10 @@ _POLICY_ARGS = {"proxy": "states", "variance": "each", "cancellation": "per_task
 def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> dict[str, Any]:
     """:func:`~varbench.app.specs.policy_states`, built on every rank of a torchrun group.
 
-    Rank 0 builds first (warm starts are cached), the others then read its cache. Under NCCL
-    each rank computes on its own GPU (``init_from_env`` set the current device).
+    Rank 0 builds first (warm starts are cached), the others then read its cache. Each policy
+    is built on ``policy["device"]``, resolved by :func:`~varbench.app.specs.resolve_device`
+    (one process: cuda when available; under NCCL each rank's own GPU), with any world size.
     """
-    import torch
     import torch.distributed as dist
 
     from varbench._util.distributed import rank_world
@@ -166,9 +186,6 @@ def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> di
     out = policy_states(spec, states, task, seed=seed, progress=progress, **policy)
     if world > 1 and rank == 0:
         dist.barrier()
-    if world > 1 and dist.get_backend() == "nccl":
-        for pol in out.values():
-            pol.model.to(torch.device("cuda", torch.cuda.current_device()))
     return out
 
 
@@ -187,7 +204,7 @@ def register_estimators(params: dict[str, Any]) -> None:
 def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
     """The one executor of the analysis kinds, for suite cases and subcommands alike."""
-    from varbench.app.specs import resolve_task
+    from varbench.app.specs import resolve_device, resolve_task
 
     fn = kind.function()
     register_estimators(params)
@@ -199,11 +216,14 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     preset, checkpoint = params.pop("preset"), params.pop("checkpoint")
     states = params.pop("states")
     spec = checkpoint if checkpoint is not None else preset
-    policy_kw = {"dtype": params.pop("dtype"), "device": params.pop("device") or None,
+    device = resolve_device(params.pop("device"))  # "" / None: cuda when available, else cpu
+    policy_kw = {"dtype": params.pop("dtype"), "device": device,
                  "trust_remote_code": params.pop("trust_remote_code"),
                  "add_task_tokens": params.pop("add_task_tokens")}
+    # the device type is in the cell keys (CPU and CUDA generators draw apart; cuda:0 and
+    # cuda:1 alike, so torchrun ranks agree on them)
     settings = {"preset": preset, "checkpoint": checkpoint, "states": states, "knobs": knobs,
-                **policy_kw}
+                **policy_kw, "device": device.type}
     run = {"cache_dir": str(work_dir / "cells") if cache else None, "progress": progress,
            "config": settings}
     seed = params.get("seed", 0)
@@ -214,26 +234,46 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
         pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress,
                                                  **policy_kw).values()))
                 for t in tasks}
+        settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
         before = error_counts()
-        results = [fn(pols, tasks, **params, **run)]
+        with batchable_attention(pols) as attention:
+            results = [fn(pols, tasks, **params, **run)]
     else:
         task = resolve_task(params.pop("task"), knobs)
         settings["task_fingerprints"] = [task.fingerprint()]  # a data file's content hash
         pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
+        settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
         before = error_counts()
-        if how == "states":
-            results = [fn(pols, task, **params, **run)]
-        else:
-            results = []
-            for state, pol in pols.items():
-                res = fn(pol, task, **params, **{**run, "config": {**settings, "state": state}})
-                res.name = f"{name} ({state})" if len(pols) > 1 else name
-                results.append(res)
+        with batchable_attention(pols) as attention:
+            if how == "states":
+                results = [fn(pols, task, **params, **run)]
+            else:
+                results = []
+                for state, pol in pols.items():
+                    res = fn(pol, task, **params,
+                             **{**run, "config": {**settings, "state": state}})
+                    res.name = f"{name} ({state})" if len(pols) > 1 else name
+                    results.append(res)
     for r in results:
         if how != "each":
             r.name = name
         _annotate(r, pols, before)
+        r.notes = [*list(r.notes or []), *attention]
+        r.provenance["attention_switch"] = attention
     return results
+
+
+@contextlib.contextmanager
+def batchable_attention(pols: dict[str, Any]) -> Iterator[list[str]]:
+    """Every policy's attention on a kernel with a batched (vmap) backward while inside (on
+    CUDA the fused sdpa kernels have none: math SDPA instead; see
+    :func:`~varbench.grads.precision.batched_backward_attention`); yields the notes saying
+    what was switched, one per distinct switch (empty: nothing needed switching)."""
+    from varbench.grads.precision import batched_backward_attention
+
+    with contextlib.ExitStack() as stack:
+        notes = [stack.enter_context(batched_backward_attention(p.model)) for p in pols.values()]
+        yield list(dict.fromkeys(n for n in notes if n))
 
 
 def _annotate(res, pols: dict[str, Any], before) -> None:
@@ -253,6 +293,7 @@ def model_dtype(policy) -> str:
 
 def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
            cache: bool) -> list:
+    from varbench.app.specs import resolve_device
     from varbench.report import provenance
     from varbench.report.result import AnalysisResult, Headline
     from varbench.tasks.verifiers import describe_errors
@@ -260,6 +301,7 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     from varbench.train.loop import train
 
     register_estimators(params)
+    params["device"] = str(resolve_device(params.get("device")))  # default: cuda if available
     config = TrainConfig.from_dict(params, source=f"case {name!r}")
     start = time.perf_counter()
     before = error_counts()
@@ -289,11 +331,13 @@ def _train(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
 
 def _check(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
            cache: bool) -> list:
+    from varbench.app.specs import resolve_device
     from varbench.report import provenance
     from varbench.report.result import AnalysisResult, Headline
     from varbench.testing.check import check_estimator
 
     estimator = params.pop("estimator")
+    params["device"] = str(resolve_device(params.get("device")))  # default: cuda if available
     res = check_estimator(estimator, **params)
     heads = [Headline("passed", float(res.passed), None,
                       f"{res.name}: {'PASSED' if res.passed else 'FAILED'} check_estimator")]
@@ -318,8 +362,14 @@ def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
     """run_validation writes its own report into work_dir; read its records back from there."""
     from varbench.analysis.validate import ValidateConfig, run_validation
+    from varbench.app.specs import resolve_device
 
+    params = dict(params)
+    device = params.pop("device", None)
     cfg = ValidateConfig.from_params(params)
+    runs = dict(cfg.base)
+    runs["device"] = str(resolve_device(device or runs.get("device")))  # default: cuda if any
+    cfg = replace(cfg, base=runs)
     run_validation(cfg, work_dir / "validation", progress=progress)
     return _read_report(work_dir / "validation", name)
 

@@ -76,14 +76,17 @@ def run_suite(
     shard: tuple[int, int] | None = None,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
+    device: str | None = None,
 ) -> RunSummary:
     """Run every (selected) case not already cached, then render the report.
 
     Interruption (Ctrl-C, a kill) loses at most the case in progress; finished cases are never
     recomputed or corrupted. A sharded run writes its cases and ``suite.json`` but no report:
-    combine shards with :func:`merge_outputs`.
+    combine shards with :func:`merge_outputs`. ``device``: see :func:`load_suite` (a path only).
     """
-    suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    if isinstance(suite, Suite) and device:
+        raise UsageError("device= applies to a suite file; set device in the Suite's cases")
+    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device)
     out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
     prepare_out_dir(out)
     with dir_lock(out, what="output directory"):  # one writer per output directory

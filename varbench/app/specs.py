@@ -32,6 +32,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DEVICE_HELP = ("cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else cpu; "
+               "under torchrun the rank's own GPU with NCCL, the cpu with gloo)")
 
 
 def parse_knob(text: str, *, flag: str = "--knob") -> tuple[str, Any]:
@@ -89,13 +91,23 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def default_device() -> str:
-    """``cuda`` when a GPU is visible, else ``cpu``."""
+    """The device a command uses when ``--device`` is not given: ``cuda`` when a GPU is
+    visible, else ``cpu``; inside a torchrun group the rank's own device (``cuda:LOCAL_RANK``
+    under NCCL, ``cpu`` under gloo: see :func:`varbench._util.distributed.rank_device`)."""
+    from varbench._util.distributed import rank_device
+
+    dev = rank_device()
+    if dev is not None:
+        return str(dev)
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_device(name: str | None) -> torch.device:
-    """The torch device ``name`` names (default: :func:`default_device`), checked to exist."""
-    name = default_device() if name in (None, "auto") else name
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """The torch device ``name`` names (None, ``""`` or ``"auto"``: :func:`default_device`),
+    checked to exist. The one resolver of ``--device`` and of a suite case's ``device``."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = default_device() if name in (None, "", "auto") else name
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
@@ -119,14 +131,14 @@ def resolve_policy(spec: str, *, task=None, warm: bool = False, seed: int = 0,
                    add_task_tokens: bool = False, progress: bool | None = None):
     """The Policy ``spec`` names: a preset (random init from ``seed``) or a local checkpoint
     directory, optionally warm-started on ``task``; ``dtype`` ("auto": the stored one) and
-    ``device`` (checked to exist and to support the dtype) before any work; see
+    ``device`` (None: :func:`default_device`; checked to exist and to support the dtype)
+    before any work; see
     :func:`varbench.train.policies.build_policy`.
     """
     from varbench.train.policies import build_policy
 
     dtype = resolve_dtype(dtype)
-    if device is not None and not isinstance(device, torch.device):
-        device = resolve_device(device)
+    device = resolve_device(device)  # None: cuda when available, else cpu
     return build_policy(spec, task=task, warm=warm, seed=seed, warm_seed=warm_seed, dtype=dtype,
                         device=device, trust_remote_code=trust_remote_code,
                         add_task_tokens=add_task_tokens, progress=progress)
@@ -147,9 +159,7 @@ def add_policy_flags(parser, *, dtype: bool = True) -> None:
         parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                             help="model dtype (default auto: the checkpoint's own; presets are "
                                  "float32); statistics stay float32 or better")
-        parser.add_argument("--device", default=None,
-                            help="cpu, cuda, cuda:N or mps (default: where the policy is built, "
-                                 "the cpu)")
+        parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a checkpoint's own Python code to run when loading it")
     parser.add_argument("--add-task-tokens", action="store_true",

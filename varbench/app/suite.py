@@ -63,6 +63,7 @@ class Case:
                "varbench_version": __version__}
         if self.inputs:  # only when a task reads data: older cache keys stay valid
             out["inputs"] = list(self.inputs)
+        out["placement"] = KINDS[self.kind].placement(self.params)  # CPU and CUDA never mix
         return out
 
     @property
@@ -99,8 +100,11 @@ class SuiteError(UsageError):
     """An invalid suite file (message names the file and the key)."""
 
 
-def load_suite(path: str | Path) -> Suite:
-    """Read and validate a suite file; raises :class:`SuiteError` (a ValueError)."""
+def load_suite(path: str | Path, *, device: str | None = None) -> Suite:
+    """Read and validate a suite file; raises :class:`SuiteError` (a ValueError).
+
+    ``device`` (``varbench run --device``): the device of every case that names none itself
+    (it takes the place of ``[defaults] device``)."""
     path = Path(path)
     if not path.is_file():
         raise UsageFileNotFoundError(f"suite file {str(path)!r} does not exist")
@@ -108,10 +112,10 @@ def load_suite(path: str | Path) -> Suite:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise SuiteError(f"{path}: not valid TOML: {err}") from None
-    return parse_suite(data, path)
+    return parse_suite(data, path, device=device)
 
 
-def parse_suite(data: dict[str, Any], path: Path) -> Suite:
+def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None) -> Suite:
     """Validate the parsed TOML ``data`` of the file ``path``."""
     _keys(path, "top level", data, TOP_KEYS)
     head = data.get("suite")
@@ -131,6 +135,8 @@ def parse_suite(data: dict[str, Any], path: Path) -> Suite:
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise SuiteError(f"{path}: [defaults] must be a table")
+    if device:
+        defaults = {**defaults, "device": device}
     raw_cases = data.get("cases")
     if not isinstance(raw_cases, list) or not raw_cases:
         raise SuiteError(f"{path}: no cases; add at least one [[cases]] table with name and kind")
@@ -331,7 +337,7 @@ def _check_range(at: str, key: str, value: Any) -> None:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise SuiteError(f"{at}: element {v!r} must be an integer")
                 _int_range(at, v, lo, hi, element=True)
-    if key == "device" and value is not None:
+    if key == "device" and value not in (None, "", "auto"):  # "" / auto: the default device
         from varbench._util.checks import check_device
 
         try:

@@ -41,16 +41,22 @@ def keep_dtype_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention with every step in ``query.dtype``; mask is sdpa's boolean (True = keep).
+    """Eager attention computed in float32 or better (``query.dtype`` promoted to at least
+    float32: float64 stays float64, bf16/fp16 run in float32), output in ``query.dtype``; mask
+    is sdpa's boolean (True = keep).
 
     Shapes: query ``[B, H, Lq, D]``, key/value ``[B, Hkv, Lk, D]`` -> ``([B, Lq, H, D], weights)``.
     A fully masked row (a left-pad query) gets the dtype's minimum instead of -inf, so it stays
     finite (uniform weights) and cannot put NaN into any gradient. ``softcap`` (Gemma2) applies
     ``softcap * tanh(scores / softcap)`` before the mask, as transformers does; attention sinks
-    are refused.
+    are refused. Caveat: the ``[B, H, Lq, Lk]`` scores are materialised (in float32 for a
+    half-precision model), unlike a fused kernel.
     """
     check_attention_kwargs(module, kwargs)
     softcap = kwargs.get("softcap")
+    out_dtype = query.dtype
+    work = torch.promote_types(query.dtype, torch.float32)  # a bf16 softmax loses ~3 digits
+    query, key, value = query.to(work), key.to(work), value.to(work)
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
@@ -69,8 +75,8 @@ def keep_dtype_attention(
             scores = scores + attention_mask.to(scores.dtype)
     weights = torch.softmax(scores, dim=-1)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
-    return out, weights
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous().to(out_dtype)
+    return out, weights.to(out_dtype)
 
 
 def _always_mask(*args, **kwargs):
@@ -226,8 +232,9 @@ def verify_copy(original: torch.nn.Module, copy64: torch.nn.Module) -> float:
 @contextlib.contextmanager
 def functional_attention(model: torch.nn.Module) -> Iterator[None]:
     """Temporarily route a transformers model's attention through :func:`keep_dtype_attention`
-    (plain matmul/softmax: supports forward-mode AD and vmap, unlike the fused sdpa kernel on
-    CPU). Same math as the model's attention up to rounding; restored on exit. No-op for
+    (plain matmul/softmax in float32 or better: supports forward-mode AD and vmap, unlike the
+    fused sdpa kernel on CPU). Same math as the model's attention up to rounding; restored on
+    exit. No-op for
     models without ``config._attn_implementation``."""
     config = getattr(model, "config", None)
     old = getattr(config, "_attn_implementation", None)
@@ -239,3 +246,68 @@ def functional_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(old)
+
+
+# Attention implementations whose backward has no vmap (batched-cotangent) rule: transformers'
+# names for the flash-attention packages and flex attention (a compiled kernel).
+_UNBATCHED_IMPLS = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def fused_attention_kernel(model: torch.nn.Module,
+                           device: torch.device | str | None = None) -> str | None:
+    """The fused attention kernel ``model`` would run whose backward has no batched (vmap)
+    rule, in words, or None (eager, math SDPA, CPU SDPA, this module's attention).
+
+    On CUDA, ``sdpa`` dispatches to the flash / memory-efficient / cuDNN kernels when they are
+    enabled (``torch.backends.cuda.*_sdp_enabled()``); their backward ops have no batching
+    rule, so a batched-cotangent backward (``is_grads_batched=True``) falls back to one
+    backward per cotangent (correct, slow). ``device``: the model's parameters' by default.
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None:
+        return None
+    if impl in _UNBATCHED_IMPLS or "flash" in str(impl):
+        return str(impl)
+    if impl != "sdpa":
+        return None
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    if dev.type != "cuda":
+        return None
+    cuda = torch.backends.cuda
+    fused = [name for name, on in (("flash", cuda.flash_sdp_enabled()),
+                                   ("memory-efficient", cuda.mem_efficient_sdp_enabled()),
+                                   ("cudnn", cuda.cudnn_sdp_enabled())) if on]
+    return f"sdpa ({' / '.join(fused)} CUDA kernels)" if fused else None
+
+
+@contextlib.contextmanager
+def batched_backward_attention(model: torch.nn.Module,
+                               device: torch.device | str | None = None) -> Iterator[str | None]:
+    """Run ``model``'s attention through a kernel whose backward has a batched (vmap) rule while
+    inside; yields the note saying what was switched (None: nothing was needed).
+
+    ``sdpa`` on CUDA with fused kernels enabled: restricted to the math backend
+    (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, same function, composite ops). A
+    flash-attention or flex implementation: the model runs ``sdpa`` on the math backend, and
+    its own implementation is restored on exit. Numbers agree with the fused kernels up to
+    rounding (float64: identical to eager). Caveat: the math backend materialises the
+    ``[B, H, L, L]`` scores.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = fused_attention_kernel(model, device)
+    if kernel is None:
+        yield None
+        return
+    impl = model.config._attn_implementation
+    note = (f"attention: {kernel} has no batched (vmap) backward; the batched-cotangent "
+            "gradients ran it as math SDPA (same function, one batched backward)")
+    with sdpa_kernel(SDPBackend.MATH):
+        if impl == "sdpa":
+            yield note
+            return
+        model.set_attn_implementation("sdpa")
+        try:
+            yield note
+        finally:
+            model.set_attn_implementation(impl)

@@ -101,6 +101,7 @@ def check_estimator(
     task: ToyTask | None = None,
     groups_per_call: int = 256,
     estimator_options: dict[str, Any] | None = None,
+    device: str | Any | None = None,
 ) -> CheckResult:
     """Run every check on an estimator; deterministic for a given ``seed``.
 
@@ -122,6 +123,10 @@ def check_estimator(
     Variance: rescaled variance x tokens against each of ``baselines`` on the same groups;
     required only when ``max_variance_ratio`` is given.
 
+    ``device`` (None: the CPU): where the estimators run; their inputs are moved there and an
+    output on another device is a failed check (an estimator that drops to the CPU would break
+    a GPU training loop). The toy task and the statistics stay on the CPU in float64.
+
     Data-parallel: under ``torchrun`` (``torch.distributed`` initialised) the sampled steps are
     split across ranks and gathered; every rank returns the single-process result.
 
@@ -140,9 +145,12 @@ def check_estimator(
     if max_variance_ratio is not None:
         check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
     start = time.perf_counter()
+    import torch
+
+    dev = torch.device("cpu") if device is None else torch.device(device)
     est = load(fn_or_name, estimator_options)
     base = {name: load(name) for name in baselines}
-    rows = [dict(r, required=True) for r in contract_rows(est.call, seed)]
+    rows = [dict(r, required=True) for r in contract_rows(on_device(est.call, dev), seed)]
     if not require_all_agree_zero:
         for r in rows:
             if r["check"] == "all-agree groups":
@@ -150,7 +158,8 @@ def check_estimator(
     task = task or ToyTask(seed=seed)
     policy = ToyPolicy(task)
     g_star = policy.exact_gradient()
-    calls = {"": est.call, **{n: b.call for n, b in base.items()}}  # "": the candidate
+    calls = {n: on_device(c, dev)  # "": the candidate
+             for n, c in {"": est.call, **{n: b.call for n, b in base.items()}}.items()}
     xs, tokens = _bias.chunked_estimates(policy, calls, num_steps, G, seed + 1,
                                          groups_per_call=groups_per_call)
     x = xs.pop("")
@@ -182,6 +191,28 @@ def check_estimator(
               "tolerance": tolerance, "baselines": list(baselines),
               "require_unbiased": require_unbiased, "max_variance_ratio": max_variance_ratio,
               "task": asdict(task), "groups_per_call": groups_per_call,
-              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()}}
+              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()},
+              "device": str(dev)}
     return CheckResult(est.name, est.shape, passed, table, config,
                        time.perf_counter() - start)
+
+
+def on_device(call: Any, device: Any) -> Any:
+    """``call(rewards, mask, **stats)`` run with its tensors moved to ``device``, its output
+    checked to be there and handed back on the CPU (the identity on the CPU)."""
+    import torch
+
+    if device.type == "cpu":
+        return call
+
+    def run(rewards: torch.Tensor, mask: torch.Tensor, **stats: Any) -> Any:
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
+        out = call(rewards.to(device), mask.to(device), **moved)
+        if isinstance(out, torch.Tensor):
+            if out.device.type != device.type:
+                raise ValueError(f"estimator returned a tensor on {out.device} for inputs on "
+                                 f"{device}: it makes tensors without the inputs' device")
+            out = out.cpu()
+        return out
+
+    return run
