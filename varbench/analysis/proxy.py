@@ -154,7 +154,7 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
     dev = mask.device
     exact_w = torch.zeros(batch.tokens.shape, dtype=torch.float64, device=dev)
     # rows follow mask order
-    exact_w[mask] = torch.as_tensor(tok["token_sq"].to_numpy(), dtype=torch.float64).to(dev)
+    exact_w[mask] = torch.from_numpy(tok["token_sq"].to_numpy(np.float64, copy=True)).to(dev)
     rewards = batch.rewards.to(dev).double()
     common = {"logprobs": batch.logprobs.to(dev).double(),
               "sum_pi_sq": batch.sum_pi_sq.to(dev).double()}

@@ -221,8 +221,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     rewards = data["rewards"][0, :n].reshape(M, G).to(logp.dtype)
     tokens = mask.sum((1, 2)).double().cpu()
     agree = (rewards == rewards[:, :1]).all(1).double().mean()
-    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((1 + level) / 2,
-                                                                     device="cpu")))
+    z = float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(
+        torch.tensor((1 + level) / 2, device="cpu")))
     rows, paired, est = [], [], {}
     for label in labels:
         adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)

@@ -117,7 +117,7 @@ def _z(level: float) -> float:
     if not 0 < level < 1:
         raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
     half = torch.tensor((1 + level) / 2, device="cpu")
-    return float(torch.distributions.Normal(0.0, 1.0).icdf(half))
+    return float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(half))
 
 
 def group_intervals(
