@@ -19,10 +19,10 @@ import importlib
 import pandas as pd
 import pytest
 import torch
-
 from _devicecheck import HostSyncs, growing_sites, strict_device
 from _fixtures_arch import build
 from _fixtures_grads import batch as grad_batch
+
 from varbench.grads import token_grad_norms
 from varbench.grads.exact import iter_token_grads, token_chunks
 from varbench.grads.group import group_gradients
