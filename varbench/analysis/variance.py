@@ -174,9 +174,8 @@ def _coef_fn(label: str, mode: str, *, topk_k: int, max_len: int):
     def fn(R, mask):
         adv = advantages(scheme_of(label), R, mask != 0, k=topk_k)
         lp = torch.zeros_like(adv)
-        return torch.stack([-token_coefficients(lp[c : c + 1], lp[c : c + 1], adv[c : c + 1],
-                                                mask[c : c + 1], mode, max_len=max_len)[0]
-                            for c in range(R.shape[0])])
+        # every configuration its own batch of G, in one pass (no loop over configurations)
+        return -token_coefficients(lp, lp, adv, mask, mode, max_len=max_len, per_group=True)
     return None if label.endswith("_exact") else fn
 
 
