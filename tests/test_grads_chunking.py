@@ -98,7 +98,10 @@ def test_the_harness_takes_its_chunk_from_free_memory(monkeypatch):
     assert token_grad_norms(model, ids, rm, am, memory_fraction=1.0) is not None
     assert used[-1] == 6
     used.clear()
+    # token_vectors gives the chunk half of the fraction (the other half: its gradient block)
+    monkeypatch.setattr(chunking, "free_device_bytes", lambda device: 12 * item + 1)
     b = rollout_batch()
+    assert b.prompt_ids.shape[1] + b.T == ids.shape[1]  # the same prefix length: same item
     tv = token_vectors(model, b, sketch_dim=None, block_bytes=BLOCK_BYTES)
     assert used == [3]
     tv8 = token_vectors(model, b, sketch_dim=None, chunk_size=8, block_bytes=BLOCK_BYTES)

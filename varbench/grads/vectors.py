@@ -399,7 +399,8 @@ def token_vectors(
     Cost: the exact harness's per-token backward (about one backward per token over its prefix).
 
     Knobs: ``chunk_size`` (tokens per batched backward) and ``block_bytes`` default to the CPU's
-    measured values (8, 256 MiB) and on CUDA to ``memory_fraction`` of the free device memory
+    measured values (8, 256 MiB) and on CUDA to ``memory_fraction`` of the free device memory,
+    half for the chunk's activation gradients, half for the gradient block
     (:mod:`varbench.grads.chunking`); ``pack``: several sequences per forward (default on CUDA,
     :func:`varbench.grads.exact.iter_token_grads`).
     """
@@ -430,8 +431,10 @@ def token_vectors(
     vec = torch.zeros(B, L, K, dtype=dtype, device=dev)
     tsq = torch.zeros(B, L, dtype=dtype, device=dev)
     block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction)
+    # CUDA: the activation gradients of a chunk and the block of per-token gradients share
+    # the fraction half and half
     chunk_size = auto_chunk(dev, cotangent_bytes(model, L), chunk_size=chunk_size,
-                            memory_fraction=memory_fraction)
+                            memory_fraction=memory_fraction / 2)
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
