@@ -7,7 +7,9 @@ used twice: a chunk whose last token sits at column t1 runs its forward on ``inp
 only (later positions cannot influence it), and tokens with ``response_mask == 0`` (prompt,
 environment, padding) cost nothing. Prefix norms ``||sum_{j<=t} g_j||^2`` stream with one
 running vector per parameter (O(P) memory); only a ``chunk_size x P`` block of per-token
-gradients ever exists, never ``T x P``.
+gradients ever exists, never ``T x P``. The chunks are planned from one host read of the
+mask (no host sync per chunk); :func:`iter_token_grads` can pack several short sequences into
+one forward (the default on CUDA, where a forward's launch cost dominates a short sequence).
 
 Models: any causal LM that ``varbench.models.forward.forward_logits`` can run and whose ops
 have vmap batching rules for their backward (transformers' eager and sdpa attention do).
