@@ -38,3 +38,23 @@ def test_aggregation_errors():
         E.aggregation_weights(torch.ones(1, 1, 2), "seq-mean-token-sum-norm", max_len=0)
     with pytest.raises(ValueError, match="no valid token"):
         E.aggregation_weights(torch.zeros(1, 1, 2), "token-mean")
+
+
+@pytest.mark.parametrize("conventions", ["varbench", "verl"])
+@pytest.mark.parametrize("mode", E.AGGREGATION_MODES)
+def test_per_group_equals_one_call_per_group(mode, conventions):
+    """``per_group=True`` on ``[M, G, T]`` is bitwise one call per ``mask[m : m + 1]`` (the
+    variance analysis's M groups in one pass, one check)."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(4, 3, 5, generator=g) > 0.4).double()
+    mask[1, 2] = 0  # an empty response (verl drops it from its group's count)
+    mask[2, :, 0] = 1
+    kw = dict(max_len=7, dtype=torch.float64, conventions=conventions)
+    want = torch.cat([E.aggregation_weights(mask[m : m + 1], mode, **kw) for m in range(4)])
+    assert torch.equal(E.aggregation_weights(mask, mode, per_group=True, **kw), want)
+    if mode == "token-mean":
+        mask[3] = 0
+        with pytest.raises(ValueError, match="no valid token in some group"):
+            E.aggregation_weights(mask, mode, per_group=True, **kw)
+    with pytest.raises(ValueError, match="per_group"):
+        E.aggregation_weights(torch.ones(5), mode, per_group=True)

@@ -154,3 +154,22 @@ def test_sample_weights_apply_the_transforms(mode, ratio):
         base)
     with pytest.raises(ValueError, match=r"transform='max_replace' is not valid.*'min_replace'"):
         sample_weights(logp, logp_old, adv, mask, mode, transform="max_replace")
+
+
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_token_coefficients_per_group_equals_one_call_per_group(mode, ratio):
+    """``per_group=True`` (the exact-moment configurations of the variance analysis in one
+    pass) is bitwise one call per ``[c : c + 1]``."""
+    g = torch.Generator().manual_seed(3)
+    C, G, T = 5, 3, 4
+    mask = (torch.rand(C, G, T, generator=g) > 0.3).double()
+    mask[:, :, 0] = 1
+    adv = torch.randn(C, G, T, generator=g, dtype=torch.float64) * mask
+    lp = torch.randn(C, G, T, generator=g, dtype=torch.float64) * 0.1
+    old = lp + 0.05 * torch.randn(C, G, T, generator=g, dtype=torch.float64)
+    want = torch.cat([E.token_coefficients(lp[c : c + 1], old[c : c + 1], adv[c : c + 1],
+                                           mask[c : c + 1], mode, ratio=ratio)
+                      for c in range(C)])
+    got = E.token_coefficients(lp, old, adv, mask, mode, ratio=ratio, per_group=True)
+    assert torch.equal(got, want)

@@ -136,16 +136,22 @@ def test_both_methods_long_sequences(method):
         token_grad_norms(model, ids, rm, am, method="fast")
 
 
-def test_iter_token_grads_yields_brute_force_rows():
-    """The materialising iterator (used by analysis) yields exactly the per-token gradients."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_iter_token_grads_yields_brute_force_rows(pack):
+    """The materialising iterator (used by analysis) yields exactly the per-token gradients,
+    one sequence per forward or several (``pack``: chunks across left-padded rows)."""
     from varbench.grads.exact import iter_token_grads
 
     model = exact_float64(tiny_llama())
     ids, rm, am = batch("left")
     g, _, _ = brute_token_grads(model, ids, rm, am)
     plist = [p for _, p in select_params(model)]
-    seen = 0
-    for b, cols, flat in iter_token_grads(model, ids, rm, am, plist, 3, progress=False):
-        torch.testing.assert_close(torch.cat(flat, dim=1), g[b, cols], rtol=RTOL, atol=1e-14)
+    seen, multi = 0, 0
+    for rows, cols, flat in iter_token_grads(model, ids, rm, am, plist, 5, progress=False,
+                                             pack=pack):
+        torch.testing.assert_close(torch.cat(flat, dim=1), g[rows, cols], rtol=RTOL,
+                                   atol=1e-14)
         seen += cols.numel()
+        multi += int(rows.unique().numel() > 1)
     assert seen == int(rm.sum())
+    assert (multi > 0) == pack  # packed chunks do span sequences

@@ -60,3 +60,15 @@ def test_gaussian_probes_are_seeded_and_not_a_sketch():
         group_gradients(model, rollout_batch(), torch.zeros(2, 3, 6), sketch=p)
     with pytest.raises(TypeError, match="CountSketch"):
         token_sketches(model, rollout_batch(), p)
+
+
+def test_gaussian_probe_drawn_on_its_device():
+    """On the CPU a probe is the historical float64 draw of its own seed (then cast); on a
+    device without values (meta) nothing is drawn on the host and the shape is kept."""
+    probes = GaussianProbes(3, seed=1)
+    g = torch.Generator().manual_seed(1 * 1_000_003 + 2)
+    want = torch.randn(10, generator=g, dtype=torch.float64)
+    assert torch.equal(probes.direction(2, 10, torch.float64, "cpu"), want)
+    assert torch.equal(probes.direction(2, 10, torch.float32, "cpu"), want.float())
+    meta = probes.direction(2, 10, torch.bfloat16, torch.device("meta"))
+    assert meta.device.type == "meta" and meta.dtype == torch.bfloat16 and meta.shape == (10,)

@@ -309,3 +309,17 @@ def test_token_vectors_in_parameter_blocks_equal_the_brute_force():
                                atol=1e-13)
     with pytest.raises(ValueError, match="block_bytes"):
         token_vectors(model, rb, sketch=sk, block_bytes=0)
+
+
+def test_count_sketch_hash_drawn_in_chunks_is_the_cpu_whole_draw():
+    """The hash is drawn on the sketch's device in chunks of ``chunk`` coordinates (so stored
+    and streamed agree on CUDA too); on the CPU it is the whole draw of the seed's generator,
+    buckets of every parameter first, then signs."""
+    numels = [700, 45]
+    g = torch.Generator().manual_seed(9)
+    buckets = [torch.randint(0, 6, (n,), generator=g) for n in numels]
+    signs = [torch.randint(0, 2, (n,), generator=g).float() * 2 - 1 for n in numels]
+    for kw in ({}, {"chunk": 64}, {"chunk": 64, "stream": True}):
+        bs, ss = CountSketch(numels, 6, 9, **kw).hashes()
+        for got, want in zip(bs + ss, buckets + signs, strict=True):
+            assert torch.equal(got, want), kw

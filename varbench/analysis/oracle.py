@@ -78,8 +78,9 @@ class ExactDistribution:
         keep = w.abs() > min_weight
         resp = self.responses[keep]
         K, T = resp.shape
-        mask = torch.ones(1, K, T)
-        zeros = torch.zeros(1, K, T)
+        dev = resp.device
+        mask = torch.ones(1, K, T, device=dev)
+        zeros = torch.zeros(1, K, T, device=dev)
         batch = RolloutBatch(
             prompt_ids=self.prompt_ids,
             prompt_mask=torch.ones_like(self.prompt_ids),
@@ -90,7 +91,7 @@ class ExactDistribution:
             sum_pi_sq=zeros,
             entropy=zeros,
             rewards=self.rewards[keep].unsqueeze(0).float(),
-            lengths=torch.full((1, K), T),
+            lengths=torch.full((1, K), T, device=dev),
             meta={"oracle": True},
         )
         coef = w[keep].to(torch.float64)[None, :, None].expand(1, K, T).clone()
@@ -110,14 +111,17 @@ def enumerate_distribution(
 
     Needs a fixed-length task whose space ``V**T`` is small (the task refuses above 2 million).
     Cost: V**T / chunk forward passes of length Lp + T. Scores decode with special tokens
-    skipped, as the sampler does.
+    skipped, as the sampler does. Every tensor of the result lives on the policy's device.
     """
     reward = task.check_reward(reward)
     model, tok = policy.model, policy.tokenizer
     V = int(model.get_output_embeddings().weight.shape[0])
-    responses = task.enumerate_responses(prompt, V)  # [N, T]
-    prompt_ids, _ = encode_prompts(tok, [prompt])  # [1, Lp] (one prompt: no padding)
+    with torch.device("cpu"):  # host side by design: the responses are decoded and scored
+        responses = task.enumerate_responses(prompt, V)  # [N, T]
+        prompt_ids, _ = encode_prompts(tok, [prompt])  # [1, Lp] (one prompt: no padding)
+    texts = tok.batch_decode(responses.tolist(), skip_special_tokens=True)
     dev = policy.device
+    responses, prompt_ids = responses.to(dev), prompt_ids.to(dev)
     Lp = prompt_ids.shape[1]
     out, spsq = [], []
     was_training = model.training
@@ -127,13 +131,13 @@ def enumerate_distribution(
             r = responses[s : s + chunk]
             ids = torch.cat([prompt_ids.expand(r.shape[0], Lp), r], 1).to(dev)
             logits = forward_logits(model, ids, torch.ones_like(ids)).logits
-            out.append(token_logprobs(logits, ids)[:, Lp:].double().cpu())
+            out.append(token_logprobs(logits, ids)[:, Lp:].double())
             # the distribution that picks response token t sits at column Lp + t - 1
-            spsq.append(sum_pi_sq(logits[:, Lp - 1 : -1]).double().cpu())
+            spsq.append(sum_pi_sq(logits[:, Lp - 1 : -1]).double())
     finally:
         model.train(was_training)
-    texts = tok.batch_decode(responses.tolist(), skip_special_tokens=True)
-    rewards = torch.tensor([task.score(prompt, t, reward) for t in texts], dtype=torch.float64)
+    rewards = torch.tensor([task.score(prompt, t, reward) for t in texts], dtype=torch.float64,
+                           device=dev)
     return ExactDistribution(
         prompt=prompt,
         prompt_ids=prompt_ids,
@@ -177,8 +181,10 @@ class ResponseTable:
 
     def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """``n`` i.i.d. responses as ``[1, n, ...]`` tensors (``vec``, ``token_sq``, ``mask``,
-        ``logprobs``, ``sum_pi_sq``, ``rewards``), drawn with ``generator`` (CPU)."""
-        idx = torch.multinomial(self.probs, n, replacement=True, generator=generator)
+        ``logprobs``, ``sum_pi_sq``, ``rewards``), drawn with ``generator`` (CPU: the draws
+        do not depend on the table's device; the indices then move there, the rows stay)."""
+        idx = torch.multinomial(self.probs.to(generator.device), n, replacement=True,
+                                generator=generator).to(self.probs.device)
         return {k: getattr(self, k)[idx].unsqueeze(0)
                 for k in ("vec", "token_sq", "mask", "logprobs", "sum_pi_sq", "rewards")}
 
@@ -192,32 +198,40 @@ def response_table(policy: Policy, dist: ExactDistribution, *, sketch_dim: int |
     (:func:`exact_moments`) and Monte Carlo replicates free.
     """
     N, T = dist.responses.shape
-    zeros = torch.zeros(1, N, T)
+    dev = dist.responses.device
+    zeros = torch.zeros(1, N, T, device=dev)
     batch = RolloutBatch(
         prompt_ids=dist.prompt_ids, prompt_mask=torch.ones_like(dist.prompt_ids),
-        tokens=dist.responses.unsqueeze(0), mask=torch.ones(1, N, T), env_mask=zeros,
-        logprobs=zeros, sum_pi_sq=zeros, entropy=zeros, rewards=dist.rewards[None].float(),
-        lengths=torch.full((1, N), T), meta={"oracle": True},
+        tokens=dist.responses.unsqueeze(0), mask=torch.ones(1, N, T, device=dev),
+        env_mask=zeros, logprobs=zeros, sum_pi_sq=zeros, entropy=zeros,
+        rewards=dist.rewards[None].float(), lengths=torch.full((1, N), T, device=dev),
+        meta={"oracle": True},
     )
     tv = token_vectors(policy.model, batch, sketch_dim=sketch_dim, sketch_seed=sketch_seed,
                        progress=progress)
     assert dist.token_logp is not None and dist.token_sum_pi_sq is not None
     return ResponseTable(
         probs=dist.probs / dist.probs.sum(), rewards=dist.rewards.double(),
-        mask=torch.ones(N, T), logprobs=dist.token_logp.float(),
+        mask=torch.ones(N, T, device=dev), logprobs=dist.token_logp.float(),
         sum_pi_sq=dist.token_sum_pi_sq.float(), token_sq=tv.token_sq[0].double(),
         vec=tv.vec[0], sketch=tv.sketch, n_params=tv.n_params,
     )
 
 
-def _compositions(G: int, c: int) -> torch.Tensor:
-    """Every ``[c]`` vector of non-negative integers summing to G: ``[C(G+c-1, c-1), c]``."""
+def _compositions(G: int, c: int, device: torch.device | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ``[c]`` vector of non-negative integers summing to G: ``[C(G+c-1, c-1), c]``, and
+    the class of each of the G members of each (``[C(G+c-1, c-1), G]``, sorted by class);
+    enumerated on the host, made once on ``device``."""
     rows = [list(x) for x in itertools.combinations(range(G + c - 1), c - 1)]
-    out = []
+    out, members = [], []
     for bars in rows:
         edges = [-1, *bars, G + c - 1]
-        out.append([edges[k + 1] - edges[k] - 1 for k in range(c)])
-    return torch.tensor(out, dtype=torch.long)
+        counts = [edges[k + 1] - edges[k] - 1 for k in range(c)]
+        out.append(counts)
+        members.append([k for k in range(c) for _ in range(counts[k])])
+    return (torch.tensor(out, dtype=torch.long, device=device),
+            torch.tensor(members, dtype=torch.long, device=device))
 
 
 def exact_moments(
@@ -246,30 +260,32 @@ def exact_moments(
     frac_all_agree, frac_zero, mean_coef_norm (all float).
     """
     R, p = table.rewards, table.probs
+    dev = R.device
     levels = torch.unique(R)
     c = int(levels.numel())
     if math.comb(G + c - 1, c - 1) > max_configs:
         return None
     cls = torch.searchsorted(levels, R)
-    q = torch.zeros(c, dtype=torch.float64).index_add_(0, cls, p)
+    q = torch.zeros(c, dtype=torch.float64, device=dev).index_add_(0, cls, p)
     s = (table.vec.double() * table.mask[..., None].double()).sum(1)  # [N, K]
-    mu = torch.zeros(c, s.shape[1], dtype=torch.float64).index_add_(0, cls, p[:, None] * s)
+    mu = torch.zeros(c, s.shape[1], dtype=torch.float64, device=dev).index_add_(
+        0, cls, p[:, None] * s)
     mu = mu / q.clamp(min=1e-300)[:, None]
-    m2 = torch.zeros(c, dtype=torch.float64).index_add_(0, cls, p * (s * s).sum(1))
+    m2 = torch.zeros(c, dtype=torch.float64, device=dev).index_add_(0, cls, p * (s * s).sum(1))
     m2 = m2 / q.clamp(min=1e-300)
-    comp = _compositions(G, c)  # [C, c]
+    comp, onehot = _compositions(G, c, dev)  # [C, c]; [C, G] member classes sorted by class
     # rows of rewards: each configuration's members sorted by class
-    rewards = torch.stack([torch.repeat_interleave(levels, n) for n in comp])  # [C, G]
+    rewards = levels[onehot]  # [C, G]
     T = table.mask.shape[1]
-    mask = torch.ones(comp.shape[0], G, T)
+    mask = torch.ones(comp.shape[0], G, T, device=dev)
     coef = coef_fn(rewards, mask).double()  # [C, G, T]
     if not torch.equal(coef, coef[..., :1].expand_as(coef)):
         return None
     b = coef[..., 0]  # [C, G]
-    onehot = torch.stack([torch.repeat_interleave(torch.arange(c), n) for n in comp])  # [C, G]
-    beta = torch.zeros(comp.shape[0], c, dtype=torch.float64).scatter_add_(1, onehot, b)
-    gamma = torch.zeros(comp.shape[0], c, dtype=torch.float64).scatter_add_(1, onehot, b * b)
-    logq = torch.where(q > 0, q.log(), torch.tensor(-math.inf, dtype=torch.float64))
+    zeros = torch.zeros(comp.shape[0], c, dtype=torch.float64, device=dev)
+    beta = zeros.clone().scatter_add_(1, onehot, b)
+    gamma = zeros.scatter_add_(1, onehot, b * b)
+    logq = torch.where(q > 0, q.log(), torch.full_like(q, -math.inf))
     logP = (math.lgamma(G + 1) - torch.lgamma(comp.double() + 1).sum(1)
             + torch.where(comp > 0, comp.double() * logq, 0).sum(1))
     P = logP.exp()  # [C]
@@ -277,15 +293,19 @@ def exact_moments(
     mean = (P @ beta) @ mu  # E[g_hat] [K]
     second = (P * (torch.einsum("nk,kl,nl->n", beta, gram, beta)
                    + gamma @ (m2 - gram.diagonal()))).sum()
-    ref = reference.double().reshape(-1)
-    gg = float(ref @ ref)
-    var = float(second - mean @ mean)
+    ref = reference.to(dev).double().reshape(-1)
+    gg_t = ref @ ref
+    # one host read of every statistic (same float64 arithmetic as one read each)
+    gg, var, mse, proj, bias2, sig, agree, zero = torch.stack([
+        gg_t, second - mean @ mean, second - 2 * (mean @ ref) + gg_t, mean @ ref,
+        ((mean - ref) ** 2).sum(), mean @ mean, (q**G).sum(), P[(b == 0).all(1)].sum(),
+    ]).tolist()
     return {
         "variance": var,
-        "mse": float(second - 2 * (mean @ ref) + gg),
-        "projection": float(mean @ ref) / gg if gg > 0 else float("nan"),
-        "bias2": float(((mean - ref) ** 2).sum()),
-        "signal_norm2": float(mean @ mean),
-        "frac_all_agree": float((q**G).sum()),
-        "frac_zero": float(P[(b == 0).all(1)].sum()),
+        "mse": mse,
+        "projection": proj / gg if gg > 0 else float("nan"),
+        "bias2": bias2,
+        "signal_norm2": sig,
+        "frac_all_agree": agree,
+        "frac_zero": zero,
     }

@@ -56,9 +56,11 @@ def token_records(policy: Policy, batch, *, state: str, progress: bool = False) 
     """
     flat = batch.flat()
     model = policy.model
+    dev = policy.device
     rank, world = rank_world()
-    rows = torch.arange(rank, flat.input_ids.shape[0], world)  # this rank's sequences
-    ids, resp, attn = (x[rows] for x in (flat.input_ids, flat.response_mask, flat.attention_mask))
+    rows = torch.arange(rank, flat.input_ids.shape[0], world, device=dev)  # this rank's rows
+    ids, resp, attn = (x.to(dev)[rows] for x in (flat.input_ids, flat.response_mask,
+                                                 flat.attention_mask))
     fs = forward_stats(model, ids, resp, attn, hidden_norms=True)
     norms = token_grad_norms(model, ids, resp, attn, groups=True, progress=progress)
     m = resp != 0
@@ -66,23 +68,24 @@ def token_records(policy: Policy, batch, *, state: str, progress: bool = False) 
     b_idx = rows[local]
     pos = (m.long().cumsum(1) - 1)[local, col]
     G = batch.G
-    data: dict[str, Any] = {
-        "state": state,
-        "p": (b_idx // G).numpy(),
-        "seq": b_idx.numpy(),
-        "pos": pos.numpy(),
-        "w_t": fs.proxy[local, col].double().numpy(),
-        "W_t": fs.cum_proxy[local, col].double().numpy(),
-        "token_sq": norms.token_sq[local, col].double().numpy(),
-        "prefix_sq": norms.prefix_sq[local, col].double().numpy(),
-        "diag_prefix_sq": norms.diag_prefix_sq[local, col].double().numpy(),
-        "h_sq": fs.h_sq[local, col].double().numpy(),
-    }
     names = norms.group_names or []
+    # every column on the device, moved to the host in ONE transfer (float64 holds the
+    # integer columns exactly)
+    cols: dict[str, torch.Tensor] = {
+        "p": b_idx // G, "seq": b_idx, "pos": pos,
+        "w_t": fs.proxy[local, col], "W_t": fs.cum_proxy[local, col],
+        "token_sq": norms.token_sq[local, col], "prefix_sq": norms.prefix_sq[local, col],
+        "diag_prefix_sq": norms.diag_prefix_sq[local, col], "h_sq": fs.h_sq[local, col],
+    }
     for k, g in enumerate(names):
-        data[f"token_sq[{g}]"] = norms.group_token_sq[local, col, k].double().numpy()
+        cols[f"token_sq[{g}]"] = norms.group_token_sq[local, col, k]
+    cols["reward"] = batch.rewards.to(dev).reshape(-1)[b_idx]
+    host = torch.stack([x.double() for x in cols.values()], 1).cpu().numpy()
+    data: dict[str, Any] = {"state": state}
+    for j, k in enumerate(cols):
+        data[k] = host[:, j].astype(np.int64) if k in ("p", "seq", "pos") else host[:, j]
     data["head_sq"] = data["token_sq[head]"] if "head" in names else np.nan
-    data["reward"] = batch.rewards.reshape(-1)[b_idx].double().numpy()
+    data["reward"] = data.pop("reward")  # the historical column order
     df = pd.DataFrame(data)
     if world > 1:  # back to one-process order: sequence-major, then position
         df = pd.concat(gather_objects(df), ignore_index=True)
@@ -148,10 +151,13 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
     """Mean |B_proxy - B_exact| and |A_proxy - A_exact| over valid tokens (OTB,
     docs/science.md §2.2)."""
     mask = batch.mask != 0
-    exact_w = torch.zeros(batch.tokens.shape, dtype=torch.float64)
-    exact_w[mask] = torch.tensor(tok["token_sq"].to_numpy())  # rows follow mask order
-    rewards = batch.rewards.double()
-    common = {"logprobs": batch.logprobs.double(), "sum_pi_sq": batch.sum_pi_sq.double()}
+    dev = mask.device
+    exact_w = torch.zeros(batch.tokens.shape, dtype=torch.float64, device=dev)
+    # rows follow mask order
+    exact_w[mask] = torch.from_numpy(tok["token_sq"].to_numpy(np.float64, copy=True)).to(dev)
+    rewards = batch.rewards.to(dev).double()
+    common = {"logprobs": batch.logprobs.to(dev).double(),
+              "sum_pi_sq": batch.sum_pi_sq.to(dev).double()}
     b_proxy = otb_baseline(rewards, mask, **common)
     b_exact = otb_baseline(rewards, mask, token_weights=exact_w)
     a_proxy = advantages("otb", rewards, mask, **common)
@@ -159,15 +165,18 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
     dB = (b_proxy - b_exact)[mask].abs()
     dA = (a_proxy - a_exact)[mask].abs()
     scale = a_exact[mask].abs().mean().clamp(min=1e-12)
+    vals = torch.stack([dB.mean(), dB.max(), dA.mean(), dA.mean() / scale,
+                        (dA > 0.01 * scale).double().mean(), scale,
+                        mask.sum().double()]).tolist()  # one host read
     return pd.DataFrame([{
         "state": state,
-        "mean_abs_dB": float(dB.mean()),
-        "max_abs_dB": float(dB.max()),
-        "mean_abs_dA": float(dA.mean()),
-        "rel_dA": float(dA.mean() / scale),
-        "frac_tokens_dA_gt_1pct": float((dA > 0.01 * scale).double().mean()),
-        "mean_abs_A_exact": float(scale),
-        "n_tokens": int(mask.sum()),
+        "mean_abs_dB": vals[0],
+        "max_abs_dB": vals[1],
+        "mean_abs_dA": vals[2],
+        "rel_dA": vals[3],
+        "frac_tokens_dA_gt_1pct": vals[4],
+        "mean_abs_A_exact": vals[5],
+        "n_tokens": int(vals[6]),
     }])
 
 

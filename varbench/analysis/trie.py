@@ -18,6 +18,7 @@ advantage; ``A`` = advantage):
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -39,16 +40,19 @@ def prefix_node_ids(
     check_shape("tokens", tokens, [None, None, None])
     check_shape("mask", mask, list(tokens.shape))
     P, G, T = tokens.shape
+    dev = tokens.device
+    mask = mask.to(dev)
     kind = (mask != 0).long() * _POLICY
     if env_mask is not None:
         check_shape("env_mask", env_mask, list(tokens.shape))
-        kind = torch.where((env_mask != 0) & (mask == 0), torch.full_like(kind, _ENV), kind)
-    group = torch.arange(P).repeat_interleave(G)  # [P*G]
+        kind = torch.where((env_mask.to(dev) != 0) & (mask == 0), torch.full_like(kind, _ENV),
+                           kind)
+    group = torch.arange(P, device=dev).repeat_interleave(G)  # [P*G]
     tok = tokens.reshape(P * G, T).long()
     knd = kind.reshape(P * G, T)
-    parent = torch.zeros(P * G, dtype=torch.long)
-    ids = torch.full((P * G, T), -1, dtype=torch.long)
-    alive = torch.ones(P * G, dtype=torch.bool)
+    parent = torch.zeros(P * G, dtype=torch.long, device=dev)
+    ids = torch.full((P * G, T), -1, dtype=torch.long, device=dev)
+    alive = torch.ones(P * G, dtype=torch.bool, device=dev)
     for t in range(T):
         alive = alive & (knd[:, t] != 0)  # padding ends a response's path through the trie
         key = torch.stack([group, parent, tok[:, t], knd[:, t], alive.long()], 1)
@@ -82,18 +86,20 @@ def shared_steps(
     for name, x in (("adv", adv), ("coef", coef), ("mask", mask)):
         check_shape(name, x, list(tokens.shape))
     P, G, T = tokens.shape
+    dev = tokens.device
     ids = prefix_node_ids(tokens, mask, env_mask)
     valid = ids >= 0
     pp, ii, tt = valid.nonzero(as_tuple=True)
-    width = int(ids.max().item()) + 1 if valid.any() else 1
+    # ids are all -1 when no step is valid (width 1 then)
+    width = max(int(ids.max().item()) + 1, 1) if ids.numel() else 1
     key = (pp * T + tt) * width + ids[pp, ii, tt]
     nodes, inv, size = torch.unique(key, return_inverse=True, return_counts=True)
     n = nodes.numel()
-    a = adv[pp, ii, tt].double()
-    c = coef[pp, ii, tt].double()
+    a = adv.to(dev)[pp, ii, tt].double()
+    c = coef.to(dev)[pp, ii, tt].double()
 
     def seg(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float64).index_add_(0, inv, x)
+        return torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, inv, x)
 
     sum_ca, sum_a, sum_c, abs_ca = seg(c * a), seg(a), seg(c), seg((c * a).abs())
     cnt = size.double()
@@ -105,34 +111,45 @@ def shared_steps(
     grad_ratio = nan.clone()
     if token_grads is not None:
         check_shape("token_grads", token_grads, [P, G, T, None])
-        g = token_grads[pp, ii, tt].double()  # [N, K]
-        net = torch.zeros(n, g.shape[1], dtype=torch.float64)
+        g = token_grads.to(dev)[pp, ii, tt].double()  # [N, K]
+        net = torch.zeros(n, g.shape[1], dtype=torch.float64, device=dev)
         net.index_add_(0, inv, (c * a)[:, None] * g)
         denom = seg((c * a).abs() * g.norm(dim=1))
         grad_ratio = torch.where(denom > 0, net.norm(dim=1) / denom.clamp(min=1e-300), nan)
     node_t = (nodes // width) % T
     node_p = nodes // (width * T)
-    first = torch.full((n,), -1, dtype=torch.long).scatter_reduce(
-        0, inv, torch.arange(inv.numel()), reduce="amax", include_self=True
+    first = torch.full((n,), -1, dtype=torch.long, device=dev).scatter_reduce(
+        0, inv, torch.arange(inv.numel(), device=dev), reduce="amax", include_self=True
     )
-    df = pd.DataFrame(
-        {
-            "p": node_p.numpy(),
-            "t": node_t.numpy(),
-            "token": tokens[pp, ii, tt][first].long().numpy(),
-            "size": size.numpy(),
-            "full_group": (size == G).numpy(),
-            "sum_A": sum_a.numpy(),
-            "residual": sum_ca.abs().numpy(),
-            "exchangeable": (c_bar * sum_a).abs().numpy(),
-            "abs_sum": abs_ca.numpy(),
-            "rel_residual": rel.numpy(),
-            "weighting_residual": torch.where(ok, wres / abs_ca.clamp(min=1e-300), nan).numpy(),
-            "scalar_ratio": rel.numpy(),
-            "grad_ratio": grad_ratio.numpy(),
-        }
-    )
+    cols = {
+        "p": node_p,
+        "t": node_t,
+        "token": tokens[pp, ii, tt][first].long(),
+        "size": size,
+        "full_group": size == G,
+        "sum_A": sum_a,
+        "residual": sum_ca.abs(),
+        "exchangeable": (c_bar * sum_a).abs(),
+        "abs_sum": abs_ca,
+        "rel_residual": rel,
+        "weighting_residual": torch.where(ok, wres / abs_ca.clamp(min=1e-300), nan),
+        "scalar_ratio": rel,
+        "grad_ratio": grad_ratio,
+    }
+    df = _frame(cols, ints=("p", "t", "token", "size"), bools=("full_group",))
     return df[df["size"] >= min_size].reset_index(drop=True)
+
+
+def _frame(cols: dict[str, torch.Tensor], *, ints: tuple[str, ...] = (),
+           bools: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A DataFrame of equal-length device columns, moved to the host in ONE transfer
+    (float64 holds the integer columns exactly: ids and counts are far below 2**53)."""
+    host = torch.stack([x.double() for x in cols.values()], 1).cpu().numpy()
+    data = {}
+    for j, k in enumerate(cols):
+        x = host[:, j]
+        data[k] = x.astype(np.int64) if k in ints else x.astype(bool) if k in bools else x
+    return pd.DataFrame(data)
 
 
 def token_net_weight(
@@ -150,17 +167,16 @@ def token_net_weight(
     """
     for name, x in (("adv", adv), ("coef", coef), ("mask", mask)):
         check_shape(name, x, list(tokens.shape))
-    m = mask != 0
+    dev = tokens.device
+    m = mask.to(dev) != 0
     tok = tokens[m].long()
-    ca = (coef[m] * adv[m]).double()
+    ca = (coef.to(dev)[m] * adv.to(dev)[m]).double()
     V = int(tok.max().item()) + 1 if tok.numel() else 1
     count = torch.bincount(tok, minlength=V)
-    net = torch.zeros(V, dtype=torch.float64).index_add_(0, tok, ca)
-    absw = torch.zeros(V, dtype=torch.float64).index_add_(0, tok, ca.abs())
-    df = pd.DataFrame(
-        {"token": range(V), "count": count.numpy(), "net_weight": net.numpy(),
-         "abs_weight": absw.numpy()}
-    )
+    net = torch.zeros(V, dtype=torch.float64, device=dev).index_add_(0, tok, ca)
+    absw = torch.zeros(V, dtype=torch.float64, device=dev).index_add_(0, tok, ca.abs())
+    df = _frame({"token": torch.arange(V, device=dev), "count": count, "net_weight": net,
+                 "abs_weight": absw}, ints=("token", "count"))
     df = df[df["count"] > 0]
     df["rel_net"] = (df["net_weight"].abs() / df["abs_weight"]).where(df["abs_weight"] > 0)
     df = df.sort_values(["count", "token"], ascending=[False, True]).reset_index(drop=True)

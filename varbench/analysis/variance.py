@@ -110,8 +110,7 @@ def group_estimates(vec: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, lo
     # no clip is active): no Python loop over groups in the loss terms.
     coef = -token_coefficients(logp, logp, adv, mask, mode, max_len=max_len)
     wb = aggregation_weights(mask, mode, max_len=max_len, dtype=torch.float64)
-    wg = torch.cat([aggregation_weights(mask[m : m + 1], mode, max_len=max_len,
-                                        dtype=torch.float64) for m in range(adv.shape[0])])
+    wg = aggregation_weights(mask, mode, max_len=max_len, dtype=torch.float64, per_group=True)
     coef = coef.double() * torch.where(wb > 0, wg / torch.where(wb > 0, wb, 1), 0)
     # The one contraction (varbench.grads.vectors.combine): in the vectors' dtype, no
     # per-scheme copy of the large [M, G, T, K] tensor.
@@ -175,9 +174,8 @@ def _coef_fn(label: str, mode: str, *, topk_k: int, max_len: int):
     def fn(R, mask):
         adv = advantages(scheme_of(label), R, mask != 0, k=topk_k)
         lp = torch.zeros_like(adv)
-        return torch.stack([-token_coefficients(lp[c : c + 1], lp[c : c + 1], adv[c : c + 1],
-                                                mask[c : c + 1], mode, max_len=max_len)[0]
-                            for c in range(R.shape[0])])
+        # every configuration its own batch of G, in one pass (no loop over configurations)
+        return -token_coefficients(lp, lp, adv, mask, mode, max_len=max_len, per_group=True)
     return None if label.endswith("_exact") else fn
 
 
@@ -220,16 +218,18 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     T = mask.shape[-1]
     logp, spsq, tsq = grp(data["logprobs"]), grp(data["sum_pi_sq"]), grp(data["token_sq"])
     rewards = data["rewards"][0, :n].reshape(M, G).to(logp.dtype)
-    tokens = mask.sum((1, 2)).double()
+    tokens = mask.sum((1, 2)).double().cpu()
     agree = (rewards == rewards[:, :1]).all(1).double().mean()
-    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((1 + level) / 2)))
+    z = float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(
+        torch.tensor((1 + level) / 2, device="cpu")))
     rows, paired, est = [], [], {}
     for label in labels:
         adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)
         nonzero = ((adv != 0) & mask).any(-1).double().mean()
         for mode in modes:
-            r = None if ref is None else ref * _mode_scale(mode, mean_len, max_len)
-            e = group_estimates(vec, adv, mask.to(logp.dtype), logp, mode, max_len=max_len)
+            r = None if ref is None else ref.cpu() * _mode_scale(mode, mean_len, max_len)
+            # the statistics are host code (floats out): the [M, K] estimates move there once
+            e = group_estimates(vec, adv, mask.to(logp.dtype), logp, mode, max_len=max_len).cpu()
             st = variance_stats(e, r, tokens=tokens)
             row = {"scheme": label, "G": G, "mode": mode, "M": M, "T": T}
             for k in VARIANCE_STATS:

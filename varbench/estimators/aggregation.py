@@ -32,7 +32,7 @@ AGGREGATION_MODES: tuple[str, ...] = (
 
 def aggregation_weights(
     mask: torch.Tensor, mode: str, *, max_len: int | None = None, dtype: torch.dtype | None = None,
-    conventions: str = "varbench",
+    conventions: str = "varbench", per_group: bool = False,
 ) -> torch.Tensor:
     """omega ``[..., T]`` (same shape as ``mask``, e.g. ``[P, G, T]``); exactly 0 where mask is 0.
 
@@ -41,6 +41,10 @@ def aggregation_weights(
     defaults to the mask's dtype when floating, else float32. Caveat: only token-mean and
     seq-mean-token-sum(-norm) give a response weight independent of its own length; the
     ``1/|o_i|`` of seq-mean-token-mean breaks exchangeability (docs/science.md section 4).
+
+    ``per_group=True``: the first dimension indexes independent batches (e.g. the M groups
+    ``[M, G, T]`` of one prompt, each its own batch of B = G), exactly as one call per
+    ``mask[m : m + 1]``, in one pass and with one check.
     """
     check_choice("mode", mode, AGGREGATION_MODES)
     check_choice("conventions", conventions, CONVENTIONS)
@@ -50,14 +54,23 @@ def aggregation_weights(
         dtype = mask.dtype if mask.is_floating_point() else torch.get_default_dtype()
     m = (mask != 0).to(dtype)
     T = mask.shape[-1]
-    n_seq = max(mask.numel() // max(T, 1), 1)
+    if per_group and mask.dim() < 2:
+        raise UsageError("per_group=True needs a mask [M, ..., T] with a group dimension")
+    lead = mask.shape[0] if per_group else 1
+    # the group's own sums broadcast back over it ([M, 1, ..., 1]; a 0-dim sum without groups)
+    group = (lambda x: x.reshape(lead, -1).sum(1).reshape(lead, *[1] * (mask.dim() - 1))
+             ) if per_group else (lambda x: x.sum())
+    n_seq = max(mask.numel() // max(T, 1) // max(lead, 1), 1)
     verl = conventions == "verl"
     if verl:  # verl: fully masked rows leave the sequence count
-        n_seq = max(int((m.sum(-1) > 0).sum()), 1)
+        n_seq = (group((m.sum(-1, keepdim=True) > 0).to(torch.int64)).clamp(min=1)
+                 if per_group else max(int((m.sum(-1) > 0).sum()), 1))
     if mode == "token-mean":
-        total = m.sum()
-        if not bool(total > 0):
-            raise UsageError("mask has no valid token; token-mean would divide by zero")
+        total = group(m)
+        if not bool((total > 0).all()):
+            raise UsageError("mask has no valid token"
+                             + (" in some group" if per_group else "")
+                             + "; token-mean would divide by zero")
         return m / total
     if mode == "seq-mean-token-mean":
         length = m.sum(-1, keepdim=True)

@@ -40,15 +40,18 @@ def token_coefficients(
     max_len: int | None = None,
     clip_ratio_c: float | None = None,
     conventions: str = "varbench",
+    per_group: bool = False,
 ) -> torch.Tensor:
     """``c[P, G, T]``: the scalar multiplying ``grad logp_{i,t}`` in ``grad policy_loss``.
 
-    Same arguments as :func:`policy_loss`. This is the gradient of the loss (to minimise): the
-    ascent direction's coefficient is ``-c``. Exactly 0 where mask is 0. At the measure-zero
-    points where ``r`` equals a clip bound exactly, autograd's subgradient is used (clip inactive).
+    Same arguments as :func:`policy_loss`; ``per_group=True``: each ``[G, T]`` slice of the first
+    dimension is its own batch (bitwise one call per ``[c : c + 1]``, in one pass and one
+    check). This is the gradient of the loss (to minimise): the ascent direction's coefficient
+    is ``-c``. Exactly 0 where mask is 0. At the measure-zero points where ``r`` equals a clip
+    bound exactly, autograd's subgradient is used (clip inactive).
     """
     t = _terms(logp.detach(), logp_old, adv, mask, mode, clip, ratio, max_len, clip_ratio_c,
-               conventions)
+               conventions, per_group)
     act = -t.adv * t.clipped <= -t.adv * t.ratio
     if t.dual is not None:
         act = act & ~t.dual

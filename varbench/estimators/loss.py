@@ -62,8 +62,10 @@ def _terms(
     max_len: int | None,
     clip_ratio_c: float | None = None,
     conventions: str = "varbench",
+    per_group: bool = False,
 ) -> _Terms:
-    """Shared by the loss and the coefficients so both read one formula."""
+    """Shared by the loss and the coefficients so both read one formula (``per_group``: the
+    first dimension indexes independent batches, see ``aggregation_weights``)."""
     check_choice("ratio", ratio, RATIO_KINDS)
     for name, x in (("logp_old", logp_old), ("adv", adv), ("mask", mask)):
         if not isinstance(x, torch.Tensor) or x.shape != logp.shape:
@@ -76,7 +78,7 @@ def _terms(
                          "(or None: no dual clip)")
     m = mask != 0
     omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype,
-                                conventions=conventions)
+                                conventions=conventions, per_group=per_group)
     diff = torch.where(m, logp - logp_old.detach(), 0)
     if ratio in ("sequence", "sequence-token"):
         length = m.sum(-1, keepdim=True).clamp(min=1).to(logp.dtype)

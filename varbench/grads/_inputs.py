@@ -33,11 +33,17 @@ def check_inputs(
     attention_mask = attention_mask.to(input_ids.device).long()
     if L < 2:
         raise UsageError(f"input_ids has length L={L}; need L >= 2 to have a predicted token")
-    if not torch.all((response_mask == 0) | (response_mask == 1)):
+    # the three checks read in one host sync
+    not_binary, first, padded = torch.stack([
+        ~torch.all((response_mask == 0) | (response_mask == 1)),
+        torch.any(response_mask[:, 0] != 0),
+        torch.any((response_mask != 0) & (attention_mask == 0)),
+    ]).tolist()
+    if not_binary:
         raise UsageError("response_mask must contain only 0 and 1")
-    if torch.any(response_mask[:, 0] != 0):
+    if first:
         raise UsageError("response_mask[:, 0] must be 0: nothing predicts the first token")
-    if torch.any((response_mask != 0) & (attention_mask == 0)):
+    if padded:
         raise UsageError("response_mask is 1 where attention_mask is 0 (a padded position)")
     return input_ids.long(), response_mask, attention_mask
 

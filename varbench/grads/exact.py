@@ -7,7 +7,9 @@ used twice: a chunk whose last token sits at column t1 runs its forward on ``inp
 only (later positions cannot influence it), and tokens with ``response_mask == 0`` (prompt,
 environment, padding) cost nothing. Prefix norms ``||sum_{j<=t} g_j||^2`` stream with one
 running vector per parameter (O(P) memory); only a ``chunk_size x P`` block of per-token
-gradients ever exists, never ``T x P``.
+gradients ever exists, never ``T x P``. The chunks are planned from one host read of the
+mask (no host sync per chunk); :func:`iter_token_grads` can pack several short sequences into
+one forward (the default on CUDA, where a forward's launch cost dominates a short sequence).
 
 Models: any causal LM that ``varbench.models.forward.forward_logits`` can run and whose ops
 have vmap batching rules for their backward (transformers' eager and sdpa attention do).
@@ -26,15 +28,15 @@ from tqdm.auto import tqdm
 from varbench._util.checks import check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.grads._inputs import eval_mode, prepare
+from varbench.grads.chunking import DEFAULT_CHUNK, MEMORY_FRACTION, auto_chunk, cotangent_bytes
 from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
 from varbench.models.arch import check_finite_logits
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs, upcast
 
-# measured on the small preset (CPU, 1 thread, one sequence, process CPU seconds):
-# T=128: 8 -> 1.50-1.57, 16 -> 1.60-1.68, 32 -> 1.86-1.97; T=512: 8 -> 25.6, 16 -> 26.9
-DEFAULT_CHUNK = 8
+__all__ = ["DEFAULT_CHUNK", "TokenGradNorms", "iter_token_grads", "last_response_value",
+           "token_chunks", "token_grad_norms"]
 
 
 @dataclass
@@ -69,6 +71,33 @@ def last_response_value(x: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     return x[torch.arange(B, device=x.device), last]
 
 
+def token_chunks(response_mask: torch.Tensor, chunk_size: int, *,
+                 pack: bool = False) -> list[tuple[int, int, int, int, int]]:
+    """The harness's chunks ``(start, stop, row_lo, row_hi, end)`` over the response tokens.
+
+    Tokens are listed row-major (``torch.nonzero(response_mask)``); a chunk is the slice
+    ``start:stop`` of that list (at most ``chunk_size`` tokens), from rows ``row_lo..row_hi``,
+    whose forward runs on columns ``:end`` (causality: later columns cannot matter). Without
+    ``pack`` a chunk never leaves its row (one sequence per forward); with ``pack`` it takes
+    the next ``chunk_size`` tokens whatever their rows (several short sequences per forward).
+    One host read of the mask per call (the plan), none per chunk.
+    """
+    nz = torch.nonzero(response_mask, as_tuple=False).tolist()  # the one host sync
+    chunks = []
+    i, n = 0, len(nz)
+    while i < n:
+        j = min(i + chunk_size, n)
+        if not pack:  # stop at the row's end
+            b = nz[i][0]
+            j = i + 1
+            while j < n and j - i < chunk_size and nz[j][0] == b:
+                j += 1
+        end = max(c for _, c in nz[i:j]) + 1
+        chunks.append((i, j, nz[i][0], nz[j - 1][0], end))
+        i = j
+    return chunks
+
+
 def iter_token_grads(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -78,39 +107,46 @@ def iter_token_grads(
     chunk_size: int,
     *,
     progress: bool | None = None,
-) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
-    """Yield ``(b, cols [C], grads)`` with ``grads[i]`` the ``[C, numel_i]`` per-token gradients
-    of ``params[i]`` for the response tokens ``cols`` of sequence b, in increasing column order.
+    pack: bool | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    """Yield ``(rows [C], cols [C], grads)`` with ``grads[i]`` the ``[C, numel_i]`` per-token
+    gradients of ``params[i]`` for the response tokens ``(rows[c], cols[c])``, row-major.
 
+    ``rows``/``cols`` are long tensors on the parameters' device, where the inputs are moved.
+    ``pack``: several sequences per forward (a chunk takes the next ``chunk_size`` tokens
+    whatever their rows; :func:`token_chunks`); default on CUDA only, where a forward's launch
+    cost dominates a short sequence (each cotangent's backward then spans the packed rows).
     Inputs are assumed checked (:func:`check_inputs`); the model is put in eval mode.
     """
-    B = input_ids.shape[0]
-    total = int(response_mask.sum().item())
-    bar = tqdm(total=total, desc="per-token grads", disable=not show_progress(progress),
+    dev = params[0].device
+    input_ids, response_mask, attention_mask = (
+        x.to(dev) for x in (input_ids, response_mask, attention_mask))
+    pack = dev.type == "cuda" if pack is None else bool(pack)
+    nz = torch.nonzero(response_mask, as_tuple=False)  # [N, 2] on the device
+    plan = token_chunks(response_mask, chunk_size, pack=pack)
+    bar = tqdm(total=nz.shape[0], desc="per-token grads", disable=not show_progress(progress),
                leave=False)
     with eval_mode(model):
-        for b in range(B):
-            cols_b = torch.nonzero(response_mask[b], as_tuple=False).flatten()
-            for start in range(0, cols_b.numel(), chunk_size):
-                cols = cols_b[start : start + chunk_size]
-                end = int(cols[-1].item()) + 1  # causal: columns >= end cannot matter
-                ids = input_ids[b : b + 1, :end]
-                am = attention_mask[b : b + 1, :end]
-                with torch.enable_grad():
-                    logits = forward_logits(model, ids, am).logits
-                    lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
-                    eye = torch.eye(cols.numel(), dtype=lp.dtype, device=lp.device)
-                    grads = torch.autograd.grad(
-                        lp, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True
-                    )
-                flat = [
-                    torch.zeros(cols.numel(), p.numel(), dtype=lp.dtype, device=lp.device)
-                    if g is None
-                    else g.reshape(cols.numel(), -1)
-                    for g, p in zip(grads, params, strict=True)
-                ]
-                yield b, cols, flat
-                bar.update(cols.numel())
+        for start, stop, lo, hi, end in plan:
+            rows, cols = nz[start:stop, 0], nz[start:stop, 1]
+            C = stop - start
+            ids = input_ids[lo : hi + 1, :end]
+            am = attention_mask[lo : hi + 1, :end]
+            with torch.enable_grad():
+                logits = forward_logits(model, ids, am).logits
+                lp = token_logprobs(upcast(logits), ids)[rows - lo, cols]  # [C]
+                eye = torch.eye(C, dtype=lp.dtype, device=dev)
+                grads = torch.autograd.grad(
+                    lp, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True
+                )
+            flat = [
+                torch.zeros(C, p.numel(), dtype=lp.dtype, device=dev)
+                if g is None
+                else g.reshape(C, -1)
+                for g, p in zip(grads, params, strict=True)
+            ]
+            yield rows, cols, flat
+            bar.update(C)
     bar.close()
 
 
@@ -122,21 +158,24 @@ def token_grad_norms(
     *,
     params: ParamFilter = None,
     groups: GroupSpec = False,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     method: str = "ghost",
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     accumulate: torch.dtype | None = None,
     progress: bool | None = None,
+    memory_fraction: float = MEMORY_FRACTION,
 ) -> TokenGradNorms:
     """Exact ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` (each ``[B, L]``) of a causal LM.
 
     ``params``: parameter filter (see :func:`varbench.grads.params.select_params`);
     ``groups``: True (embeddings / each block's attention and MLP / final norm / head) or a
     callable name -> group, adding ``[B, L, n_groups]`` breakdowns; ``chunk_size``: tokens per
-    batched backward; ``method``: 'ghost' (default: Linear/Embedding weights by Gram-matrix
-    ghost norms, see :mod:`varbench.grads.ghost`; memory ~ chunk_size x activations) or
-    'materialize' (every per-token gradient formed, memory ~ chunk_size x P); ``dtype``/``device``:
+    batched backward (default: ``DEFAULT_CHUNK`` on the CPU, on CUDA from ``memory_fraction``
+    of the free device memory, :func:`varbench.grads.chunking.auto_chunk`); ``method``:
+    'ghost' (default: Linear/Embedding weights by Gram-matrix ghost norms, see
+    :mod:`varbench.grads.ghost`; memory ~ chunk_size x activations) or 'materialize' (every
+    per-token gradient formed, memory ~ chunk_size x P); ``dtype``/``device``:
     run on a copy of the model (float64 for validation: :func:`varbench.grads.exact_float64`
     gives a model that is float64 throughout); ``accumulate``: dtype of norms, Grams and
     prefix sums (default float32, float64 for a float64 model; pass torch.float64 to ask for
@@ -146,7 +185,8 @@ def token_grad_norms(
     products on short prefixes), plus one forward per chunk (4-11% of the total at chunk
     8-16, measured on the small preset) and one inspection forward per call.
     """
-    check_positive_int("chunk_size", chunk_size)
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
     check_choice("method", method, ["ghost", "materialize"])
     model, input_ids, response_mask, attention_mask = prepare(
         model, input_ids, response_mask, attention_mask, dtype, device
@@ -164,12 +204,20 @@ def token_grad_norms(
     acc = acc_dtype(next(model.parameters()).dtype, accumulate)
     tok = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
-    rows = [b for b in range(B) if response_mask[b].any()]
+    n_mat = 0 if method == "ghost" else sum(p.numel() for _, p in chosen)
+    chunk_size = auto_chunk(dev, cotangent_bytes(model, L, n_mat), chunk_size=chunk_size,
+                            memory_fraction=memory_fraction)
+    # the plan of every chunk, read from the mask once (no host sync per chunk)
+    nz = torch.nonzero(response_mask, as_tuple=False)  # [N, 2] on the device
+    plan = token_chunks(response_mask, chunk_size)
+    first = {}
+    for start, _, b, _, _ in plan:
+        first.setdefault(b, start)
 
     def probe() -> tuple[int, torch.Tensor]:
         # the inspection forward: the first sequence with a response, up to its last token
-        b = rows[0] if rows else 0
-        end = int(torch.nonzero(response_mask[b]).max().item()) + 1 if rows else L
+        b = plan[0][2] if plan else 0
+        end = max((e for _, _, r, _, e in plan if r == b), default=L)
         with eval_mode(model):
             logits = forward_logits(model, input_ids[b : b + 1, :end],
                                     attention_mask[b : b + 1, :end]).logits
@@ -177,11 +225,11 @@ def token_grad_norms(
         return end, logits
 
     if method == "ghost":
-        plan = plan_modules(model, chosen, probe)
+        plan_m = plan_modules(model, chosen, probe)
     else:
         probe()
-        plan = ModulePlan(rest=list(chosen), methods={n: "materialize" for n in names})
-    ghost_plan, rest = [(m, n, f) for m, n, f in plan.ghost], plan.rest
+        plan_m = ModulePlan(rest=list(chosen), methods={n: "materialize" for n in names})
+    ghost_plan, rest = [(m, n, f) for m, n, f in plan_m.ghost], plan_m.rest
     ghosts = [GhostModule(m, group_of[n], L, form=f, acc=acc) for m, n, f in ghost_plan]
     calls = {id(g): 0 for g in ghosts}
 
@@ -196,55 +244,59 @@ def token_grad_norms(
                for gm in ghosts]
     rest_p = [p for _, p in rest]
     rest_g = [group_of[n] for n, _ in rest]
-    total = int(response_mask.sum().item())
-    bar = tqdm(total=total, desc="per-token grads", disable=not show_progress(progress),
+    bar = tqdm(total=nz.shape[0], desc="per-token grads", disable=not show_progress(progress),
                leave=False)
+    nan_lp = torch.zeros((), dtype=torch.bool, device=dev)  # read once, after the loop
+    running: list[torch.Tensor] = []
     try:
         with eval_mode(model):
-            for b in range(B):
-                for gm in ghosts:
-                    gm.reset()
-                running = [torch.zeros(p.numel(), dtype=acc, device=dev) for p in rest_p]
-                cols_b = torch.nonzero(response_mask[b], as_tuple=False).flatten()
-                for start in range(0, cols_b.numel(), chunk_size):
-                    cols = cols_b[start : start + chunk_size]
-                    C = cols.numel()
-                    end = int(cols[-1].item()) + 1  # causal: columns >= end cannot matter
-                    ids = input_ids[b : b + 1, :end]
+            for start, stop, b, _, end in plan:
+                if first[b] == start:  # a new sequence: its prefix sums start at 0
                     for gm in ghosts:
-                        calls[id(gm)] = 0
-                    with torch.enable_grad():
-                        logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
-                        lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
-                        if bool(torch.isnan(lp).any()):
-                            check_finite_logits(model, logits, "the gradient harness's forward")
-                        if any(c != 1 for c in calls.values()):
-                            raise RuntimeError(
-                                "a Linear/Embedding ran more or less than once per forward; "
-                                "use method='materialize'"
-                            )
-                        targets = [gm.out for gm in ghosts] + rest_p
-                        eye = torch.eye(C, dtype=lp.dtype, device=dev)
-                        grads = torch.autograd.grad(
-                            lp, targets, grad_outputs=eye, is_grads_batched=True, allow_unused=True
+                        gm.reset()
+                    running = [torch.zeros(p.numel(), dtype=acc, device=dev) for p in rest_p]
+                cols = nz[start:stop, 1]
+                C = stop - start
+                ids = input_ids[b : b + 1, :end]
+                for gm in ghosts:
+                    calls[id(gm)] = 0
+                with torch.enable_grad():
+                    logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
+                    lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
+                    nan_lp |= torch.isnan(lp).any()
+                    if any(c != 1 for c in calls.values()):
+                        raise RuntimeError(
+                            "a Linear/Embedding ran more or less than once per forward; "
+                            "use method='materialize'"
                         )
-                    for gm, d in zip(ghosts, grads[: len(ghosts)], strict=True):
-                        if d is None:
-                            continue
-                        t_sq, p_sq = gm.norms(d.reshape(C, end, -1))
-                        tok[b, cols, gm.group] += t_sq
-                        pre[b, cols, gm.group] += p_sq
-                    for i, g in enumerate(grads[len(ghosts) :]):
-                        if g is None:
-                            g = torch.zeros(C, rest_p[i].numel(), dtype=acc, device=dev)
-                        g = g.reshape(C, -1).to(acc)
-                        tok[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
-                        cum = g.clone()
-                        cum[0] += running[i]
-                        cumsum_rows_(cum)
-                        pre[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", cum, cum)
-                        running[i] = cum[-1].clone()
-                    bar.update(C)
+                    targets = [gm.out for gm in ghosts] + rest_p
+                    eye = torch.eye(C, dtype=lp.dtype, device=dev)
+                    grads = torch.autograd.grad(
+                        lp, targets, grad_outputs=eye, is_grads_batched=True, allow_unused=True
+                    )
+                for gm, d in zip(ghosts, grads[: len(ghosts)], strict=True):
+                    if d is None:
+                        continue
+                    t_sq, p_sq = gm.norms(d.reshape(C, end, -1))
+                    tok[b, cols, gm.group] += t_sq
+                    pre[b, cols, gm.group] += p_sq
+                for i, g in enumerate(grads[len(ghosts) :]):
+                    if g is None:
+                        g = torch.zeros(C, rest_p[i].numel(), dtype=acc, device=dev)
+                    g = g.reshape(C, -1).to(acc)
+                    tok[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
+                    cum = g.clone()
+                    cum[0] += running[i]
+                    cumsum_rows_(cum)
+                    pre[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", cum, cum)
+                    running[i] = cum[-1].clone()
+                bar.update(C)
+        if bool(nan_lp):  # one sync per call: name the model on NaN log-probs
+            for _, _, b, _, end in plan:
+                with eval_mode(model), torch.no_grad():
+                    logits = forward_logits(model, input_ids[b : b + 1, :end],
+                                            attention_mask[b : b + 1, :end]).logits
+                check_finite_logits(model, logits, "the gradient harness's forward")
     finally:
         for h in handles:
             h.remove()
@@ -259,7 +311,7 @@ def token_grad_norms(
         diag_prefix_sq=diag.sum(-1),
         sequence_sq=last_response_value(pre.sum(-1), response_mask),
     )
-    out.methods = plan.methods
+    out.methods = plan_m.methods
     if groups is not False:
         out.group_names = group_names
         out.group_token_sq, out.group_prefix_sq, out.group_diag_prefix_sq = tok, pre, diag

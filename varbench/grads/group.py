@@ -66,15 +66,17 @@ def group_gradients(
     plist = [p for _, p in select_params(model, params)]
     check_sketch(sketch, plist)
     flat = batch.flat()
+    # moved to the model's device once, not per group
+    input_ids, attention_mask, c = (x.to(dev) for x in (flat.input_ids, flat.attention_mask, c))
     G = batch.G
     rows = []
     with eval_mode(model):
         for p in range(batch.P):
             sl = slice(p * G, (p + 1) * G)
-            ids = flat.input_ids[sl].to(dev)
-            logits = forward_logits(model, ids, flat.attention_mask[sl].to(dev)).logits
+            ids = input_ids[sl]
+            logits = forward_logits(model, ids, attention_mask[sl]).logits
             lp = token_logprobs(logits, ids)
-            loss = (lp * c[sl].to(dev, lp.dtype)).sum()
+            loss = (lp * c[sl].to(lp.dtype)).sum()
             g = flat_grads(torch.autograd.grad(loss, plist, allow_unused=True), plist)
             rows.append(sketch.apply(g) if sketch is not None else g)
     return torch.stack(rows)

@@ -33,8 +33,10 @@ class GaussianProbes:
     (a) ``k * estimate / ||g||^2 ~ chi2_k`` exactly, ``Var = 2 ||g||^4 / k`` per entry, and (b)
     the sample std of the k per-probe values over sqrt(k) is a valid error bar. The k buckets of
     a CountSketch are neither independent nor identically scaled probes, so neither holds for
-    them. Direction j is generated from ``seed * 1_000_003 + j`` alone (float64 normals on the
-    CPU, then cast and moved), never stored whole.
+    them. Direction j is generated from ``seed * 1_000_003 + j`` alone, by a generator on the
+    device it is used on (float64 normals on the CPU; on an accelerator normals in the model's
+    dtype, float32 at least), never stored whole and never copied from the host. CPU and CUDA
+    generators draw different directions for one seed (both iid N(0, I)).
     """
 
     k: int
@@ -47,9 +49,16 @@ class GaussianProbes:
 
     def direction(self, j: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
         """Probe j: ``[n]`` iid N(0, 1), a function of (seed, j, n) only."""
-        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + j)
-        v = torch.randn(n, generator=g, dtype=torch.float64, device="cpu")
-        return v.to(dtype=dtype, device=device)
+        device = torch.device(device)
+        if device.type == "meta":  # no values to draw
+            return torch.empty(n, dtype=dtype, device=device)
+        g = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + j)
+        # CPU: float64 draws (the historical directions); elsewhere the working dtype, so an
+        # accelerator never generates (or holds) P float64 numbers per probe
+        draw = (torch.float64 if device.type == "cpu"
+                else torch.promote_types(dtype, torch.float32))
+        v = torch.randn(n, generator=g, dtype=draw, device=device)
+        return v if v.dtype == dtype else v.to(dtype)
 
 
 class _LogProbs(torch.nn.Module):

@@ -26,7 +26,13 @@ import torch
 
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int, check_shape
 from varbench.grads._inputs import check_inputs
-from varbench.grads.exact import DEFAULT_CHUNK, iter_token_grads
+from varbench.grads.chunking import (
+    MEMORY_FRACTION,
+    auto_block_bytes,
+    auto_chunk,
+    cotangent_bytes,
+)
+from varbench.grads.exact import iter_token_grads
 from varbench.grads.params import ParamFilter, select_params
 
 
@@ -62,17 +68,19 @@ class CountSketch:
     in expectation over S.
 
     Hash: the buckets of every parameter, then the signs of every parameter, drawn in that
-    order by a CPU ``torch.Generator`` seeded with ``seed`` (the same S on every device and in
-    every run). Two ways to hold it, the same S either way:
+    order, ``chunk`` coordinates per draw, by a ``torch.Generator`` ON ``device`` seeded with
+    ``seed``: the state is generated where it is used, never copied. The same S in every run on
+    one device type; CPU and CUDA generators draw different numbers (a CUDA S differs from the
+    CPU S of the same seed, as sampled tokens do). Two ways to hold it, the same S either way:
 
     - stored (default while ``12 * D <= store_bytes``, 64 MiB: D up to ~5.6M): an int64 bucket
-      and a float32 sign per coordinate, moved ONCE to ``device`` (plus one sign copy per
-      further dtype applied);
+      and a float32 sign per coordinate on ``device`` (plus one sign copy per further dtype
+      applied);
     - streamed (larger D, or ``stream=True``): only the generator's state at every chunk of
-      ``chunk`` coordinates is kept (5 kB per chunk, on the host); each application redraws
-      the hash chunk by chunk (the CPU generator's stream is the same drawn whole or in
-      pieces), copies it to ``device`` and adds that chunk in, so the extra memory is
-      O(chunk), not O(D). The cost is one pass of the CPU generator over D per application.
+      ``chunk`` coordinates is kept (a few bytes to 5 kB per chunk, on the host); each
+      application redraws the hash chunk by chunk on ``device`` and adds that chunk in, so the
+      extra memory is O(chunk), not O(D). The cost is one pass of the generator over D per
+      application.
 
     Applying S costs one ``index_add_`` per parameter (chunk), O(D) per vector; inputs must be
     on ``device`` (nothing of theirs is copied). On the CPU the bucket sums are accumulated in
@@ -100,7 +108,8 @@ class CountSketch:
             seed = operator.index(seed)
         except TypeError:
             raise UsageTypeError(f"seed must be an int, got {type(seed).__name__}") from None
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        g = _generator(dev, seed)
         numels = [int(n) for n in numels]
         chunk = self.CHUNK if chunk is None else check_positive_int("chunk", chunk)
         if stream is None:
@@ -108,13 +117,13 @@ class CountSketch:
         self.seed: int | None = seed
         desc = f"countsketch(K={dim}, seed={seed})"
         if stream:
-            self._init_streamed(numels, dim, g, chunk, desc, device)
+            self._init_streamed(numels, dim, g, chunk, desc, dev)
             return
-        buckets = [torch.randint(0, dim, (n,), generator=g, device="cpu") for n in numels]
-        signs = [
-            torch.randint(0, 2, (n,), generator=g, device="cpu").float() * 2 - 1 for n in numels
-        ]
-        self._init(buckets, signs, dim, desc, device)
+        # drawn in the streamed chunks (identical on the CPU, whose stream does not depend on
+        # the pieces; on CUDA the Philox offset advances per draw, so the pieces must match)
+        buckets = [_draw(g, dim, n, chunk, dev) for n in numels]
+        signs = [_draw(g, 2, n, chunk, dev).float() * 2 - 1 for n in numels]
+        self._init(buckets, signs, dim, desc, dev)
 
     @classmethod
     def from_hashes(
@@ -183,7 +192,7 @@ class CountSketch:
         self.numels = tuple(numels)
         self.n_params = sum(numels)
         self.description = desc
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = device
         self.chunk = int(chunk)
         self.buckets, self._signs = None, None
         self._states: dict[str, list[list[torch.Tensor]]] = {}
@@ -192,8 +201,8 @@ class CountSketch:
             for n in numels:
                 states = []
                 for start in range(0, n, chunk):
-                    states.append(g.get_state())
-                    torch.randint(0, hi, (min(chunk, n - start),), generator=g)
+                    states.append(None if g is None else g.get_state())
+                    torch.randint(0, hi, (min(chunk, n - start),), generator=g, device=device)
                 per_param.append(states)
             self._states[kind] = per_param
 
@@ -207,16 +216,18 @@ class CountSketch:
         if not self.streamed:
             yield 0, self.buckets[i], self._signs_in(dtype)[i]
             return
-        g = torch.Generator(device="cpu")
+        g = _generator(self.device, 0)
         n = self.numels[i]
         for c, (sb, ss) in enumerate(zip(self._states["buckets"][i], self._states["signs"][i],
                                          strict=True)):
             start = c * self.chunk
             size = min(self.chunk, n - start)
-            g.set_state(sb)
-            b = torch.randint(0, self.dim, (size,), generator=g).to(self.device)
-            g.set_state(ss)
-            s = (torch.randint(0, 2, (size,), generator=g) * 2 - 1).to(self.device, dtype)
+            if g is not None:
+                g.set_state(sb)
+            b = torch.randint(0, self.dim, (size,), generator=g, device=self.device)
+            if g is not None:
+                g.set_state(ss)
+            s = (torch.randint(0, 2, (size,), generator=g, device=self.device) * 2 - 1).to(dtype)
             yield start, b, s
 
     def hashes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -313,7 +324,21 @@ class CountSketch:
         return self(torch.split(x, list(self.numels), dim=-1))
 
 
-BLOCK_BYTES = 1 << 28  # 256 MiB of per-token gradients per harness pass
+def _generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A seeded generator on ``device`` (None on ``meta``, which has no values to draw)."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _draw(g: torch.Generator | None, hi: int, n: int, chunk: int,
+          device: torch.device) -> torch.Tensor:
+    """``[n]`` uniform ints in ``[0, hi)`` from ``g`` on ``device``, ``chunk`` per draw."""
+    parts = [torch.randint(0, hi, (min(chunk, n - s),), generator=g, device=device)
+             for s in range(0, n, chunk)]
+    if not parts:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def param_blocks(numels: Sequence[int], chunk_size: int, block_bytes: int,
@@ -344,18 +369,21 @@ def token_vectors(
     sketch_seed: int = 0,
     sketch: CountSketch | None = None,
     params: ParamFilter = None,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     progress: bool = False,
     out_device: str | torch.device | None = None,
-    block_bytes: int = BLOCK_BYTES,
+    block_bytes: int | None = None,
+    memory_fraction: float = MEMORY_FRACTION,
+    pack: bool | None = None,
 ) -> TokenVectors:
     """Per-token gradient vectors of every response token of ``batch`` (a RolloutBatch).
 
     The sketch: ``sketch`` when given (a :class:`CountSketch` built for these ``params`` on the
     model's device; ``sketch_dim``/``sketch_seed`` are then ignored), else
     ``CountSketch(numels, sketch_dim, sketch_seed)`` on the model's device, or flat gradients
-    when ``sketch_dim`` is None or ``>= D``. Results are stored on ``out_device`` (default the
-    model's device: ``B*L*K`` floats); the model runs where its parameters are.
+    when ``sketch_dim`` is None or ``>= D``. Results accumulate on the model's device (``B*L*K``
+    floats) and are moved to ``out_device`` (default: stay there) once, at the end; the model
+    runs where its parameters are.
 
     Memory beyond the model: the ``[B, L, K]`` result, one block of per-token gradients and the
     sketch's state (O(chunk) when streamed, see :class:`CountSketch`). The parameters are cut
@@ -369,6 +397,12 @@ def token_vectors(
     ``token_sq`` are float32 (float64 for a float64 model) whatever the model dtype: bf16
     gradients are upcast before they are squared or sketched.
     Cost: the exact harness's per-token backward (about one backward per token over its prefix).
+
+    Knobs: ``chunk_size`` (tokens per batched backward) and ``block_bytes`` default to the CPU's
+    measured values (8, 256 MiB) and on CUDA to ``memory_fraction`` of the free device memory,
+    half for the chunk's activation gradients, half for the gradient block
+    (:mod:`varbench.grads.chunking`); ``pack``: several sequences per forward (default on CUDA,
+    :func:`varbench.grads.exact.iter_token_grads`).
     """
     flat = batch.flat()
     ids, rmask, amask = check_inputs(flat.input_ids, flat.response_mask, flat.attention_mask)
@@ -393,25 +427,30 @@ def token_vectors(
     B, L = ids.shape
     # statistics in float32 or better whatever the model dtype (bf16 sums lose ~3 digits)
     dtype = torch.float64 if plist[0].dtype == torch.float64 else torch.float32
-    vec = torch.zeros(B, L, K, dtype=dtype, device=out_device)
-    tsq = torch.zeros(B, L, dtype=dtype, device=out_device)
-    check_positive_int("block_bytes", block_bytes)
+    # accumulated on the model's device; moved to out_device once, at the end
+    vec = torch.zeros(B, L, K, dtype=dtype, device=dev)
+    tsq = torch.zeros(B, L, dtype=dtype, device=dev)
+    block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction)
+    # CUDA: the activation gradients of a chunk and the block of per-token gradients share
+    # the fraction half and half
+    chunk_size = auto_chunk(dev, cotangent_bytes(model, L), chunk_size=chunk_size,
+                            memory_fraction=memory_fraction / 2)
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
     for idx, chunk in param_blocks(numels, chunk_size, block_bytes, dtype.itemsize):
         block = [plist[i] for i in idx]
-        for b, cols, grads in iter_token_grads(model, ids, rmask, amask, block, chunk,
-                                               progress=progress):
+        for rows, cols, grads in iter_token_grads(model, ids, rmask, amask, block, chunk,
+                                                  progress=progress, pack=pack):
             if grads[0].dtype != dtype:
                 grads = [g.to(dtype) for g in grads]
-            at = cols.to(out_device)
-            tsq[b, at] += sum(g.pow(2).sum(1) for g in grads).to(out_device)
+            # (rows, cols) are distinct within a chunk: a plain indexed add is exact
+            tsq[rows, cols] += sum(g.pow(2).sum(1) for g in grads)
             if sk is None:
-                vec[b, at, offsets[idx[0]]:offsets[idx[-1] + 1]] = torch.cat(grads, 1).to(
-                    out_device)
+                vec[rows, cols, offsets[idx[0]]:offsets[idx[-1] + 1]] = torch.cat(grads, 1)
             else:
-                vec[b, at] += sk(grads, idx).to(out_device)
+                vec[rows, cols] += sk(grads, idx)
+    vec, tsq = vec.to(out_device), tsq.to(out_device)
     return TokenVectors(
         vec=batch.to_groups(vec),
         token_sq=batch.to_groups(tsq),

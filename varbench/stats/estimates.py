@@ -195,8 +195,8 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
     rows = gram.sum(1)
     ss = rows.sum()
     if ref is None:
-        xg = torch.zeros(M, dtype=torch.float64)
-        gg = torch.zeros((), dtype=torch.float64)
+        xg = torch.zeros(M, dtype=torch.float64, device=x.device)
+        gg = torch.zeros((), dtype=torch.float64, device=x.device)
     else:
         ref = ref.detach().to(torch.float64).reshape(-1)
         xg = x @ ref
@@ -205,9 +205,9 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
     cos = torch.where(norms > 0, xg / norms.clamp(min=1e-300), torch.zeros_like(xg))
     nz = (sq > 0).double()
     tok = (
-        torch.ones(M, dtype=torch.float64)
+        torch.ones(M, dtype=torch.float64, device=x.device)
         if tokens is None
-        else torch.as_tensor(tokens, dtype=torch.float64).reshape(M)
+        else torch.as_tensor(tokens, dtype=torch.float64, device=x.device).reshape(M)
     )
     full = _stats_from_sums(M, sq.sum(), ss, xg.sum(), gg, cos.sum(), tok.mean(), nz.sum())
     loo = _stats_from_sums(
@@ -222,8 +222,8 @@ def _jackknife_parts(x: torch.Tensor, ref: torch.Tensor | None, tokens: torch.Te
     )
     if ref is None:
         for k in ("bias", "bias2_debiased", "mse", "cosine", "projection", "cosine_nonzero"):
-            full[k] = torch.tensor(float("nan"), dtype=torch.float64)
-            loo[k] = torch.full((M,), float("nan"), dtype=torch.float64)
+            full[k] = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+            loo[k] = torch.full((M,), float("nan"), dtype=torch.float64, device=x.device)
     return full, loo
 
 

@@ -76,7 +76,7 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                  log: bool, level: float, n_boot: int, seed: int,
                  method: str) -> tuple[float, float, float, float]:
     """(theta, se, lo, hi) of ``fn(weights) -> (theta [B], se [B])`` by bootstrap-t over M."""
-    one = torch.ones(1, M, dtype=torch.float64)
+    one = torch.ones(1, M, dtype=torch.float64, device="cpu")  # host statistics
     th, se = (float(v[0]) for v in fn(one))
     z = _z(level)
     if not math.isfinite(th) or not math.isfinite(se):
@@ -90,9 +90,9 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
             return th, se, th * math.exp(-z * se / th), th * math.exp(z * se / th)
         return th, se, th - z * se, th + z * se
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, M, (n_boot, M), generator=g)
-    w = torch.zeros(n_boot, M, dtype=torch.float64).scatter_add_(
-        1, idx, torch.ones(n_boot, M, dtype=torch.float64))
+    idx = torch.randint(0, M, (n_boot, M), generator=g, device="cpu")
+    w = torch.zeros(n_boot, M, dtype=torch.float64, device="cpu").scatter_add_(
+        1, idx, torch.ones(n_boot, M, dtype=torch.float64, device="cpu"))
     tb, sb = fn(w)
     if log:
         ok = (tb > 0) & (sb > 0)
@@ -106,7 +106,7 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         return th, se, float("nan"), float("nan")
     alpha = (1 - level) / 2
     qlo, qhi = (float(v) for v in torch.quantile(t, torch.tensor([alpha, 1 - alpha],
-                                                                  dtype=t.dtype)))
+                                                                  dtype=t.dtype, device=t.device)))
     lo, hi = c - qhi * s, c - qlo * s
     if log:  # a degenerate t* distribution (few distinct groups) can reach beyond exp's range
         return th, se, math.exp(min(lo, 700.0)), math.exp(min(hi, 700.0))
@@ -116,7 +116,8 @@ def _bootstrap_t(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 def _z(level: float) -> float:
     if not 0 < level < 1:
         raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
-    return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((1 + level) / 2)))
+    half = torch.tensor((1 + level) / 2, device="cpu")
+    return float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(half))
 
 
 def group_intervals(
