@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from scipy import stats as sps
 
 from varbench.analysis.proxy import otb_baseline_records, proxy_correlation
@@ -101,3 +102,17 @@ def test_magnitude_methods_against_direct_formulas():
     assert df.loc["top5_share_y_by_x", "estimate"] == pytest.approx(top)
     assert df.loc["top5_share_x", "estimate"] == pytest.approx(np.sort(x)[::-1][:10].sum()
                                                                / x.sum())
+
+
+def test_library_cells_are_keyed_by_dtype(tmp_path):
+    """Called from Python (no application layer), the cell key still carries the policies'
+    device type and dtype: a float64 run never reads a float32 run's cells."""
+    task = get_task("sort")
+    pol = build_policy("micro")
+    kw = dict(n_prompts=1, G=2, n_boot=5, reward="positional", cache_dir=tmp_path)
+    proxy_correlation(pol, task, **kw)
+    n32 = len(list(tmp_path.glob("*.json")))
+    pol.model.to(torch.float64)
+    proxy_correlation(pol, task, **kw)
+    tags = {p.name.split("__")[0] for p in tmp_path.glob("*.json")}
+    assert n32 > 0 and len(tags) == 2

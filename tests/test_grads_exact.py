@@ -155,3 +155,18 @@ def test_iter_token_grads_yields_brute_force_rows(pack):
         multi += int(rows.unique().numel() > 1)
     assert seen == int(rm.sum())
     assert (multi > 0) == pack  # packed chunks do span sequences
+
+
+def test_fused_attention_is_switched_for_library_callers(monkeypatch):
+    """A fused kernel without a batched backward (CUDA flash SDPA, faked here) is switched to
+    math SDPA inside the harness itself, with a warning naming it; the numbers are unchanged."""
+    import varbench.grads.precision as precision
+
+    model = exact_float64(tiny_llama())
+    ids, rm, am = batch("right")
+    plain = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False)
+    monkeypatch.setattr(precision, "fused_attention_kernel",
+                        lambda m, d=None: "sdpa (flash CUDA kernels)")
+    with pytest.warns(UserWarning, match="flash CUDA kernels.*math SDPA"):
+        got = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False)
+    torch.testing.assert_close(got.token_sq, plain.token_sq, rtol=RTOL, atol=0)

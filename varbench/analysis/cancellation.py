@@ -33,7 +33,7 @@ from varbench._util.checks import (
     check_positive_int,
 )
 from varbench._util.progress import show_progress
-from varbench.analysis._common import CellCache, concat
+from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.analysis.trie import shared_steps, token_net_weight
 from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import TRANSFORMS, sample_weights
@@ -198,7 +198,7 @@ def cancellation(
            "reward": reward, "scheme": scheme, "modes": list(modes), "ratios": list(ratios),
            "inner_steps": steps, "transforms": list(transforms), "clip": list(clip), "lr": lr,
            "top_tokens": top_tokens, "sketch_dim": sketch_dim, "seed": seed, **(config or {})}
-    cache = CellCache(cache_dir, cfg)
+    cache = CellCache(cache_dir, cfg, placement=placement_of(pols))
     out: dict[str, list[pd.DataFrame]] = {"configs": [], "nodes": [], "token_ids": []}
     for task in tasks:
         cells = {k: cache.load(f"{task.name}__{k}") for k in out}

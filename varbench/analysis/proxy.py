@@ -31,7 +31,7 @@ import torch
 from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
-from varbench.analysis._common import CellCache, concat
+from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.estimators.otb import otb_baseline
 from varbench.estimators.registry import advantages
 from varbench.grads import forward_stats, token_grad_norms
@@ -212,7 +212,7 @@ def proxy_correlation(
     cfg = {"analysis": "proxy", "task": task.name, "knobs": task.knobs, "n_prompts": n_prompts,
            "G": G, "reward": task.check_reward(reward), "seed": seed, "n_boot": n_boot,
            "n_bins": n_bins, "states": list(policies), **(config or {})}
-    cache = CellCache(cache_dir, cfg)
+    cache = CellCache(cache_dir, cfg, placement=placement_of(policies))
     prompts = task.prompts(n_prompts, seed=seed)
     kinds = ("tokens", "correlations", "calibration", "otb_baseline")
     recs: dict[str, list[pd.DataFrame]] = {k: [] for k in kinds}

@@ -19,6 +19,8 @@ in this sense; use ``attn_implementation='eager'`` or ``'sdpa'`` for them.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.chunking import DEFAULT_CHUNK, MEMORY_FRACTION, auto_chunk, cotangent_bytes
 from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
+from varbench.grads.precision import batched_backward_attention
 from varbench.models.arch import check_finite_logits
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs, upcast
@@ -70,6 +73,20 @@ def last_response_value(x: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     last = torch.where(response_mask != 0, cols, torch.zeros_like(cols)).max(-1).values
     return x[torch.arange(B, device=x.device), last]
 
+
+
+@contextlib.contextmanager
+def batched_eval(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Eval mode, with attention on a kernel that has a batched (vmap) backward while inside.
+
+    The batched-cotangent backward (``is_grads_batched=True``) of CUDA's fused SDPA kernels has
+    no batching rule (one backward per cotangent: correct, slow); the switch to math SDPA is
+    announced once per call with a warning (the application layer also puts it in the result).
+    """
+    with eval_mode(model), batched_backward_attention(model, device) as note:
+        if note is not None:
+            warnings.warn(note, stacklevel=3)
+        yield
 
 def token_chunks(response_mask: torch.Tensor, chunk_size: int, *,
                  pack: bool = False) -> list[tuple[int, int, int, int, int]]:
@@ -126,7 +143,7 @@ def iter_token_grads(
     plan = token_chunks(response_mask, chunk_size, pack=pack)
     bar = tqdm(total=nz.shape[0], desc="per-token grads", disable=not show_progress(progress),
                leave=False)
-    with eval_mode(model):
+    with batched_eval(model, dev):
         for start, stop, lo, hi, end in plan:
             rows, cols = nz[start:stop, 0], nz[start:stop, 1]
             C = stop - start
@@ -249,7 +266,7 @@ def token_grad_norms(
     nan_lp = torch.zeros((), dtype=torch.bool, device=dev)  # read once, after the loop
     running: list[torch.Tensor] = []
     try:
-        with eval_mode(model):
+        with batched_eval(model, dev):
             for start, stop, b, _, end in plan:
                 if first[b] == start:  # a new sequence: its prefix sums start at 0
                     for gm in ghosts:

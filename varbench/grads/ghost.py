@@ -128,7 +128,8 @@ def self_check(module: torch.nn.Module, form: ModuleForm, args: tuple, kwargs: d
     if not out.requires_grad:
         return  # nothing to check against (no graph); the caller's own backward has none either
     g = torch.Generator(device="cpu").manual_seed(1234)
-    D = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
+    D = torch.randn(out.shape, generator=g, dtype=torch.float64,
+                    device="cpu").to(out.device, out.dtype)
 
     def detach(x):
         return x.detach() if isinstance(x, torch.Tensor) else x
