@@ -205,7 +205,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
         model.eval()
         batch = sample(policy, task, prompts, config.G, seed=sample_seed,
-                       temperature=config.temperature)
+                       temperature=config.temperature, reward=reward)
         row["time/sample_s"] = time.perf_counter() - t0
         mask = batch.mask.bool()  # [P, G, T]
         n_sampled, n_env = int(batch.mask.sum()), int(batch.env_mask.sum())
@@ -216,7 +216,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
 
         # ---- 2. score: the training reward, and exact match for the record
         t0 = time.perf_counter()
-        rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each
+        rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each, no rescoring
         row["time/score_s"] = time.perf_counter() - t0
         agree = rewards.max(1).values == rewards.min(1).values  # [P]
         row.update({
@@ -252,10 +252,11 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             # log-probs, detached, are logp_old (ratio exactly 1) and a second forward is saved.
             single = config.epochs == 1 and config.minibatches == 1
             with torch.no_grad():
-                logp_old = None if single else response_logprobs(model, batch, keep)
+                logp_old = None if single else _old_logprobs(model, batch, keep,
+                                                              ref_model is not None)
                 logp_ref = None
                 if ref_model is not None:
-                    logp_ref = response_logprobs(ref_model, batch, keep)
+                    logp_ref = response_logprobs(ref_model, batch, keep, shared_prompt=True)
             model.train()
             stats: dict[str, list[float]] = {}
             norms: list[float] = []
@@ -264,7 +265,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
                 order = torch.randperm(len(keep), generator=train_gen).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
-                    logp = response_logprobs(model, batch, groups)
+                    logp = response_logprobs(model, batch, groups, shared_prompt=True)
                     old = logp.detach() if logp_old is None else logp_old[mb]
                     ref = None if logp_ref is None else logp_ref[mb]
                     if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples
@@ -334,6 +335,20 @@ def _check_same_run(config: TrainConfig, saved: dict, ckpt: Path) -> None:
             f"cannot resume from {str(ckpt)!r}: its run had a different config for {diff} "
             f"(checkpoint: {[saved.get(k) for k in diff]}, now: {[now.get(k) for k in diff]}); "
             f"only {sorted(free)} may change on --resume")
+
+
+def _old_logprobs(model: torch.nn.Module, batch, keep: torch.Tensor, with_ref: bool
+                  ) -> torch.Tensor:
+    """``[k, G, T]`` log pi_old of the responses of groups ``keep``: the sampler's own
+    log-probs (pi_old is the policy that sampled them, unchanged since) for a float32/float64
+    model; recomputed teacher-forced for a low-precision one, whose cached decode and full
+    forward round differently (the ratio of the first update must start at 1, not at their
+    rounding difference), and with a reference model (``with_ref``), whose log-probs are
+    teacher-forced: KL(pi_old || ref) of a run's first step is then exactly 0."""
+    full = next(model.parameters()).dtype in (torch.float32, torch.float64)
+    if full and not with_ref:
+        return batch.logprobs[keep]
+    return response_logprobs(model, batch, keep, shared_prompt=True)
 
 
 def detector_flags(detector: CollapseDetector, grad_norm: float, entropy: float) -> dict:
