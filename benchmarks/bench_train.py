@@ -166,9 +166,9 @@ def main() -> None:
                 ratio = ""
                 if name != "new" and "error" not in new:
                     # throughput ratios (new/this, > 1: new is faster) and memory new/this
-                    ratio = (f"{(new['tokens'] / new['wall_s']) / (r['tokens'] / r['wall_s']):>6.2f}"
-                             f" {(new['tokens'] / new['cpu_s']) / (r['tokens'] / r['cpu_s']):>6.2f}"
-                             f" {new['peak_mib'] / r['peak_mib']:>6.2f}")
+                    rw = (new["tokens"] / new["wall_s"]) / (r["tokens"] / r["wall_s"])
+                    rc = (new["tokens"] / new["cpu_s"]) / (r["tokens"] / r["cpu_s"])
+                    ratio = f"{rw:>6.2f} {rc:>6.2f} {new['peak_mib'] / r['peak_mib']:>6.2f}"
                 print(f"{preset:<6} {G:>3} {name:<9} {r['tokens'] / r['wall_s']:>10.0f} "
                       f"{r['tokens'] / r['cpu_s']:>10.0f} "
                       f"{1000 * r['wall_s'] / (args.steps - 1):>8.1f} {r['peak_mib']:>9.0f} "
