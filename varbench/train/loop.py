@@ -92,7 +92,7 @@ def minibatch_loss(
                            transform=config.transform)
         surrogate = torch.where(mask, v * -adv.detach() * logp, 0).sum()
         loss = loss.detach() + (surrogate - surrogate.detach())
-    kl_loss = torch.zeros((), dtype=logp.dtype)
+    kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if config.kl_coef > 0 and logp_ref is not None:
         kl_tok = kl_penalty(logp, logp_ref, kind=config.kl_kind)  # [p, G, T]
         kl_loss = setup.aggregate(kl_tok, mask, config.agg)
@@ -148,7 +148,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = setup.make_optimizer(params, config)
-    train_gen = torch.Generator().manual_seed(config.seed)
+    train_gen = torch.Generator(device="cpu").manual_seed(config.seed)  # host draws: seeds, orders
     detector = CollapseDetector(surge_factor=config.surge_factor, window=config.surge_window,
                                 entropy_floor=config.entropy_floor)
     eval_prompts = task.prompts(config.eval_prompts, split="heldout", seed=config.eval_seed)
@@ -201,7 +201,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
 
         # ---- 1. sample G responses for each of P training prompts (the policy, temperature 1)
         t0 = time.perf_counter()
-        prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen).tolist()
+        prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen,
+                                                  device=train_gen.device).tolist()
         prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
         model.eval()
         batch = sample(policy, task, prompts, config.G, seed=sample_seed,
@@ -262,7 +263,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             norms: list[float] = []
             kl_sum, kl_n = 0.0, 0
             for epoch in range(config.epochs):
-                order = torch.randperm(len(keep), generator=train_gen).to(keep.device)
+                order = torch.randperm(len(keep), generator=train_gen,
+                                      device=train_gen.device).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
                     logp = response_logprobs(model, batch, groups, shared_prompt=True)
