@@ -289,10 +289,8 @@ def test_same_parameters_as_the_slow_reference_in_float64(extra):
     summation orders, amplified at most by Adam's normalisation over three steps."""
     from reference_train import reference_train_steps
 
-    from varbench.models import build_policy
-
     from varbench.grads.precision import exact_float64
-    from varbench.models import Policy
+    from varbench.models import Policy, build_policy
 
     cfg = TrainConfig(policy="micro", warm_start=False, G=4, prompts_per_step=4, steps=3,
                       lr=3e-3, reward="positional", dtype="float64", eval_every=10**6,
