@@ -13,6 +13,14 @@ One seed drives everything through explicit generators: ``train_gen`` draws prom
 seeds and minibatch orders; evaluation uses a fixed seed of its own, so evaluating more or less
 often never changes the training stream. Checkpoints store the generator state, so a resumed run
 reproduces an uninterrupted one's records exactly (timing columns aside).
+
+Speed (``benchmarks/bench_train.py``, against the loop before these changes): an update's
+teacher-forced forward runs each group's prompt once and the G responses on its repeated keys
+and values (``response_logprobs(..., shared_prompt=True)``: ``P Lp + P G (T - 1)`` positions
+instead of ``P G (Lp + T)``); the sampler's rewards are used as they are (texts are scored
+once) and, for a float32/float64 model without a reference model, its log-probs are
+``logp_old``; AdamW runs torch's fused kernel. The update is the same up to float64 rounding
+(tests/test_train_loop.py against tests/reference_train.py); the random draws are unchanged.
 """
 
 from __future__ import annotations
