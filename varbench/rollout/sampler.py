@@ -247,7 +247,10 @@ class _Loop:
     """The decode loop of ``sample``; writes step t of active rows into the [B, T] outputs.
 
     Per step: one model call on the active rows and the statistics of pi. Written so a step
-    costs few small tensor ops and no host sync for tasks that cannot stop early.
+    costs few small tensor ops and no host sync for tasks that cannot stop early, one (the
+    count of stopped rows) for EOS-stopped tasks, and one (the step's tokens, ``[A]``) for
+    multi-turn tasks, whose turn bookkeeping and environment calls then run on the host:
+    never one per row, per turn or per token.
     """
 
     def __init__(self, *, task, prompts, G, tok, T, eos, turn_ids, gen, greedy, temperature,
