@@ -8,3 +8,4 @@ from reference_estimators import *  # noqa: F401,F403
 from reference_grads import *  # noqa: F401,F403
 from reference_models import *  # noqa: F401,F403
 from reference_rollout import *  # noqa: F401,F403
+from reference_train import *  # noqa: F401,F403

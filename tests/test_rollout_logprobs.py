@@ -55,3 +55,42 @@ def test_differentiable_when_grad_is_on(model):
     assert g.abs().sum() > 0
     with torch.no_grad():
         assert not response_logprobs(model, rb).requires_grad
+
+
+# ---- shared_prompt: each prompt once, its keys and values repeated G times
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "mistral_sliding"])
+def test_shared_prompt_equals_the_flat_forward_values_and_gradients(arch):
+    """Values and every parameter's gradient of ``shared_prompt=True`` equal the flat forward's
+    in float64 (left-padded prompt, a shorter response, an environment token), for all groups
+    and a subset; a sliding-window model takes the flat path (its cache is not plain)."""
+    from _fixtures_arch import build
+
+    model = exact_float64(build(arch, seed=3))
+    rb = rollout_batch(P=3, seed=4)
+    rb.prompt_mask[2, :3] = 0  # a second, longer left padding
+    rb.prompt_ids[2, :3] = 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    for groups in (None, torch.tensor([2, 0])):
+        flat = response_logprobs(model, rb, groups)
+        shared = response_logprobs(model, rb, groups, shared_prompt=True)
+        assert (flat[(rb.mask if groups is None else rb.mask[groups]) != 0] < 0).all()
+        torch.testing.assert_close(shared, flat, rtol=1e-10, atol=1e-12)
+        w = torch.randn(flat.shape, dtype=flat.dtype, generator=torch.Generator().manual_seed(0))
+        g_flat = torch.autograd.grad((w * flat).sum(), params)
+        g_shared = torch.autograd.grad((w * shared).sum(), params)
+        for a, b in zip(g_shared, g_flat, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_shared_prompt_path_is_taken_for_a_full_attention_model():
+    """The shared path really runs (not the fallback) where the cache is plain, and not where
+    it is sliding-window."""
+    from _fixtures_arch import build
+
+    from varbench.rollout.logprobs import _shared_prompt_logprobs
+
+    rb = rollout_batch(P=2, seed=1)
+    groups = torch.arange(2)
+    assert _shared_prompt_logprobs(build("llama"), rb, groups) is not None
+    assert _shared_prompt_logprobs(build("mistral_sliding"), rb, groups) is None

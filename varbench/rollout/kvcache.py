@@ -124,3 +124,20 @@ def _layer_kinds(config) -> list[str] | None:
     if getattr(config, "attention_chunk_size", None) is not None:
         return ["chunked_attention"] * config.num_hidden_layers
     return ["full_attention"] * config.num_hidden_layers
+
+
+def autograd_cache(model) -> Cache | None:
+    """An empty, differentiable cache of transformers' own ``DynamicLayer`` for ``model``, or
+    None when a layer is not plain full attention (the same rule as :func:`grow_cache`).
+
+    For teacher-forced passes that backpropagate through cached keys and values: DynamicLayer
+    concatenates (out of place), while ``GrowLayer`` writes in place into storage that autograd
+    may have saved.
+    """
+    try:
+        kinds = _layer_kinds(model.config.get_text_config(decoder=True))
+    except Exception:  # a config without per-layer metadata: leave the cache to the model
+        return None
+    if not kinds or any(k != "full_attention" for k in kinds):
+        return None
+    return Cache(layers=[DynamicLayer() for _ in kinds])

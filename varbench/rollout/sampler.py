@@ -98,18 +98,16 @@ def _check_covers(tok, task: Task) -> None:
         seen.add(key)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[P, Lp] left-padded prompt ids and their mask."""
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], *,
+                   device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """[P, Lp] left-padded prompt ids and their mask, made on ``device`` from the host lists."""
     ids = tokenizer([p.text for p in prompts], add_special_tokens=True)["input_ids"]
     Lp = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = torch.full((len(ids), Lp), pad, dtype=torch.long)
-    mask = torch.zeros((len(ids), Lp), dtype=torch.long)
-    for r, x in enumerate(ids):
-        if x:
-            out[r, Lp - len(x):] = torch.tensor(x)
-            mask[r, Lp - len(x):] = 1
-    return out, mask
+    rows = [[pad] * (Lp - len(x)) + list(x) for x in ids]
+    real = [[0] * (Lp - len(x)) + [1] * len(x) for x in ids]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(real, dtype=torch.long, device=device))
 
 
 @torch.no_grad()  # model calls run in inference_mode inside; the outputs stay ordinary tensors
@@ -144,8 +142,9 @@ def sample(
         "max_new_tokens", max_new_tokens)
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
-    prompt_ids, prompt_mask = encode_prompts(tok, prompts)
-    longest = int(prompt_mask.sum(-1).max())
+    dev = policy.device
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, device=dev)
+    longest = prompt_ids.shape[1]  # Lp is the longest prompt's length: no host sync
     if longest + T > policy.context_length:
         raise UsageError(
             f"prompt of {longest} tokens + max_new_tokens={T} exceeds the context of "
@@ -155,7 +154,6 @@ def sample(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     turn_ids = (tok(task.turn_end, add_special_tokens=False)["input_ids"]
                 if task.multi_turn else [])
-    dev = policy.device
     gen = generator
     if gen is None and not greedy:
         gen = torch.Generator(device=dev).manual_seed(int(seed))
@@ -210,7 +208,7 @@ def sample(
                               for row, keep in zip(res[0].tolist(), real, strict=True)],
                              skip_special_tokens=True)
     scores = [task.score(prompts[b // G], texts[b], reward) for b in range(B)]
-    rewards = torch.tensor(scores, dtype=torch.float32).reshape(P, G)
+    rewards = torch.tensor(scores, dtype=torch.float32, device=dev).reshape(P, G)
     out_dev = torch.device(device) if device is not None else dev
     shape = (P, G, used)
     return RolloutBatch(
@@ -249,7 +247,10 @@ class _Loop:
     """The decode loop of ``sample``; writes step t of active rows into the [B, T] outputs.
 
     Per step: one model call on the active rows and the statistics of pi. Written so a step
-    costs few small tensor ops and no host sync for tasks that cannot stop early.
+    costs few small tensor ops and no host sync for tasks that cannot stop early, one (the
+    count of stopped rows) for EOS-stopped tasks, and one (the step's tokens, ``[A]``) for
+    multi-turn tasks, whose turn bookkeeping and environment calls then run on the host:
+    never one per row, per turn or per token.
     """
 
     def __init__(self, *, task, prompts, G, tok, T, eos, turn_ids, gen, greedy, temperature,
@@ -263,6 +264,12 @@ class _Loop:
         B = self.tokens.shape[0]
         self.queues: list[deque[int]] = [deque() for _ in range(B)]
         self.pending: set[int] = set()
+        # Multi-turn bookkeeping lives on the host: the output row of each active slot, the
+        # tokens each row has so far (policy and environment), and the slots that took an
+        # environment token this step. One transfer of the step's tokens feeds it all.
+        self.act_host: list[int] = list(range(B))
+        self.history: list[list[int]] = [[] for _ in range(B)]
+        self.env_slots: set[int] = set()
         self.zbuf: torch.Tensor | None = None  # [B, T, V] logits when statistics are deferred
 
     def run(self, step, cache, logits, attn_all, pos_all, progress: bool | None) -> int:
@@ -287,14 +294,22 @@ class _Loop:
             if t == T - 1:
                 return T
             if can_stop:
-                finished = self._finished(cur, is_pol, t, act)
-                n_done = int(finished.sum())  # the one host sync of a step
+                if task.multi_turn:
+                    finished, keep_host = self._finished_host(cur, t)
+                    n_done = finished.numel() - len(keep_host)
+                else:
+                    finished = self._finished(cur, is_pol)
+                    n_done = int(finished.sum())  # the one host sync of a step
                 if n_done == finished.numel():
                     self.stop[act] = t + 1
                     return t + 1
                 if n_done:
                     self.stop[act[finished]] = t + 1
-                    keep = (~finished).nonzero().flatten()
+                    if task.multi_turn:
+                        keep = torch.tensor(keep_host, dtype=torch.long, device=dev)
+                        self.act_host = [self.act_host[s] for s in keep_host]
+                    else:
+                        keep = (~finished).nonzero().flatten()
                     act, cur = act[keep], cur[keep]
                     attn_all, pos_all = attn_all[keep], pos_all[keep]
                     cache.batch_select_indices(keep)
@@ -351,26 +366,61 @@ class _Loop:
             out[:, :used] = torch.where(valid, x, zero)[:, :used]
 
     def _take_env_tokens(self, cur, is_env, act) -> None:
+        """Rows with queued tool output take its next token instead of their draw (in place)."""
         queues, pending = self.queues, self.pending
-        slot = {int(b): s for s, b in enumerate(act.tolist()) if int(b) in pending}
-        rows = sorted(slot)
-        idx = torch.tensor([slot[b] for b in rows], device=cur.device)
-        cur[idx] = torch.tensor([queues[b].popleft() for b in rows], device=cur.device)
+        slots = [s for s, b in enumerate(self.act_host) if b in pending]
+        rows = [self.act_host[s] for s in slots]
+        idx = torch.tensor(slots, dtype=torch.long, device=cur.device)
+        cur[idx] = torch.tensor([queues[b].popleft() for b in rows], dtype=cur.dtype,
+                                device=cur.device)
         is_env[idx] = True
+        self.env_slots = set(slots)
         pending.difference_update(b for b in rows if not queues[b])
 
-    def _finished(self, cur, is_pol, t, act) -> torch.Tensor:
-        """[A] bool: rows that stop after step t (EOS, or the environment ended the episode)."""
-        task = self.task
+    def _finished(self, cur, is_pol) -> torch.Tensor:
+        """[A] bool, single-turn: rows that stop after this step (EOS of a variable-length task)."""
         pol = is_pol if is_pol is not None else torch.ones_like(cur, dtype=torch.bool)
         finished = torch.zeros_like(pol)
-        if not task.fixed_length and self.eos is not None:
+        if not self.task.fixed_length and self.eos is not None:
             finished |= pol & (cur == self.eos)
-        if task.multi_turn:
-            finished |= _env_turn(task, self.prompts, self.G, self.tok, self.tokens, self.mask,
-                                  self.env, t, act, pol & ~finished, self.queues, self.pending,
-                                  self.turn_ids, self.T)
         return finished
+
+    def _finished_host(self, cur, t) -> tuple[torch.Tensor, list[int]]:
+        """Multi-turn: ``([A] bool of slots that stop after step t, host list of the others)``.
+
+        A slot stops at a policy EOS (variable-length tasks) or when the environment ends its
+        episode; a policy ``turn_end`` runs the environment, whose reply is queued (truncated
+        to the budget). The step's tokens come to the host once (``cur.tolist()``), whatever
+        the number of rows or of turns ending.
+        """
+        task, tok, T = self.task, self.tok, self.T
+        toks = cur.tolist()  # the one host sync of a multi-turn step
+        env_slots, self.env_slots = self.env_slots, set()
+        eos = self.eos if not task.fixed_length else None
+        one_id = self.turn_ids[0] if len(self.turn_ids) == 1 else None
+        done = [False] * len(toks)
+        for s, (b, y) in enumerate(zip(self.act_host, toks, strict=True)):
+            self.history[b].append(y)
+            if s in env_slots:  # an environment token: neither EOS nor a turn end
+                continue
+            if eos is not None and y == eos:
+                done[s] = True
+                continue
+            if one_id is not None and y != one_id:
+                continue
+            text = tok.decode(self.history[b], skip_special_tokens=True)
+            if one_id is None and not text.endswith(task.turn_end):
+                continue
+            reply = task.env_step(self.prompts[b // self.G], text)
+            if reply is None:
+                done[s] = True
+                continue
+            ids = tok(reply, add_special_tokens=False)["input_ids"][: max(0, T - t - 1)]
+            self.queues[b].extend(ids)
+            if ids:
+                self.pending.add(b)
+        finished = torch.tensor(done, dtype=torch.bool, device=cur.device)
+        return finished, [s for s, d in enumerate(done) if not d]
 
 
 def _stepper(model):
@@ -378,36 +428,6 @@ def _stepper(model):
     return stepper(model)
 
 
-def _decode(tok, ids: torch.Tensor, real: torch.Tensor) -> str:
-    return tok.decode(ids[real > 0].tolist(), skip_special_tokens=True)
-
-
 def _can_repeat(model) -> bool:
     """Whether this model's cache class can copy batch rows (transformers' Cache can)."""
     return hasattr(Cache, "batch_repeat_interleave") and hasattr(Cache, "batch_select_indices")
-
-
-def _env_turn(task, prompts, G, tok, tokens, mask, env, t, act, cand, queues, pending,
-              turn_ids, T) -> torch.Tensor:
-    """Run the environment for active rows whose policy just ended a turn at step t.
-
-    ``cand`` [A] marks active slots that emitted a policy token; returns [A] bool of slots
-    whose episode the environment ended. Replies are queued (truncated to the budget).
-    """
-    ended = torch.zeros_like(cand)
-    if len(turn_ids) == 1:
-        cand = cand & (tokens[act, t] == turn_ids[0])
-    for s in cand.nonzero().flatten().tolist():
-        b = int(act[s])
-        text = _decode(tok, tokens[b, : t + 1], mask[b, : t + 1] + env[b, : t + 1])
-        if len(turn_ids) != 1 and not text.endswith(task.turn_end):
-            continue
-        reply = task.env_step(prompts[b // G], text)
-        if reply is None:
-            ended[s] = True
-            continue
-        ids = tok(reply, add_special_tokens=False)["input_ids"][: max(0, T - t - 1)]
-        queues[b].extend(ids)
-        if ids:
-            pending.add(b)
-    return ended

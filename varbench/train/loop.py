@@ -13,6 +13,14 @@ One seed drives everything through explicit generators: ``train_gen`` draws prom
 seeds and minibatch orders; evaluation uses a fixed seed of its own, so evaluating more or less
 often never changes the training stream. Checkpoints store the generator state, so a resumed run
 reproduces an uninterrupted one's records exactly (timing columns aside).
+
+Speed (``benchmarks/bench_train.py``, against the loop before these changes): an update's
+teacher-forced forward runs each group's prompt once and the G responses on its repeated keys
+and values (``response_logprobs(..., shared_prompt=True)``: ``P Lp + P G (T - 1)`` positions
+instead of ``P G (Lp + T)``); the sampler's rewards are used as they are (texts are scored
+once) and, for a float32/float64 model without a reference model, its log-probs are
+``logp_old``; AdamW runs torch's fused kernel. The update is the same up to float64 rounding
+(tests/test_train_loop.py against tests/reference_train.py); the random draws are unchanged.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ def minibatch_loss(
                            transform=config.transform)
         surrogate = torch.where(mask, v * -adv.detach() * logp, 0).sum()
         loss = loss.detach() + (surrogate - surrogate.detach())
-    kl_loss = torch.zeros((), dtype=logp.dtype)
+    kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
     if config.kl_coef > 0 and logp_ref is not None:
         kl_tok = kl_penalty(logp, logp_ref, kind=config.kl_kind)  # [p, G, T]
         kl_loss = setup.aggregate(kl_tok, mask, config.agg)
@@ -148,7 +156,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = setup.make_optimizer(params, config)
-    train_gen = torch.Generator().manual_seed(config.seed)
+    train_gen = torch.Generator(device="cpu").manual_seed(config.seed)  # host draws: seeds, orders
     detector = CollapseDetector(surge_factor=config.surge_factor, window=config.surge_window,
                                 entropy_floor=config.entropy_floor)
     eval_prompts = task.prompts(config.eval_prompts, split="heldout", seed=config.eval_seed)
@@ -201,11 +209,12 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
 
         # ---- 1. sample G responses for each of P training prompts (the policy, temperature 1)
         t0 = time.perf_counter()
-        prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen).tolist()
+        prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen,
+                                                  device=train_gen.device).tolist()
         prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
         model.eval()
         batch = sample(policy, task, prompts, config.G, seed=sample_seed,
-                       temperature=config.temperature)
+                       temperature=config.temperature, reward=reward)
         row["time/sample_s"] = time.perf_counter() - t0
         mask = batch.mask.bool()  # [P, G, T]
         n_sampled, n_env = int(batch.mask.sum()), int(batch.env_mask.sum())
@@ -216,7 +225,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
 
         # ---- 2. score: the training reward, and exact match for the record
         t0 = time.perf_counter()
-        rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each
+        rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each, no rescoring
         row["time/score_s"] = time.perf_counter() - t0
         agree = rewards.max(1).values == rewards.min(1).values  # [P]
         row.update({
@@ -252,19 +261,21 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             # log-probs, detached, are logp_old (ratio exactly 1) and a second forward is saved.
             single = config.epochs == 1 and config.minibatches == 1
             with torch.no_grad():
-                logp_old = None if single else response_logprobs(model, batch, keep)
+                logp_old = None if single else _old_logprobs(model, batch, keep,
+                                                              ref_model is not None)
                 logp_ref = None
                 if ref_model is not None:
-                    logp_ref = response_logprobs(ref_model, batch, keep)
+                    logp_ref = response_logprobs(ref_model, batch, keep, shared_prompt=True)
             model.train()
             stats: dict[str, list[float]] = {}
             norms: list[float] = []
             kl_sum, kl_n = 0.0, 0
             for epoch in range(config.epochs):
-                order = torch.randperm(len(keep), generator=train_gen).to(keep.device)
+                order = torch.randperm(len(keep), generator=train_gen,
+                                      device=train_gen.device).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
-                    logp = response_logprobs(model, batch, groups)
+                    logp = response_logprobs(model, batch, groups, shared_prompt=True)
                     old = logp.detach() if logp_old is None else logp_old[mb]
                     ref = None if logp_ref is None else logp_ref[mb]
                     if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples
@@ -334,6 +345,20 @@ def _check_same_run(config: TrainConfig, saved: dict, ckpt: Path) -> None:
             f"cannot resume from {str(ckpt)!r}: its run had a different config for {diff} "
             f"(checkpoint: {[saved.get(k) for k in diff]}, now: {[now.get(k) for k in diff]}); "
             f"only {sorted(free)} may change on --resume")
+
+
+def _old_logprobs(model: torch.nn.Module, batch, keep: torch.Tensor, with_ref: bool
+                  ) -> torch.Tensor:
+    """``[k, G, T]`` log pi_old of the responses of groups ``keep``: the sampler's own
+    log-probs (pi_old is the policy that sampled them, unchanged since) for a float32/float64
+    model; recomputed teacher-forced for a low-precision one, whose cached decode and full
+    forward round differently (the ratio of the first update must start at 1, not at their
+    rounding difference), and with a reference model (``with_ref``), whose log-probs are
+    teacher-forced: KL(pi_old || ref) of a run's first step is then exactly 0."""
+    full = next(model.parameters()).dtype in (torch.float32, torch.float64)
+    if full and not with_ref:
+        return batch.logprobs[keep]
+    return response_logprobs(model, batch, keep, shared_prompt=True)
 
 
 def detector_flags(detector: CollapseDetector, grad_norm: float, entropy: float) -> dict:

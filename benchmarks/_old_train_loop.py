@@ -1,0 +1,392 @@
+"""OLD TRAINING LOOP, KEPT FOR THE BENCHMARK ONLY (benchmarks/bench_train.py).
+
+A verbatim copy of ``varbench/train/loop.py`` at commit d12361b (before the issue-17 throughput
+work), with the three helpers it called that have since changed copied in at the end as they
+were: ``response_logprobs`` (one flat forward over prompt + response), ``_old_score`` (every
+response scored again after the sampler scored it) and ``_old_make_optimizer`` (the per-tensor
+AdamW loop). It still calls today's sampler, evaluation, records and estimators, so any sampler
+speed-up is credited to both sides alike. Not part of the library; import it nowhere else.
+
+The original module docstring follows.
+
+The GRPO/PPO training loop of docs/science.md section 7, top to bottom (cleanrl style).
+
+Per step: draw prompts; sample G responses each from the current policy (temperature 1); score;
+compute Delta with the configured scheme; store ``logp_old`` (and, with a KL term, the frozen
+reference's log-probs) detached; run ``epochs`` x ``minibatches`` clipped-ratio updates over the
+same responses; record everything; every ``eval_every`` steps measure held-out exact-match
+accuracy (sampled and greedy) on a fixed set of held-out prompts.
+
+Run it:  ``varbench train --scheme otb -G 4 --steps 50 --out runs/otb4``
+or from Python: ``train(TrainConfig(scheme="otb", G=4), run_dir="runs/otb4")``.
+
+One seed drives everything through explicit generators: ``train_gen`` draws prompts, sampling
+seeds and minibatch orders; evaluation uses a fixed seed of its own, so evaluating more or less
+often never changes the training stream. Checkpoints store the generator state, so a resumed run
+reproduces an uninterrupted one's records exactly (timing columns aside).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from varbench._util.checks import UsageError
+from varbench._util.locks import dir_lock
+from varbench._util.progress import show_progress
+from varbench.estimators import advantages, kl_penalty, policy_loss
+from varbench.estimators.coefficients import sample_weights
+from varbench.models import Policy
+from varbench.rollout import sample
+from varbench.train import setup
+from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from varbench.train.collapse import CollapseDetector
+from varbench.train.config import TrainConfig
+from varbench.train.records import RecordWriter, as_records, read_records
+
+_EVAL_SEED_OFFSET = 1_000_003  # sampling seed of evaluations: eval_seed + this
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the records (one row per step, row 0 = start) and the policy."""
+
+    records: pd.DataFrame
+    policy: Policy
+    run_dir: Path | None
+    stopped: str  # "steps" or "token_budget": why the run ended
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Learning rate of update step ``step`` (1-based): linear warmup, then the schedule."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    frac = min(1.0, (step - config.warmup_steps - 1) / span)
+    if config.lr_schedule == "linear":
+        return config.lr * (1.0 - frac)
+    if config.lr_schedule == "cosine":
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return config.lr
+
+
+def minibatch_loss(
+    config: TrainConfig,
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    logp_ref: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy loss aggregated by ``config.agg`` plus ``kl_coef`` x the KL estimator.
+
+    Shapes ``[p, G, T]``. The policy part is ``-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)``
+    (docs/science.md section 7) from ``varbench.estimators.policy_loss``; the KL term uses the same
+    aggregation weights so its scale does not depend on the mode's normaliser.
+    """
+    clip = (config.clip_low, config.clip_high)
+    loss, metrics = policy_loss(logp, logp_old, adv, mask, config.agg, clip=clip,
+                                ratio=config.ratio)
+    if config.transform != "none":
+        # v: the per-token weight multiplying A in the gradient (aggregation weight x ratio x
+        # clip indicator), transformed within each group and detached; the surrogate's
+        # gradient is sum v~ (-A) grad logp, while the recorded loss value stays the
+        # untransformed one.
+        v = sample_weights(logp, logp_old, adv, mask, config.agg, clip=clip, ratio=config.ratio,
+                           transform=config.transform)
+        surrogate = torch.where(mask, v * -adv.detach() * logp, 0).sum()
+        loss = loss.detach() + (surrogate - surrogate.detach())
+    kl_loss = torch.zeros((), dtype=logp.dtype)
+    if config.kl_coef > 0 and logp_ref is not None:
+        kl_tok = kl_penalty(logp, logp_ref, kind=config.kl_kind)  # [p, G, T]
+        kl_loss = setup.aggregate(kl_tok, mask, config.agg)
+    total = loss + config.kl_coef * kl_loss
+    out = {"loss/policy": float(loss.detach()), "loss/kl": float(kl_loss.detach()),
+           "loss/total": float(total.detach())}
+    out.update({f"ppo/{k}": float(v) for k, v in metrics.items()})
+    return total, out
+
+
+def train(
+    config: TrainConfig,
+    run_dir: str | Path | None = None,
+    *,
+    policy: Policy | None = None,
+    resume: bool = False,
+    progress: bool | None = None,
+) -> TrainResult:
+    """Run ``config``; write ``run_dir/records.csv`` (+ checkpoints) when ``run_dir`` is given.
+
+    ``policy`` overrides ``config.policy``; a deep copy of it is trained (in ``config.dtype``
+    on ``config.device``), so the caller's object never changes; the trained policy is
+    ``result.policy``. bfloat16 trains through float32 master weights and AdamW states
+    (:class:`varbench.train.setup.MasterWeightAdamW`). ``resume=True`` continues from the
+    latest checkpoint in ``run_dir`` (a fresh start when there is none).
+    """
+    setup.check_config(config)
+    run_dir = Path(run_dir) if run_dir is not None else None
+    if resume and run_dir is None:
+        raise UsageError("resume=True needs run_dir (where the checkpoints are)")
+    if config.checkpoint_every and run_dir is None:
+        raise UsageError("checkpoint_every > 0 needs run_dir (where to write checkpoints)")
+    if run_dir is None:
+        return _train(config, None, policy, resume, progress)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with dir_lock(run_dir, what="training run directory"):  # one writer of records/checkpoints
+        return _train(config, run_dir, policy, resume, progress)
+
+
+def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, resume: bool,
+           progress: bool | None) -> TrainResult:
+    # ---------------------------------------------------------------- setup
+    task, reward = setup.build_task(config)
+    if policy is None:
+        policy = setup.build_policy(config, task)
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        policy.model.to(device=config.device, dtype=dtype)
+    else:
+        policy = setup.own_policy(policy, config, task)
+    model = policy.model
+    ref_model = None
+    if config.kl_coef > 0:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _old_make_optimizer(params, config)
+    train_gen = torch.Generator().manual_seed(config.seed)
+    detector = CollapseDetector(surge_factor=config.surge_factor, window=config.surge_window,
+                                entropy_floor=config.entropy_floor)
+    eval_prompts = task.prompts(config.eval_prompts, split="heldout", seed=config.eval_seed)
+    eval_seed = config.eval_seed + _EVAL_SEED_OFFSET
+    counters = {"tokens_sampled": 0, "tokens_env": 0, "wall_s": 0.0}
+    rows: list[dict] = []
+    start = 0
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            start, state = load_checkpoint(ckpt, model, optimizer, {"train": train_gen})
+            _check_same_run(config, state["config"], ckpt)
+            counters = state["counters"]
+            detector.load_state_dict(state["detector"])
+    writer = None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(config.to_json())
+        writer = RecordWriter(run_dir / "records.csv", resume_step=start if start > 0 else None,
+                              last_row=state.get("last_row") if start > 0 else None)
+        if resume and start > 0:
+            rows = read_records(run_dir / "records.csv").to_dict("records")
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if writer is not None:
+            writer.write(row)
+
+    show = show_progress(progress)
+    bar = tqdm(total=config.steps, initial=start, disable=not show, desc=f"train {config.scheme}")
+
+    if start == 0:  # row 0: the starting policy, before any update
+        t0 = time.perf_counter()
+        row = {"step": 0, "tokens/sampled": 0, "tokens/env": 0}
+        row.update(setup.evaluate(policy, task, eval_prompts, reward, config, eval_seed))
+        row["time/eval_s"] = time.perf_counter() - t0
+        row["time/wall_s"] = counters["wall_s"] = row["time/eval_s"]
+        emit(row)
+
+    stopped = "steps"
+    for step in range(start + 1, config.steps + 1):
+        if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
+            stopped = "token_budget"
+            break
+        t_step = time.perf_counter()
+        lr = lr_at(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        row: dict = {"step": step, "lr": lr}
+
+        # ---- 1. sample G responses for each of P training prompts (the policy, temperature 1)
+        t0 = time.perf_counter()
+        prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen).tolist()
+        prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
+        model.eval()
+        batch = sample(policy, task, prompts, config.G, seed=sample_seed,
+                       temperature=config.temperature)
+        row["time/sample_s"] = time.perf_counter() - t0
+        mask = batch.mask.bool()  # [P, G, T]
+        n_sampled, n_env = int(batch.mask.sum()), int(batch.env_mask.sum())
+        counters["tokens_sampled"] += n_sampled
+        counters["tokens_env"] += n_env
+        row.update({"tokens/sampled": counters["tokens_sampled"],
+                    "tokens/env": counters["tokens_env"], "tokens/step_sampled": n_sampled})
+
+        # ---- 2. score: the training reward, and exact match for the record
+        t0 = time.perf_counter()
+        rewards, exact = _old_score(task, batch, prompts, reward)  # [P, G] each
+        row["time/score_s"] = time.perf_counter() - t0
+        agree = rewards.max(1).values == rewards.min(1).values  # [P]
+        row.update({
+            "train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
+            "train/exact_mean": float(exact.mean()),
+            "train/all_agree_frac": float(agree.float().mean()),
+            "train/response_len": float(batch.lengths.float().mean()),
+            "policy/entropy": float(batch.entropy[mask].mean()),
+        })
+
+        # ---- 3. advantages (Delta) over the whole batch, then optional dynamic filtering
+        t0 = time.perf_counter()
+        adv = advantages(config.scheme, rewards, mask, logprobs=batch.logprobs,
+                         sum_pi_sq=batch.sum_pi_sq, **dict(config.scheme_options))
+        keep = torch.arange(batch.P, device=mask.device)
+        if config.dynamic_filter:
+            keep = (~agree).nonzero()[:, 0]
+        vals = adv[mask]
+        row.update({
+            "adv/mean": float(vals.mean()), "adv/std": float(vals.std()),
+            "adv/abs_mean": float(vals.abs().mean()),
+            "adv/nonzero_frac": float((adv != 0).any(-1).float().mean()),
+            "train/groups_used": len(keep),
+        })
+        row["time/adv_s"] = time.perf_counter() - t0
+
+        # ---- 4. logp_old (and the reference's) detached, then epochs x minibatches of updates
+        t0 = time.perf_counter()
+        if len(keep) == 0:  # every group agreed: nothing to learn this step, nothing to flag
+            row.update({"collapse/grad_surge": 0, "collapse/entropy": 0})
+        else:
+            # With one update per step, pi_old is the policy of that update's own forward: its
+            # log-probs, detached, are logp_old (ratio exactly 1) and a second forward is saved.
+            single = config.epochs == 1 and config.minibatches == 1
+            with torch.no_grad():
+                logp_old = None if single else response_logprobs(model, batch, keep)
+                logp_ref = None
+                if ref_model is not None:
+                    logp_ref = response_logprobs(ref_model, batch, keep)
+            model.train()
+            stats: dict[str, list[float]] = {}
+            norms: list[float] = []
+            kl_sum, kl_n = 0.0, 0
+            for epoch in range(config.epochs):
+                order = torch.randperm(len(keep), generator=train_gen).to(keep.device)
+                for mb in order.chunk(config.minibatches):
+                    groups = keep[mb]
+                    logp = response_logprobs(model, batch, groups)
+                    old = logp.detach() if logp_old is None else logp_old[mb]
+                    ref = None if logp_ref is None else logp_ref[mb]
+                    if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples
+                        kl_tok = kl_penalty(old, ref, kind="k3", mask=mask[groups])
+                        kl_sum, kl_n = kl_sum + float(kl_tok.sum()), kl_n + int(mask[groups].sum())
+                    loss, metrics = minibatch_loss(config, logp, old, adv[groups], mask[groups],
+                                                   ref)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    clip_to = config.grad_clip if config.grad_clip > 0 else float("inf")
+                    clip_params = setup.grads_for_clipping(optimizer, params)
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(clip_params, clip_to)))
+                    optimizer.step()
+                    for k, v in metrics.items():
+                        stats.setdefault(k, []).append(float(v))
+            model.eval()
+            if logp_ref is not None:
+                row["policy/kl_ref"] = kl_sum / max(kl_n, 1)
+            for key in ("loss/policy", "loss/kl", "loss/total", "ppo/clip_frac", "ppo/approx_kl"):
+                if key in stats:
+                    row[key] = sum(stats[key]) / len(stats[key])
+            row["grad/norm"] = sum(norms) / len(norms)
+            row["grad/norm_max"] = max(norms)
+            row.update(detector_flags(detector, row["grad/norm"], row["policy/entropy"]))
+        row["time/update_s"] = time.perf_counter() - t0
+
+        # ---- 5. held-out evaluation every eval_every steps (and at the last step)
+        last = step == config.steps or (
+            config.token_budget and counters["tokens_sampled"] >= config.token_budget)
+        if step % config.eval_every == 0 or last:
+            t0 = time.perf_counter()
+            row.update(setup.evaluate(policy, task, eval_prompts, reward, config, eval_seed))
+            row["time/eval_s"] = time.perf_counter() - t0
+        row["time/step_s"] = time.perf_counter() - t_step
+        counters["wall_s"] += row["time/step_s"]
+        row["time/wall_s"] = counters["wall_s"]
+        emit(row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['train/reward_mean']:.2f}", tokens=counters["tokens_sampled"])
+
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            save_checkpoint(run_dir, step, model, optimizer, {"train": train_gen},
+                            {"counters": counters, "detector": detector.state_dict(),
+                             "config": config.to_dict(), "last_row": row},
+                            keep=config.keep_checkpoints)
+    bar.close()
+    if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
+        stopped = "token_budget"
+    df = as_records(pd.DataFrame(rows))  # float64 columns, as a resumed run reads them back
+    return TrainResult(records=df, policy=policy, run_dir=run_dir, stopped=stopped)
+
+
+# Fields a resumed run may change: they decide when to stop and what to save, not the numbers.
+_RESUMABLE_CHANGES = ("steps", "token_budget", "checkpoint_every", "keep_checkpoints")
+
+
+def _check_same_run(config: TrainConfig, saved: dict, ckpt: Path) -> None:
+    """A checkpoint resumes only the run that wrote it (same config, stopping rules aside)."""
+    now = config.to_dict()
+    free = set(_RESUMABLE_CHANGES)
+    if config.lr_schedule != "constant":
+        free.discard("steps")  # the schedule's length: changing it changes every later lr
+    diff = sorted(k for k in set(now) | set(saved)
+                  if k not in free and now.get(k) != saved.get(k))
+    if diff:
+        raise UsageError(
+            f"cannot resume from {str(ckpt)!r}: its run had a different config for {diff} "
+            f"(checkpoint: {[saved.get(k) for k in diff]}, now: {[now.get(k) for k in diff]}); "
+            f"only {sorted(free)} may change on --resume")
+
+
+def detector_flags(detector: CollapseDetector, grad_norm: float, entropy: float) -> dict:
+    """Collapse flags of this step as record columns."""
+    flags = detector.update(grad_norm, entropy)
+    return {"collapse/grad_surge": flags["grad_surge"], "collapse/entropy": flags["entropy"]}
+
+
+# ---- helpers as they were at d12361b (varbench/rollout/logprobs.py, varbench/train/setup.py)
+
+
+def response_logprobs(model, batch, groups=None):
+    from varbench.models.logits import sequence_logprobs
+
+    flat = batch.flat()
+    P, G, T = batch.tokens.shape
+    if groups is None:
+        groups = torch.arange(P, device=flat.input_ids.device)
+    rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)
+    ids = flat.input_ids[rows]
+    logp = sequence_logprobs(model, ids, flat.attention_mask[rows], start=flat.prompt_len,
+                             mask=batch.mask[groups].reshape(-1, T))
+    return logp.reshape(len(groups), G, T) * batch.mask[groups].to(logp.dtype)
+
+
+def _old_score(task, batch, prompts, reward):
+    P, G = batch.P, batch.G
+    r = torch.zeros(P, G)
+    e = torch.zeros(P, G)
+    for p in range(P):
+        for i in range(G):
+            text = batch.texts[p][i]
+            e[p, i] = task.score(prompts[p], text, setup.EXACT)
+            r[p, i] = e[p, i] if reward == setup.EXACT else task.score(prompts[p], text, reward)
+    dev = batch.mask.device
+    return r.to(dev), e.to(dev)
+
+
+def _old_make_optimizer(params, config):
+    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                  eps=config.adam_eps, weight_decay=config.weight_decay)
+    params = list(params)
+    if params and params[0].dtype in (torch.bfloat16, torch.float16):
+        return setup.MasterWeightAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
