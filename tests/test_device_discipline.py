@@ -7,14 +7,11 @@ and gives the same result as outside it. (b) Under ``HostSyncs``, the same call 
 loops: a constant number per call is allowed (e.g. the one move of a record table to the host).
 
 The models are 2-layer Llama / Qwen2 (transformers' Llama and Qwen2 run forward and backward
-under the meta default device). The sampler (varbench.rollout) is wrapped to run on the host
-device: its own device discipline is tested with the rollout package.
+under the meta default device). The analyses sample through varbench.rollout inside the same
+context (the sampler's own syncs are tested in test_device_discipline_train.py).
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
 
 import pandas as pd
 import pytest
@@ -35,24 +32,6 @@ from varbench.tasks import get_task
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HOT = ("analysis/", "grads/", "estimators/")
-
-
-def _host(fn):
-    """``fn`` run with the CPU as the default device (the sampler, outside this test's scope)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with torch.device("cpu"):
-            return fn(*args, **kwargs)
-    return wrapper
-
-
-@pytest.fixture
-def host_sampler(monkeypatch):
-    for name in ("proxy", "variance", "cancellation"):
-        mod = importlib.import_module(f"varbench.analysis.{name}")
-        monkeypatch.setattr(mod, "sample", _host(mod.sample))
-    canc = importlib.import_module("varbench.analysis.cancellation")
-    monkeypatch.setattr(canc, "response_logprobs", _host(canc.response_logprobs))
 
 
 def _same(a, b) -> None:
@@ -190,7 +169,7 @@ def policy():
     return build_policy("micro", seed=0)
 
 
-def test_proxy_records_run_under_the_meta_default_device(policy, host_sampler):
+def test_proxy_records_run_under_the_meta_default_device(policy):
     from varbench.analysis.proxy import otb_baseline_records, proxy_correlation, token_records
 
     task = get_task("sort", n=2, max_value=3)
@@ -204,7 +183,7 @@ def test_proxy_records_run_under_the_meta_default_device(policy, host_sampler):
     _no_growth(records(1, 2), records(3, 4))
 
 
-def test_variance_runs_under_the_meta_default_device(policy, host_sampler):
+def test_variance_runs_under_the_meta_default_device(policy):
     from varbench.analysis.variance import estimator_variance
 
     task = get_task("sort", n=1, max_value=3)
@@ -222,7 +201,7 @@ def test_variance_runs_under_the_meta_default_device(policy, host_sampler):
                    lambda k=k: estimator_variance(policy, task, M=6, **k))
 
 
-def test_cancellation_runs_under_the_meta_default_device(policy, host_sampler):
+def test_cancellation_runs_under_the_meta_default_device(policy):
     from varbench.analysis.cancellation import cancellation
 
     kw = dict(inner_steps=[0, 1], sketch_dim=16, modes=["seq-mean-token-sum"],
