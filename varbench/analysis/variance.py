@@ -386,6 +386,11 @@ def estimator_variance(
     check_choice("reference", reference, ("auto", "exact", "sampled"))
     check_choice("exact", exact, ("auto", "never"))
     check_choice("interval", interval, INTERVAL_METHODS)
+    check_positive_int("n_boot", n_boot, minimum=0)
+    check_positive_int("table_limit", table_limit)
+    check_positive_int("sketch_seed", sketch_seed, minimum=0)
+    if isinstance(level, bool) or not (isinstance(level, (int, float)) and 0 < level < 1):
+        raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
     reward = task.check_reward(reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
