@@ -141,39 +141,105 @@ def test_exact_cells_equal_a_large_monte_carlo(table1):
                 assert abs(ex.loc[s, k] - mc.loc[s, k]) < 4 * se, (G, s, k)
 
 
-def _coverage(tab, G, M, reps, truth, schemes=("centered", "rloo")):
+def test_interval_coverage_fast(table1):
+    """Studentized bootstrap intervals of 60 replicates of M = 64 groups cover the truth of
+    centered's and OTB's variance, MSE and projection and of the paired otb / centered
+    variance and MSE ratios: coverage >= 0.85 for each (nominal 0.95; 60 replicates have a
+    binomial SE of ~3 points; on the slow test's setup a normal interval with the same SE
+    covered 0.86-0.90 over 1,000 replicates). The slow test measures within 2 points."""
+    from varbench.analysis.variance import table_cells
+
+    tab = _sketched(table1)
+    ex, _ = table_cells(tab, 4, 8, schemes=["centered"], exact=True)
+    truth = {(r.scheme, k): getattr(r, k) for r in ex.itertuples()
+             for k in ("variance", "mse", "projection")}
+    truth.update(_mc_truth(tab, 4, ["otb"], 100_000))  # relative SE ~0.1%
+    for k in ("variance", "mse"):
+        truth["otb/centered", k] = truth["otb", k] / truth["centered", k]
+    cov = _coverage_all(tab, 4, 64, 60, truth, ["centered", "otb"], n_boot=400)
+    assert len(cov) == 2 * 3 + 2
+    assert min(cov.values()) >= 0.85, cov
+
+
+def _mc_truth(tab, G, schemes, n_groups, *, chunk=20_000, seed=12_345):
+    """``{(scheme, stat): value}`` over ``n_groups`` groups drawn from ``tab``: chunked sums
+    (no Gram matrix), for the schemes without an exact cell (OTB reads token weights)."""
+    from varbench.analysis.variance import group_advantages, group_estimates
+
+    ref = tab.reference()
+    T = tab.mask.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    acc = {s: [torch.zeros_like(ref), 0.0, 0.0] for s in schemes}
+    for _ in range(n_groups // chunk):
+        d = tab.sample(chunk * G, gen)
+        grp = {k: v[0].reshape(chunk, G, *v.shape[2:]) for k, v in d.items()}
+        mask = grp["mask"] != 0
+        for s in schemes:
+            adv = group_advantages(s, grp["rewards"].to(grp["logprobs"].dtype), mask,
+                                   grp["logprobs"], grp["sum_pi_sq"], grp["token_sq"])
+            x = group_estimates(grp["vec"], adv, mask.to(grp["logprobs"].dtype),
+                                grp["logprobs"], "seq-mean-token-sum", max_len=T)
+            a = acc[s]
+            a[0] += x.sum(0)
+            a[1] += float((x * x).sum())
+            a[2] += float(((x - ref) ** 2).sum())
+    n = (n_groups // chunk) * chunk
+    out = {}
+    for s, (sm, sq, se2) in acc.items():
+        mean = sm / n
+        out[s, "variance"] = (sq - n * float(mean @ mean)) / (n - 1)
+        out[s, "mse"] = se2 / n
+        out[s, "projection"] = float(mean @ ref) / float(ref @ ref)
+    return out
+
+
+def _coverage_all(tab, G, M, reps, truth, schemes, *, interval="studentized", n_boot=1000):
+    """Coverage of every cell interval and every paired ratio interval vs centered."""
     from varbench.analysis.variance import table_cells
 
     hits: dict[tuple[str, str], list[bool]] = {}
-    for r in range(reps):
-        cells, _ = table_cells(tab, G, M, schemes=list(schemes), seed=1000 + r, n_boot=400)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # [M, M] and [n_boot, M] tensors: threads only add overhead
+    try:
+        runs = [table_cells(tab, G, M, schemes=list(schemes), seed=1000 + r, n_boot=n_boot,
+                            interval=interval) for r in range(reps)]
+    finally:
+        torch.set_num_threads(threads)
+    for cells, paired in runs:
         for row in cells.itertuples():
             for k in ("variance", "mse", "projection"):
                 lo, hi = getattr(row, f"{k}_ci_low"), getattr(row, f"{k}_ci_high")
                 hits.setdefault((row.scheme, k), []).append(lo <= truth[row.scheme, k] <= hi)
+        for row in paired.itertuples():
+            key = f"{row.scheme}/{row.baseline}"
+            if (key, row.stat) in truth:
+                hits.setdefault((key, row.stat), []).append(
+                    row.ratio_ci_low <= truth[key, row.stat] <= row.ratio_ci_high)
     return {key: sum(v) / len(v) for key, v in hits.items()}
 
 
-def test_interval_coverage_fast(table1):
-    """Studentized bootstrap intervals of 60 replicates of M = 64 groups cover the exact
-    variance, MSE and projection: coverage >= 0.85 for each (nominal 0.95; 60 replicates
-    have a binomial SE of ~3 points, and a normal interval with a jackknife SE covers 0.8 at
-    this M on heavy-tailed setups). The slow test measures it with 400 replicates."""
-    from varbench.analysis.variance import table_cells
-
-    tab = _sketched(table1)
-    ex, _ = table_cells(tab, 4, 8, schemes=["centered", "rloo"], exact=True)
-    truth = {(r.scheme, k): getattr(r, k) for r in ex.itertuples()
-             for k in ("variance", "mse", "projection")}
-    cov = _coverage(tab, 4, 64, 60, truth)
-    assert min(cov.values()) >= 0.85, cov
+COVERAGE_REPS = 1000
+# Measured below the target with the default studentized interval (1,000 replicates of
+# M = 128: otb variance 0.902, otb MSE 0.897, otb / otb_exact variance 0.907 and MSE 0.908;
+# the misses are samples that lack the rare large groups, truth above the interval; a
+# calibrated (double) bootstrap-t did not change them: 0.887 / 0.877 over 300 replicates).
+# More groups do: 0.944 / 0.944 / 0.943 (variance / MSE / ratio) at M = 512 over 600
+# replicates. Guarded at >= 0.88 against regressions; at M = 128 the 2-point target is not met.
+SHORTFALL = {("otb", "variance"), ("otb", "mse"), ("otb/otb_exact", "variance"),
+             ("otb/otb_exact", "mse")}
 
 
 @pytest.mark.slow
 def test_interval_coverage_slow():
-    """400 replicates at M = 128 on the enumerable warm micro setup (sort n = 2, 900
-    responses): coverage of each quantity within 4 points of nominal 0.95 (2 points target
-    plus the binomial SE of 400 replicates, ~1.1 points, at two SE)."""
+    """1,000 replicates of M = 128 groups (G = 4) on the enumerable warm micro setup (sort
+    n = 2, 900 responses): every interval a cell reports (variance, MSE, projection of
+    centered, rloo, normalized, otb, otb_exact; the paired otb / centered, otb_exact /
+    centered, normalized / centered variance and MSE ratios, rloo / centered MSE, otb /
+    otb_exact) covers its truth within 2 points of nominal 0.95 plus two binomial SEs
+    (sqrt(0.95 * 0.05 / 1000) = 0.7 points): |coverage - 0.95| <= 0.034, except the
+    measured SHORTFALL (>= 0.88). Truth: exact cells for the reward-only schemes, a
+    400,000-group Monte Carlo from the same table for OTB (relative SE ~0.3%, against
+    interval half-widths of 30-40%)."""
     from varbench.analysis.oracle import response_table
     from varbench.analysis.variance import table_cells
     from varbench.train.policies import build_policy as build_trained
@@ -182,12 +248,24 @@ def test_interval_coverage_slow():
     pol = build_trained("micro", task=task, warm=True, progress=False)
     dist = enumerate_distribution(pol, task, task.prompts(1, seed=0)[0])
     tab = _sketched(response_table(pol, dist, sketch_dim=None), K=256)
-    ex, _ = table_cells(tab, 4, 8, schemes=["centered", "rloo"], exact=True)
+    exact = ["centered", "rloo", "normalized"]
+    ex, _ = table_cells(tab, 4, 8, schemes=exact, exact=True)
     truth = {(r.scheme, k): getattr(r, k) for r in ex.itertuples()
              for k in ("variance", "mse", "projection")}
-    cov = _coverage(tab, 4, 128, 400, truth)
-    print("coverage", cov)
-    assert all(abs(v - 0.95) <= 0.04 for v in cov.values()), cov
+    truth.update(_mc_truth(tab, 4, ["otb", "otb_exact"], 400_000))
+    for a, b in (("otb", "centered"), ("otb_exact", "centered"), ("normalized", "centered"),
+                 ("otb", "otb_exact")):
+        for k in ("variance", "mse"):
+            truth[f"{a}/{b}", k] = truth[a, k] / truth[b, k]
+    # rloo / centered variance is (G / (G-1))^2 on every sample: a zero-width interval, tested
+    # in test_exact_moments_known_answers; its MSE ratio is random
+    truth["rloo/centered", "mse"] = truth["rloo", "mse"] / truth["centered", "mse"]
+    cov = _coverage_all(tab, 4, 128, COVERAGE_REPS, truth, [*exact, "otb", "otb_exact"])
+    se = (0.95 * 0.05 / COVERAGE_REPS) ** 0.5
+    print("coverage", {k: round(v, 3) for k, v in sorted(cov.items())})
+    assert len(cov) == 5 * 3 + 4 * 2 + 1
+    assert all(abs(v - 0.95) <= 0.02 + 2 * se for k, v in cov.items() if k not in SHORTFALL), cov
+    assert all(cov[k] >= 0.88 for k in SHORTFALL), cov
 
 
 def test_interval_functions_edge_cases():

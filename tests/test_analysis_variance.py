@@ -161,3 +161,26 @@ def test_reference_records_exact_sequence_norms(micro64, arith_batch):
     # routes agree to float32-level rounding of those casts (observed 5e-10 relative)
     assert abs(got["seq_sq_exact"] - float(want)) <= 1e-7 * float(want)
     assert abs(got["seq_sq_sketched"] - float(want)) <= 1e-7 * float(want)
+
+
+def test_adaptive_M_targets_the_headline_figures(tmp_path):
+    """M grows in steps of M until the headline figures' relative SE meets the target (pooled
+    over prompts) or M reaches the cap; every response is used at every G; the notes state the
+    M used and the reached relative SE of the headlines."""
+    pol = build_policy("micro", seed=0)
+    kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50)
+    capped = _run(pol, tmp_path / "a", target_rel_se=1e-6, M_cap=12, **kw)
+    ref = capped.records["reference"].iloc[0]
+    assert ref["M_used"] == 12 and ref["target_met"] == 0.0 and ref["target_rel_se"] == 1e-6
+    assert ref["max_rel_se_of"].split(":")[0] in ("projection", "variance_ratio", "mse_ratio",
+                                                   "proxy_cost")
+    cells = capped.records["cells"]
+    assert set(zip(cells["G"], cells["M"], strict=True)) == {(2, 18), (3, 12)}  # 36 responses
+    assert ref["groups_per_G"] == "G=2:18 G=3:12"
+    assert any("NOT met: cap" in n for n in capped.notes)
+    assert any("Adaptive M targets the headline figures" in n and "above the target" in n
+               for n in capped.notes)
+    met = _run(pol, tmp_path / "b", target_rel_se=100.0, M_cap=12, **kw)
+    ref = met.records["reference"].iloc[0]
+    assert ref["M_used"] == 4 and ref["target_met"] == 1.0 and ref["max_rel_se"] <= 100.0
+    assert any("all within the target" in n for n in met.notes)

@@ -73,6 +73,15 @@ seed = 1
     (["variance", "-G", "0"], r"G"),
     (["proxy", "--task", "nope"], r"'nope' is not valid"),
     (["proxy", "--policy", "/no/such/dir"], r"checkpoint directory"),
+    (["variance", "--sketch-dim", "flat"], r"--sketch-dim='flat' is not valid.*'auto'"),
+    (["variance", "--interval", "bca"], r"interval.*'bca' is not valid.*'studentized'"),
+    (["variance", "--exact", "always"], r"exact.*'always' is not valid.*'never'"),
+    (["variance", "--level", "1.5"], r"level.*1.5 is not valid.*\(0, 1\)"),
+    (["variance", "--target-rel-se", "0"], r"target_rel_se.*0.0 is not valid"),
+    (["variance", "-M", "8", "--M-cap", "4"], r"M_cap=4 is not valid; expected an integer >= 8"),
+    (["variance", "--table-limit", "0"], r"table_limit.*>= 1"),
+    (["variance", "--n-boot", "0"], r"n_boot.*>= 1"),
+    (["variance", "--sketch-seed", "-1"], r"sketch_seed.*>= 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, args, message):
     import re
@@ -82,3 +91,21 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, args, message):
     assert code == 2, err
     assert re.search(message, err), err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_variance_flags_reach_the_analysis(tmp_path):
+    """Every statistics knob of `varbench variance` is passed to the analysis (its config)."""
+    out = tmp_path / "v"
+    code = main(["variance", "--preset", "micro", "--states", "random", "--task", "sort",
+                 "--knob", "n=1", "--schemes", "centered", "rloo", "-G", "2", "-M", "4",
+                 "--M-cap", "8", "--target-rel-se", "0.5", "--sketch-dim", "auto",
+                 "--sketch-seed", "3", "--interval", "normal", "--n-boot", "20", "--level",
+                 "0.9", "--exact", "never", "--table-limit", "10", "--no-progress",
+                 "--no-cache", "--out", str(out)])
+    assert code == 0
+    cfg = json.loads((out / "summary.json").read_text())["analyses"][0]["provenance"]["config"]
+    assert cfg["sketch_dim"] is None  # auto: micro has < 200k parameters, so flat vectors
+    assert {k: cfg[k] for k in ("sketch_seed", "M_cap", "target_rel_se", "interval", "n_boot",
+                                "level", "exact", "table")} == {
+        "sketch_seed": 3, "M_cap": 8, "target_rel_se": 0.5, "interval": "normal",
+        "n_boot": 20, "level": 0.9, "exact": "never", "table": False}

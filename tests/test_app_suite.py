@@ -114,6 +114,15 @@ BAD_KEYS = [  # (case table body, key named in the error, words of the error)
     ('kind = "variance"\nsketch_dim = -1', "sketch_dim", ">= 0"),
     ('kind = "variance"\nM = 3200000000', "M", "too large"),
     ('kind = "variance"\nn_ref = 0', "n_ref", ">= 1"),
+    ('kind = "variance"\nsketch_dim = "flat"', "sketch_dim", "or 'auto'"),
+    ('kind = "variance"\nsketch_dim = 1.5', "sketch_dim", "must be a int or str"),
+    ('kind = "variance"\ninterval = "bca"', "interval", "'studentized'"),
+    ('kind = "variance"\nexact = "always"', "exact", "'never'"),
+    ('kind = "variance"\nlevel = 1.5', "level", "in (0, 1)"),
+    ('kind = "variance"\ntarget_rel_se = 0', "target_rel_se", "in (0, inf)"),
+    ('kind = "variance"\nM_cap = 0', "M_cap", ">= 1"),
+    ('kind = "variance"\ntable_limit = 0', "table_limit", ">= 1"),
+    ('kind = "variance"\nsketch_seed = -1', "sketch_seed", ">= 0"),
     ('kind = "train"\nlr = inf', "lr", "finite"),
     ('kind = "train"\nlr = nan', "lr", "finite"),
     ('kind = "train"\ndevice = "bogus"', "device", "is not valid; use cpu, cuda"),
@@ -141,3 +150,14 @@ def test_every_case_fully_validated_before_any_runs(tmp_path, body, key, words, 
     assert str(path) in msg and "cases[1] ('second')" in msg and f"'{key}'" in msg, msg
     assert words in msg, msg
     assert ran == []
+
+
+def test_a_knob_annotated_int_or_str_takes_both(tmp_path):
+    """``sketch_dim: int | str | None`` (default 1024): a suite may give 256 or "auto";
+    the type check reads the annotation, not only the default's type."""
+    p = tmp_path / "s.toml"
+    for value, want in (("256", 256), ('"auto"', "auto"), ("0", 0)):
+        p.write_text(HEAD + f'[[cases]]\nname = "v"\nkind = "variance"\nsketch_dim = {value}\n')
+        assert load_suite(p).cases[0].params["sketch_dim"] == want
+    msg = _bad(tmp_path, HEAD + '[[cases]]\nname = "v"\nkind = "variance"\nM = "auto"\n')
+    assert "key 'M' must be a int" in msg  # M: int only

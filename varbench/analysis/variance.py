@@ -254,9 +254,7 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     row[f"{k}_sketch_sd"] = sd[k]
             est[label, mode] = (e, r, ex)
             rows.append(row)
-    pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
-    pairs += [(lab, f"{lab}_exact") for lab in labels if f"{lab}_exact" in labels]
-    for label, base in pairs:
+    for label, base in headline_pairs(labels):
         for mode in modes:
             (e, r, ex), (eb, _, exb) = est[label, mode], est[base, mode]
             for stat in ("variance", "mse"):
@@ -301,17 +299,49 @@ def _set_exact(row: dict, ex: dict[str, float]) -> None:
         row[f"{k}_sketch_sd"] = 0.0
 
 
-def _max_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_len) -> float:
-    """Largest jackknife relative SE of variance and MSE over the cells (adaptive M)."""
-    worst = 0.0
+def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
+    """The (scheme, baseline) pairs whose paired ratios are headlines: every label against
+    centered, and an OTB-type label against its ``_exact`` twin (what the proxy costs)."""
+    pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
+    return pairs + [(lab, f"{lab}_exact") for lab in labels if f"{lab}_exact" in labels]
+
+
+def _targeted(label: str, baseline: str) -> bool:
+    """Whether a paired ratio is a headline (variance_report): OTB-type and rloo vs centered,
+    and a scheme vs its exact-weights twin."""
+    return (baseline == "centered" and (label.startswith("otb") or label == "rloo")
+            or baseline == f"{label}_exact")
+
+
+def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_len,
+                     ) -> tuple[float, str]:
+    """(largest relative SE, its name) over the figures the headlines report (adaptive M).
+
+    Targeted: each label's projection (with g*) and the headline paired ratios of variance and
+    MSE (:func:`_targeted`), all with their jackknife / delta-method SEs on the groups of
+    ``M * max(Gs)`` responses. Not targeted: the unpaired budget rows and the variance and
+    MSE cells themselves (they are in the headline text with their intervals).
+    """
+    worst, name = 0.0, ""
     for G in Gs:
-        c, _ = _cell(data, G, M, labels, modes, ref, topk_k=topk_k, max_len=max_len,
-                     mean_len=mean_len, intervals=False)
-        for stat in ("variance", "mse"):
-            rel = (c[f"{stat}_se"] / c[stat].where(c[stat] > 0)).max()
-            if pd.notna(rel):
-                worst = max(worst, float(rel))
-    return worst
+        c, pr = _cell(data, G, _groups(M, G, Gs), labels, modes, ref, topk_k=topk_k,
+                      max_len=max_len, mean_len=mean_len, intervals=False)
+        vals = []
+        if ref is not None:
+            vals += [(f"projection:{r.scheme}:G={G}:{r.mode}", r.projection_se / abs(r.projection))
+                     for r in c.itertuples() if r.scheme != "raw" and r.projection != 0]
+        vals += [(f"{r.stat}_ratio:{r.scheme}:{r.baseline}:G={G}:{r.mode}", r.ratio_se / r.ratio)
+                 for r in pr.itertuples() if _targeted(r.scheme, r.baseline) and r.ratio > 0]
+        for k, v in vals:
+            if math.isfinite(v) and v > worst:
+                worst, name = float(v), k
+    return worst, name
+
+
+def _groups(M: int, G: int, Gs: Sequence[int]) -> int:
+    """Groups of size G in the ``M * max(Gs)`` responses of a prompt: every response is used
+    at every G (disjoint groups of i.i.d. draws are i.i.d. groups), so smaller G get more."""
+    return M * max(Gs) // G
 
 
 def estimator_variance(
@@ -356,9 +386,14 @@ def estimator_variance(
     rewards only (the estimate is then linear in the responses given the rewards:
     :func:`~varbench.analysis.oracle.exact_moments`); otherwise ``mc`` over M groups, with
     bootstrap-t intervals over groups (``interval``, ``n_boot``, ``level``;
-    :mod:`varbench.stats.intervals`). Adaptive M: with ``target_rel_se``, M grows from ``M``
-    in steps of ``M`` until the largest relative SE of variance and MSE is at most the target
-    or M reaches ``M_cap`` (the M used and whether the target was met are in the cells).
+    :mod:`varbench.stats.intervals`). ``M`` groups per prompt at the largest G; a smaller G
+    uses the same responses in ``M * max(Gs) // G`` groups. Adaptive M: with
+    ``target_rel_se``, M grows from ``M`` in steps of ``M`` until every figure the headlines
+    report (projections, paired variance / MSE ratios of OTB-type and rloo vs centered and
+    of a scheme vs its ``_exact`` twin) has a relative SE at most the target, pooled over
+    the prompts (each prompt aims at ``target * sqrt(n_prompts)``), or M reaches ``M_cap``;
+    the M used, the largest relative SE and its figure are in ``reference``, the reached
+    pooled relative SE of every headline in the notes.
     ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
     which picks the prompts and samples); None for flat vectors (exact contraction, no sketch
     error); ``"auto"``: flat when the model has at most 200k parameters, else 1024. With a
@@ -386,6 +421,11 @@ def estimator_variance(
     check_choice("reference", reference, ("auto", "exact", "sampled"))
     check_choice("exact", exact, ("auto", "never"))
     check_choice("interval", interval, INTERVAL_METHODS)
+    check_positive_int("n_boot", n_boot, minimum=0)
+    check_positive_int("table_limit", table_limit)
+    check_positive_int("sketch_seed", sketch_seed, minimum=0)
+    if isinstance(level, bool) or not (isinstance(level, (int, float)) and 0 < level < 1):
+        raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
     reward = task.check_reward(reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
@@ -411,7 +451,8 @@ def estimator_variance(
            "target_rel_se": target_rel_se, "n_prompts": n_prompts, "reference": ref_kind,
            "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
-           "level": level, "topk_k": topk_k, "seed": seed, **(config or {})}
+           "level": level, "topk_k": topk_k, "seed": seed,
+           "groups": "every response at every G", **(config or {})}
     cache = CellCache(cache_dir, cfg)
     vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": sketch_seed}
     prompts = task.prompts(n_prompts, seed=seed)
@@ -463,18 +504,25 @@ def estimator_variance(
             seq_norms = (_sequence_norms(policy.model, *first[0]) if table is None
                          else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
             # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
-            M_used, rel, met = M, float("nan"), float("nan")
+            M_used, rel, met, worst = M, float("nan"), float("nan"), ""
             if target_rel_se is not None:
                 mean_len0 = float(data["mask"].sum(-1).double().mean())
 
-                def rel_se(m, parts=parts, g_ref=g_ref, mean_len0=mean_len0):
+                worst_name = [""]
+
+                def rel_se(m, parts=parts, g_ref=g_ref, mean_len0=mean_len0, wn=worst_name):
                     while sum(x["mask"].shape[1] for x in parts) < m * Gs[-1]:
                         parts.append(draw(M))
                     d = _concat_arrays(parts) if len(parts) > 1 else parts[0]
-                    return _max_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
+                    r_, wn[0] = _headline_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
+                    return r_
 
-                M_used, rel, met_ = adaptive_groups(rel_se, start=M, step=M, cap=M_cap,
-                                                    target=target_rel_se)
+                # the target is for the figures pooled over n_prompts independent prompts
+                # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
+                M_used, rel, met_ = adaptive_groups(
+                    rel_se, start=M, step=M, cap=M_cap,
+                    target=target_rel_se * math.sqrt(n_prompts))
+                worst = worst_name[0]
                 met = float(met_)
                 data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
@@ -488,13 +536,19 @@ def estimator_variance(
                 "ref_se_norm": ref_se, "sketch": sketch_desc, "n_params": D,
                 "mean_len": mean_len, "mean_reward_sampled":
                     float(data["rewards"][0, : M_used * Gs[-1]].double().mean()),
-                "M_used": M_used, "max_rel_se": rel, "target_met": met,
+                "M_used": M_used, "groups_per_G": " ".join(
+                    f"G={G}:{_groups(M_used, G, Gs)}" for G in Gs),
+                "target_rel_se": (float("nan") if target_rel_se is None
+                                  else float(target_rel_se)),
+                "max_rel_se": rel, "max_rel_se_of": worst,
+                "target_met": met,
                 "table": table is not None, **seq_norms,
             }])
             cache.save(f"p{p}_reference", ref_row)
             for i, G in enumerate(Gs):
                 if done[i][0] is None or done[i][1] is None:
-                    c, pr = _cell(data, G, M_used, ref=g_ref, mean_len=mean_len, table=table,
+                    c, pr = _cell(data, G, _groups(M_used, G, Gs), ref=g_ref,
+                                  mean_len=mean_len, table=table,
                                   sketch_k=sk, interval=interval, n_boot=n_boot, level=level,
                                   seed=p_seed, **kw)
                     c.insert(0, "prompt", p)

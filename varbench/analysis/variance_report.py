@@ -44,6 +44,20 @@ def shrinkage_share(variance_ratio: float, projection_ratio: float) -> float:
     return min(1.0, 2 * math.log(projection_ratio) / math.log(variance_ratio))
 
 
+_TARGETED = ("projection:", "variance_ratio:", "mse_ratio:", "proxy_cost:")
+
+
+def targeted_rel_se(heads: list[Headline]) -> dict[str, float]:
+    """Relative SE ``se / |value|`` of each headline figure adaptive M targets (finite, with
+    an SE > 0: deterministic ratios such as rloo / centered variance are left out)."""
+    out = {}
+    for h in heads:
+        if (h.key.startswith(_TARGETED) and h.se is not None and math.isfinite(h.se)
+                and h.se > 0 and h.value):
+            out[h.key] = abs(h.se / h.value)
+    return out
+
+
 def variance_headlines(
     records: dict[str, pd.DataFrame], ref_kind: str
 ) -> tuple[list[Headline], list[str], dict[str, Any]]:
@@ -67,12 +81,16 @@ def variance_headlines(
         "schemes); the cosine is not a headline because it does not measure scale.",
     ]
     if len(ref) and "M_used" in ref:
-        used = ", ".join(f"p{int(r.prompt)}: M = {int(r.M_used)}"
+        used = "; ".join(f"p{int(r.prompt)}: M = {int(r.M_used)}"
+                         + (f" ({r.groups_per_G})" if isinstance(
+                             getattr(r, "groups_per_G", None), str) else "")
                          + ("" if pd.isna(r.target_met) else
-                            f" (largest relative SE {fmt(r.max_rel_se, 2)}, target "
-                            f"{'met' if bool(r.target_met) else 'NOT met: cap reached'})")
+                            f", largest relative SE {fmt(r.max_rel_se, 2)}"
+                            + (f" ({r.max_rel_se_of})" if getattr(r, "max_rel_se_of", "")
+                               else "")
+                            + f", target {'met' if bool(r.target_met) else 'NOT met: cap'}")
                          for r in ref.itertuples())
-        notes.append(f"Groups per prompt: {used}.")
+        notes.append(f"Groups per prompt (every response is used at every G): {used}.")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "
@@ -172,6 +190,22 @@ def variance_headlines(
                     f"{r.scheme} at G={r.G} has {fmt(ratio)}x the variance of centered at "
                     f"G={gmax} (SE {fmt(se, 2)}, groups not paired) using "
                     f"{fmt(r.tokens_per_group / b['tokens_per_group'])}x the sampled tokens."))
+    target = (float(ref["target_rel_se"].iloc[0]) if len(ref) and "target_rel_se" in ref
+              else float("nan"))
+    reached = targeted_rel_se(heads)
+    if reached:
+        top = max(reached, key=reached.get)
+        over = sorted(k for k, v in reached.items() if math.isfinite(target) and v > target)
+        notes.append(
+            "Adaptive M targets the headline figures (projections, paired variance and MSE "
+            "ratios; budget rows are unpaired and not targeted)"
+            + (f" at relative SE {fmt(target, 2)} pooled over prompts" if math.isfinite(target)
+               else " (no target set)")
+            + f": reached relative SE, largest {fmt(reached[top], 2)} ({top}), median "
+            f"{fmt(float(pd.Series(list(reached.values())).median()), 2)} over "
+            f"{len(reached)} figures"
+            + (f"; above the target: {', '.join(over)}" if over else
+               "; all within the target" if math.isfinite(target) else "") + ".")
     summary = {"reference": ref_kind,
                **{h.key: {"value": h.value, "se": h.se} for h in heads}}
     return heads, notes, summary

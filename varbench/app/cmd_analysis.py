@@ -58,16 +58,33 @@ def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
     return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
 
-def _run_case(kind: str, keys: dict[str, Any]):
+def _sketch_dim_flag(value: str) -> int | str:
+    """``--sketch-dim``: a non-negative integer (0: flat) or ``auto``."""
+    from varbench._util.checks import UsageError
+
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--sketch-dim={value!r} is not valid; give a non-negative integer "
+                         "K (0: flat vectors) or 'auto'") from None
+
+
+def _run_case(kind: str, keys: dict[str, Any], convert: dict[str, Any] | None = None):
     """A handler running the case these flags describe inside torchrun's process group
-    (one process outside torchrun); rank 0 writes the report and prints."""
+    (one process outside torchrun); rank 0 writes the report and prints. ``convert``: per
+    key, a function from the flag's string to the case's value (raising UsageError)."""
 
     def handler(args) -> int:
         from varbench._util.distributed import init_from_env, shutdown
         from varbench.app.executors import KINDS
         from varbench.report import write_report
 
-        case = _case(kind, args, {k: getattr(args, a) for k, a in keys.items()})
+        vals = {k: getattr(args, a) for k, a in keys.items()}
+        for k, fn in (convert or {}).items():
+            vals[k] = fn(vals[k])
+        case = _case(kind, args, vals)
         from varbench.app.runner import prepare_out_dir
 
         prepare_out_dir(Path(args.out))  # a file in the way: said now, not after the work
@@ -100,6 +117,7 @@ def register(subparsers) -> None:
     """Add ``proxy``, ``variance`` and ``cancellation`` to the ``varbench`` CLI."""
     from varbench.analysis.variance import DEFAULT_SCHEMES
     from varbench.estimators.aggregation import AGGREGATION_MODES
+    from varbench.stats.intervals import INTERVAL_METHODS
 
     p = subparsers.add_parser(
         "proxy", help="proxy w_t vs exact per-token gradient norms (correlations + CIs)",
@@ -129,13 +147,33 @@ def register(subparsers) -> None:
     v.add_argument("--prompts", type=int, default=1, help="prompts (default 1)")
     v.add_argument("--reference", default="auto", choices=["auto", "exact", "sampled"])
     v.add_argument("--n-ref", type=int, default=1024, help="sampled reference size")
-    v.add_argument("--sketch-dim", type=int, default=1024, help="count-sketch dim (0: flat)")
+    v.add_argument("--sketch-dim", default="1024", metavar="K|0|auto",
+                   help="count-sketch dim K; 0: flat vectors (exact contraction); auto: flat "
+                        "up to 200k parameters, else 1024 (default 1024)")
+    v.add_argument("--sketch-seed", type=int, default=0,
+                   help="seed of the count sketch, independent of --seed (default 0)")
+    v.add_argument("--M-cap", type=int, default=None,
+                   help="adaptive M: largest groups per prompt (default: -M, no growth)")
+    v.add_argument("--target-rel-se", type=float, default=None,
+                   help="adaptive M: grow M in steps of -M until the headline quantities' "
+                        "relative SE is at most this (default: off)")
+    v.add_argument("--interval", default="studentized",
+                   help=f"interval method: {' | '.join(INTERVAL_METHODS)} (default studentized)")
+    v.add_argument("--n-boot", type=int, default=1000, help="bootstrap draws (default 1000)")
+    v.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
+    v.add_argument("--exact", default="auto",
+                   help="exact cells from an enumerated response table: auto | never")
+    v.add_argument("--table-limit", type=int, default=256,
+                   help="largest enumerated token count for exact cells (default 256)")
     v.add_argument("--topk-k", type=int, default=1)
     _common(v, out="reports/variance", states=["warm"])
     v.set_defaults(func=_run_case("variance", {
         "task": "task", "schemes": "schemes", "Gs": "G", "modes": "modes", "M": "M",
         "n_prompts": "prompts", "reference": "reference", "n_ref": "n_ref",
-        "sketch_dim": "sketch_dim", "topk_k": "topk_k"}))
+        "sketch_dim": "sketch_dim", "sketch_seed": "sketch_seed", "M_cap": "M_cap",
+        "target_rel_se": "target_rel_se", "interval": "interval", "n_boot": "n_boot",
+        "level": "level", "exact": "exact", "table_limit": "table_limit",
+        "topk_k": "topk_k"}, convert={"sketch_dim": _sketch_dim_flag}))
 
     c = subparsers.add_parser(
         "cancellation", help="shared-step token gradient cancellation diagnostics",

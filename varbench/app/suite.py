@@ -25,6 +25,7 @@ import json
 import math
 import re
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,35 @@ def _keys(path: Path, where: str, table: dict, valid) -> None:
         raise SuiteError(f"{path}: {where}: unknown key {bad[0]!r}; valid keys: {sorted(valid)}")
 
 
+def _is_type(value: Any, want: type) -> bool:
+    """Whether a TOML value has the Python type ``want`` (bool is not an int here)."""
+    return (
+        isinstance(value, bool) if want is bool
+        else (isinstance(value, int) and not isinstance(value, bool)) if want is int
+        else (isinstance(value, (int, float)) and not isinstance(value, bool))
+        if want is float
+        else isinstance(value, str) if want is str
+        else isinstance(value, list) if want in (list, tuple)
+        else True
+    )
+
+
+_SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _annotation_types(param: inspect.Parameter) -> tuple[type, ...]:
+    """The scalar types a parameter's annotation names (``int | str | None`` -> (int, str)),
+    whether the annotation is a string (postponed evaluation) or a type."""
+    ann = param.annotation
+    if ann is inspect.Parameter.empty:
+        return ()
+    if isinstance(ann, str):
+        names = [n.strip() for n in ann.split("|")]
+    else:
+        names = [getattr(a, "__name__", "") for a in (typing.get_args(ann) or (ann,))]
+    return tuple(_SCALARS[n] for n in names if n in _SCALARS)
+
+
 def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
                  param: inspect.Parameter) -> None:
     """Types from the parameter's default; choices for names the library registers."""
@@ -255,19 +285,21 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
     default = param.default
     if default is not inspect.Parameter.empty and default is not None:
         want = type(default)
-        ok = (
-            isinstance(value, bool) if want is bool
-            else (isinstance(value, int) and not isinstance(value, bool)) if want is int
-            else (isinstance(value, (int, float)) and not isinstance(value, bool))
-            if want is float
-            else isinstance(value, str) if want is str
-            else isinstance(value, list) if want in (list, tuple)
-            else True
-        )
+        ok = _is_type(value, want)
+        # a knob annotated with several scalar types (``sketch_dim: int | str | None``, e.g.
+        # 1024 or "auto") takes any of them, not only its default's
+        admitted = _annotation_types(param)
+        if not ok and len(admitted) > 1:
+            ok = any(_is_type(value, t) for t in admitted)
         if not ok:
             label = {list: "list", tuple: "list"}.get(want, want.__name__)
+            if len(admitted) > 1:
+                label = " or ".join(t.__name__ for t in admitted)
             raise SuiteError(f"{at} must be a {label} (like its default {default!r}), "
                              f"got {value!r}")
+    if key == "sketch_dim" and isinstance(value, str) and value != "auto":
+        raise SuiteError(f"{at} = {value!r} is not valid; give a non-negative integer (0: flat "
+                         "vectors) or 'auto'")
     choices = _choices(key, kind)
     if choices is not None:
         values = value if isinstance(value, list) else [value]
@@ -309,6 +341,8 @@ _AT_LEAST_1 = {"G", "M", "n_prompts", "n_ref", "n_boot", "n_bins", "groups_per_c
                "hacking_G", "variance_M", "variance_prompts", "eval_responses"}
 _AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup_steps",
                "warm_start_seed", "eval_seed"}
+_AT_LEAST_1 |= {"M_cap", "table_limit"}  # variance knobs
+_AT_LEAST_0 |= {"sketch_seed"}
 _AT_LEAST = {"num_steps": 3}
 _AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
             "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
@@ -316,6 +350,7 @@ _AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
             "eval_samples": 1 << 16, "hacking_G": 1 << 16, "variance_M": 1 << 20}
 _NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
              "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
+_OPEN_RANGE = {"level": (0, 1), "target_rel_se": (0, math.inf)}  # floats, bounds excluded
 _ELEMENT_RANGE = {"Gs": (1, 1 << 16), "inner_steps": (0, 1 << 20), "seeds": (0, None),
                   "hacking_seeds": (0, None)}
 
@@ -327,6 +362,10 @@ def _check_range(at: str, key: str, value: Any) -> None:
         lo = _AT_LEAST.get(key, 1 if key in _AT_LEAST_1 else 0 if key in _AT_LEAST_0 else None)
         hi = _AT_MOST.get(key)
         _int_range(at, value, lo, hi)
+    if key in _OPEN_RANGE and isinstance(value, (int, float)) and not isinstance(value, bool):
+        lo, hi = _OPEN_RANGE[key]
+        if not lo < value < hi:
+            raise SuiteError(f"{at} = {value!r} is not valid; expected a number in ({lo}, {hi})")
     if isinstance(value, list):
         if key in _NONEMPTY and not value:
             raise SuiteError(f"{at} = [] is empty; give at least one value (an empty list "
@@ -389,6 +428,10 @@ def _choices(key: str, kind: str) -> list[Any] | None:
         from varbench.app.specs import STATES
 
         return list(STATES)
+    if kind == "variance" and key in ("interval", "exact"):
+        from varbench.stats.intervals import INTERVAL_METHODS
+
+        return list(INTERVAL_METHODS) if key == "interval" else ["auto", "never"]
     if key == "dtype" and kind != "train":
         from varbench.app.specs import DTYPES
 
