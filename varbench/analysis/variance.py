@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from varbench._util.checks import UsageError, check_choice, check_nonempty, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
-from varbench.analysis._common import CellCache, concat
+from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.analysis.oracle import (
     ResponseTable,
     enumerate_distribution,
@@ -453,7 +453,7 @@ def estimator_variance(
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
            "groups": "every response at every G", **(config or {})}
-    cache = CellCache(cache_dir, cfg)
+    cache = CellCache(cache_dir, cfg, placement=placement_of(policy))
     vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": sketch_seed}
     prompts = task.prompts(n_prompts, seed=seed)
     show = show_progress(progress)
