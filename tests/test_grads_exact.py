@@ -231,3 +231,50 @@ def test_pack_defaults_off_on_the_cpu():
     a = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False)
     b = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False, pack=False)
     assert torch.equal(a.prefix_sq, b.prefix_sq) and torch.equal(a.token_sq, b.token_sq)
+
+
+def test_packed_chunk_keeps_tokens_times_rows_within_the_budget():
+    """packed_chunk against the plan itself: the packed chunks of its size hold at most
+    ``budget`` (token, row) cotangent rows, and every larger size up to the budget does not."""
+    from varbench.grads.exact import packed_chunk
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        B, L = int(torch.randint(1, 7, (1,), generator=g)), 12
+        rm = (torch.rand(B, L, generator=g) < 0.5).float()
+        rm[:, 0] = 0
+        offs = [0]
+        for n in rm.count_nonzero(1).tolist():
+            offs.append(offs[-1] + n)
+        budget = int(torch.randint(1, 40, (1,), generator=g))
+        c = packed_chunk(offs, budget)
+
+        def worst(k, rm=rm):
+            return max(((stop - start) * (hi - lo + 1)
+                        for start, stop, lo, hi, _ in token_chunks(rm, k, pack=True)), default=0)
+
+        assert 1 <= c <= budget
+        assert worst(c) <= budget
+        assert all(worst(k) > budget for k in range(c + 1, budget + 1))
+
+
+def test_packed_auto_chunk_shrinks_to_the_measured_budget(monkeypatch):
+    """With a measured (CUDA) budget, faked here, the automatic packed chunk size is shrunk
+    so that tokens x rows fits; an explicit chunk_size is kept. The norms stay exact."""
+    import varbench.grads.exact as exact
+
+    model = exact_float64(tiny_llama())
+    ids, rm, am = batch("left")
+    sizes = []
+    real = exact.token_chunks
+    monkeypatch.setattr(exact, "free_device_bytes", lambda d: 1 << 30)
+    monkeypatch.setattr(exact, "auto_chunk", lambda d, b, chunk_size=None, **kw: chunk_size or 16)
+    monkeypatch.setattr(exact, "token_chunks",
+                        lambda m, c, pack=False: sizes.append(c) or real(m, c, pack=pack))
+    got = exact.token_grad_norms(model, ids, rm, am, pack=True, progress=False)
+    assert sizes == [8]  # 18 tokens over rows of 7, 6, 5: chunks of 8 span 2 rows (16 <= 16)
+    exact.token_grad_norms(model, ids, rm, am, pack=True, chunk_size=16, progress=False)
+    assert sizes == [8, 16]
+    tok, pre, _ = norms_from_grads(brute_token_grads(model, ids, rm, am)[0], rm)
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)

@@ -19,6 +19,7 @@ in this sense; use ``attn_implementation='eager'`` or ``'sdpa'`` for them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import warnings
 from collections.abc import Iterator
@@ -30,7 +31,13 @@ from tqdm.auto import tqdm
 from varbench._util.checks import check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.grads._inputs import eval_mode, prepare
-from varbench.grads.chunking import DEFAULT_CHUNK, MEMORY_FRACTION, auto_chunk, cotangent_bytes
+from varbench.grads.chunking import (
+    DEFAULT_CHUNK,
+    MEMORY_FRACTION,
+    auto_chunk,
+    cotangent_bytes,
+    free_device_bytes,
+)
 from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
 from varbench.grads.precision import batched_backward_attention
@@ -39,7 +46,7 @@ from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs, upcast
 
 __all__ = ["DEFAULT_CHUNK", "TokenGradNorms", "iter_token_grads", "last_response_value",
-           "token_chunks", "token_grad_norms"]
+           "packed_chunk", "token_chunks", "token_grad_norms"]
 
 
 @dataclass
@@ -167,6 +174,28 @@ def iter_token_grads(
     bar.close()
 
 
+def packed_chunk(offsets: list[int], budget: int) -> int:
+    """Largest packed chunk size ``c <= budget`` whose chunks keep ``C x rows <= budget``.
+
+    ``offsets [B+1]``: row b's response tokens are ``offsets[b]:offsets[b+1]`` of the
+    row-major token list. A packed chunk of C tokens over rows lo..hi holds C cotangents of
+    ``hi - lo + 1`` rows each, so a budget measured in one-row cotangents (``auto_chunk``)
+    bounds ``C x rows``, not C. Host arithmetic only (no device read).
+    """
+    n = offsets[-1]
+    for c in range(max(1, budget), 1, -1):
+        worst = 0
+        for i in range(0, n, c):
+            j = min(i + c, n)
+            rows = bisect.bisect_right(offsets, j - 1) - bisect.bisect_right(offsets, i) + 1
+            worst = max(worst, (j - i) * rows)
+            if worst > budget:
+                break
+        if worst <= budget:
+            return c
+    return 1
+
+
 def token_grad_norms(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -208,7 +237,9 @@ def token_grad_norms(
     backward); default on CUDA only, so CPU results are those of one sequence per forward.
     Token c's cotangent is nonzero only in its own row, so its norms are taken from that
     row's slice alone, with per-row ghost state and running prefixes (a row's state carries
-    over to the next chunk while the row continues).
+    over to the next chunk while the row continues). Each cotangent's backward then spans the
+    chunk's rows: with the automatic CUDA chunk size, packed chunks are shrunk until tokens x
+    rows fits the memory budget (:func:`packed_chunk`); an explicit ``chunk_size`` is kept.
     """
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
@@ -231,11 +262,9 @@ def token_grad_norms(
     tok = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     n_mat = 0 if method == "ghost" else sum(p.numel() for _, p in chosen)
+    measured = chunk_size is None and free_device_bytes(dev) is not None
     chunk_size = auto_chunk(dev, cotangent_bytes(model, L, n_mat), chunk_size=chunk_size,
                             memory_fraction=memory_fraction)
-    # the plan of every chunk, read from the mask once (no host sync per chunk)
-    nz = torch.nonzero(response_mask, as_tuple=False)  # [N, 2] on the device
-    plan = token_chunks(response_mask, chunk_size, pack=pack)
     # the index of every row's first response token in the row-major token list
     if pack:  # one more host read per call: the rows' token counts
         offs = [0]
@@ -243,7 +272,12 @@ def token_grad_norms(
             offs.append(offs[-1] + n)
         first = {b: offs[b] for b in range(B) if offs[b + 1] > offs[b]}
         stops = {b: offs[b + 1] for b in first}
-    else:
+        if measured:  # each cotangent's backward spans the chunk's rows: C x rows in budget
+            chunk_size = packed_chunk(offs, chunk_size)
+    # the plan of every chunk, read from the mask once (no host sync per chunk)
+    nz = torch.nonzero(response_mask, as_tuple=False)  # [N, 2] on the device
+    plan = token_chunks(response_mask, chunk_size, pack=pack)
+    if not pack:
         first, stops = {}, {}
         for start, stop, b, _, _ in plan:
             first.setdefault(b, start)
