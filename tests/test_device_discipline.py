@@ -134,6 +134,11 @@ def test_exact_harness_host_syncs_do_not_grow_with_tokens():
     for method in ("ghost", "materialize"):
         _no_growth(lambda m=method: token_grad_norms(model, *small, method=m, chunk_size=3),
                    lambda m=method: token_grad_norms(model, *large, method=m, chunk_size=3))
+    for method in ("ghost", "materialize"):  # several sequences per forward
+        _no_growth(lambda m=method: token_grad_norms(model, *small, method=m, chunk_size=3,
+                                                     pack=True),
+                   lambda m=method: token_grad_norms(model, *large, method=m, chunk_size=3,
+                                                     pack=True))
     plist = list(model.parameters())
     for pack in (False, True):
         _no_growth(lambda p=pack: list(iter_token_grads(model, *small, plist, 3, pack=p)),

@@ -35,6 +35,7 @@ from varbench.grads import (
     tail_token_norms,
     token_grad_norms,
 )
+from varbench.grads.exact import token_chunks
 from varbench.grads.params import group_index
 from varbench.grads.precision import verify_copy
 from varbench.grads.seqnorms import sequence_grad_norms
@@ -104,6 +105,30 @@ def test_token_norms_match_brute_force(name, padding):
         t_k, p_k, _ = norms_from_grads(gk, rm)
         _close(r.group_token_sq[..., k], t_k, RTOL_64)
         _close(r.group_prefix_sq[..., k], p_k, RTOL_64)
+
+
+@pytest.mark.parametrize("padding", PADS)
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_token_norms_match_brute_force(name, padding):
+    """Several sequences per forward (``pack=True``, chunk 3: the middle chunk spans both rows
+    and the second row continues into the last one): the same norms and groups, both methods."""
+    m64, ids, rm, am, g, names, sizes = _brute(name, padding)
+    assert any(lo < hi for _, _, lo, hi, _ in token_chunks(rm, 3, pack=True))
+    tok, pre, diag = norms_from_grads(g, rm)
+    gnames, gidx = group_index(m64, names, True)
+    slices = torch.split(g, sizes, dim=-1)
+    for method in ("ghost", "materialize"):
+        r = token_grad_norms(m64, ids, rm, am, groups=True, method=method, chunk_size=3,
+                             pack=True)
+        _close(r.token_sq, tok, RTOL_64)
+        _close(r.prefix_sq, pre, RTOL_64)
+        _close(r.diag_prefix_sq, diag, RTOL_64)
+        _close(r.sequence_sq, _last(pre, rm), RTOL_64)
+        for k in range(len(gnames)):
+            gk = torch.cat([s for s, i in zip(slices, gidx, strict=True) if i == k], -1)
+            t_k, p_k, _ = norms_from_grads(gk, rm)
+            _close(r.group_token_sq[..., k], t_k, RTOL_64)
+            _close(r.group_prefix_sq[..., k], p_k, RTOL_64)
 
 
 def test_methods_record_how_each_module_was_handled():

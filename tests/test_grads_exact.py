@@ -8,7 +8,7 @@ import torch
 from _fixtures_grads import batch, tiny_llama, trained_llama
 from reference_grads import brute_token_grads, norms_from_grads
 
-from varbench.grads.exact import token_grad_norms
+from varbench.grads.exact import token_chunks, token_grad_norms
 from varbench.grads.params import select_params
 from varbench.grads.precision import exact_float64
 
@@ -122,12 +122,15 @@ def test_bad_inputs():
         token_grad_norms(model, ids.float(), rm, am)
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("method", ["ghost", "materialize"])
-def test_both_methods_long_sequences(method):
-    """L=24 > hidden 16: the ghost engine switches to forming D^T A for long prefixes."""
+def test_both_methods_long_sequences(method, pack):
+    """L=24 > hidden 16: the ghost engine switches to forming D^T A for long prefixes (packed:
+    per row, with a row's state carried over chunks that span two rows)."""
     model = exact_float64(trained_llama(tied=True))
     ids, rm, am = batch("left", L=24, B=2)
-    got = token_grad_norms(model, ids, rm, am, method=method, chunk_size=5, progress=False)
+    got = token_grad_norms(model, ids, rm, am, method=method, chunk_size=5, progress=False,
+                           pack=pack)
     g, _, _ = brute_token_grads(model, ids, rm, am)
     tok, pre, diag = norms_from_grads(g, rm)
     torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
@@ -170,3 +173,108 @@ def test_fused_attention_is_switched_for_library_callers(monkeypatch):
     with pytest.warns(UserWarning, match="flash CUDA kernels.*math SDPA"):
         got = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False)
     torch.testing.assert_close(got.token_sq, plain.token_sq, rtol=RTOL, atol=0)
+
+
+def _spans(rm, chunk_size):
+    """The most rows one packed chunk of ``token_chunks`` spans."""
+    return max(hi - lo + 1 for _, _, lo, hi, _ in token_chunks(rm, chunk_size, pack=True))
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_packed_norms_match_brute_force(method, padding, tied, chunk_size):
+    """``pack=True`` (several sequences per forward: chunks spanning 2 rows at chunk 4, all 3
+    at chunk 16) gives the brute-force norms and groups, and the unpacked numbers to RTOL."""
+    model = exact_float64(trained_llama(tied=tied))
+    ids, rm, am = batch(padding)
+    assert _spans(rm, chunk_size) == (2 if chunk_size == 4 else 3)
+    kw = {"groups": True, "chunk_size": chunk_size, "method": method, "progress": False}
+    got = token_grad_norms(model, ids, rm, am, pack=True, **kw)
+    one = token_grad_norms(model, ids, rm, am, pack=False, **kw)
+    g, names, sizes = brute_token_grads(model, ids, rm, am)
+    tok, pre, diag = norms_from_grads(g, rm)
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.diag_prefix_sq, diag, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.sequence_sq, one.sequence_sq, rtol=RTOL, atol=0)
+    for a, b in ((got.group_token_sq, one.group_token_sq),
+                 (got.group_prefix_sq, one.group_prefix_sq)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-300)
+    assert got.methods == one.methods
+    if method == "ghost":
+        assert any(v.startswith("ghost") for v in got.methods.values())
+
+
+def test_packed_norms_skip_a_row_without_response_tokens():
+    """A row with no response token inside a packed forward (it runs, contributes nothing) and
+    the rows around it keep their own prefix sums."""
+    model = exact_float64(tiny_llama(tied=False))
+    ids, rm, am = batch("left", B=4)
+    rm[1] = 0
+    assert _spans(rm, 16) == 4  # rows 0..3 in one forward, row 1 empty
+    g, _, _ = brute_token_grads(model, ids, rm, am)
+    tok, pre, _ = norms_from_grads(g, rm)
+    for method in ("ghost", "materialize"):
+        got = token_grad_norms(model, ids, rm, am, chunk_size=16, method=method, pack=True,
+                               progress=False)
+        torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+        torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)
+        assert torch.all(got.prefix_sq[1] == 0)
+
+
+def test_pack_defaults_off_on_the_cpu():
+    """CPU default: one sequence per forward, the same numbers bit for bit as pack=False."""
+    model = tiny_llama()
+    ids, rm, am = batch("right")
+    a = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False)
+    b = token_grad_norms(model, ids, rm, am, chunk_size=4, progress=False, pack=False)
+    assert torch.equal(a.prefix_sq, b.prefix_sq) and torch.equal(a.token_sq, b.token_sq)
+
+
+def test_packed_chunk_keeps_tokens_times_rows_within_the_budget():
+    """packed_chunk against the plan itself: the packed chunks of its size hold at most
+    ``budget`` (token, row) cotangent rows, and every larger size up to the budget does not."""
+    from varbench.grads.exact import packed_chunk
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        B, L = int(torch.randint(1, 7, (1,), generator=g)), 12
+        rm = (torch.rand(B, L, generator=g) < 0.5).float()
+        rm[:, 0] = 0
+        offs = [0]
+        for n in rm.count_nonzero(1).tolist():
+            offs.append(offs[-1] + n)
+        budget = int(torch.randint(1, 40, (1,), generator=g))
+        c = packed_chunk(offs, budget)
+
+        def worst(k, rm=rm):
+            return max(((stop - start) * (hi - lo + 1)
+                        for start, stop, lo, hi, _ in token_chunks(rm, k, pack=True)), default=0)
+
+        assert 1 <= c <= budget
+        assert worst(c) <= budget
+        assert all(worst(k) > budget for k in range(c + 1, budget + 1))
+
+
+def test_packed_auto_chunk_shrinks_to_the_measured_budget(monkeypatch):
+    """With a measured (CUDA) budget, faked here, the automatic packed chunk size is shrunk
+    so that tokens x rows fits; an explicit chunk_size is kept. The norms stay exact."""
+    import varbench.grads.exact as exact
+
+    model = exact_float64(tiny_llama())
+    ids, rm, am = batch("left")
+    sizes = []
+    real = exact.token_chunks
+    monkeypatch.setattr(exact, "free_device_bytes", lambda d: 1 << 30)
+    monkeypatch.setattr(exact, "auto_chunk", lambda d, b, chunk_size=None, **kw: chunk_size or 16)
+    monkeypatch.setattr(exact, "token_chunks",
+                        lambda m, c, pack=False: sizes.append(c) or real(m, c, pack=pack))
+    got = exact.token_grad_norms(model, ids, rm, am, pack=True, progress=False)
+    assert sizes == [8]  # 18 tokens over rows of 7, 6, 5: chunks of 8 span 2 rows (16 <= 16)
+    exact.token_grad_norms(model, ids, rm, am, pack=True, chunk_size=16, progress=False)
+    assert sizes == [8, 16]
+    tok, pre, _ = norms_from_grads(brute_token_grads(model, ids, rm, am)[0], rm)
+    torch.testing.assert_close(got.token_sq, tok, rtol=RTOL, atol=0)
+    torch.testing.assert_close(got.prefix_sq, pre, rtol=RTOL, atol=0)

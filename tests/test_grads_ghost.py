@@ -167,3 +167,54 @@ def test_unknown_embedding_subclass_is_materialised_exactly():
     tok, pre, _ = norms_from_grads(brute_token_grads(model, ids, rm, am)[0], rm)
     torch.testing.assert_close(r.token_sq, tok, rtol=RTOL, atol=0)
     torch.testing.assert_close(r.prefix_sq, pre, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 1e9])  # always weight / cost model / always ghost
+@pytest.mark.parametrize("kind", ["linear_bias", "embedding_pad"])
+def test_row_norms_keep_one_state_per_packed_row(monkeypatch, ratio, kind):
+    """GhostModule.row_norms on packed forwards (several rows per call, a row continuing into
+    the next call): each row's norms and prefixes equal those of that row alone, formed
+    explicitly; the other rows' inputs and cotangents never leak in."""
+    from varbench.grads import ghost
+
+    monkeypatch.setattr(ghost, "WEIGHT_RATIO", ratio)
+    g = torch.Generator().manual_seed(1)
+    L, n_in, n_out, n_rows = 16, 6, 5, 3
+    if kind == "embedding_pad":
+        mod = torch.nn.Embedding(n_in, n_out, padding_idx=2).double()
+        ids = torch.randint(0, n_in, (n_rows, L), generator=g)
+        ids[:, [1, 7]] = 2
+        A = torch.nn.functional.one_hot(ids, n_in).double() * (ids != 2).double()[..., None]
+        inp = ids
+    else:
+        mod = torch.nn.Linear(n_in, n_out, bias=True).double()
+        A = inp = torch.randn(n_rows, L, n_in, generator=g, dtype=torch.float64)
+    gm = ghost.GhostModule(mod, 0, L)
+    # (rows lo..hi, t, segments (local row, k0, k1, row, fresh)); row 1 spans both calls
+    calls = [(0, 1, 6, [(0, 0, 2, 0, True), (1, 2, 5, 1, True)]),
+             (1, 2, 12, [(0, 0, 3, 1, False), (1, 3, 7, 2, True)])]
+    per_row = {r: [] for r in range(n_rows)}
+    tok, pre = [], []
+    for lo, hi, t, segs in calls:
+        gm.hook(mod, (inp[lo : hi + 1, :t],), None)
+        C = segs[-1][2]
+        D = torch.zeros(C, hi - lo + 1, t, n_out, dtype=torch.float64)
+        for r, k0, k1, b, _ in segs:
+            D[k0:k1, r] = torch.randn(k1 - k0, t, n_out, generator=g, dtype=torch.float64)
+            per_row[b].append(D[k0:k1, r].clone())
+        a, p = gm.row_norms(D.clone(), hi - lo + 1, t, segs)
+        tok.append(a)
+        pre.append(p)
+    ref = {b: _ghost_reference(per_row[b], A[b], kind == "linear_bias") for b in range(n_rows)}
+    want_tok = torch.cat([ref[0][0], ref[1][0][:3], ref[1][0][3:], ref[2][0]])
+    want_pre = torch.cat([ref[0][1], ref[1][1][:3], ref[1][1][3:], ref[2][1]])
+    torch.testing.assert_close(torch.cat(tok), want_tok, rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.cat(pre), want_pre, rtol=1e-12, atol=0)
+    assert list(gm.rows) == [2]  # only the last row's state is kept
+    gm.hook(mod, (inp[:1, :4],), None)
+    with pytest.raises(RuntimeError, match="no running state for sequence 0"):
+        gm.row_norms(torch.zeros(1, 1, 4, n_out, dtype=torch.float64), 1, 4,
+                     [(0, 0, 1, 0, False)])
+    with pytest.raises(RuntimeError, match="not one row per position"):
+        gm.row_norms(torch.zeros(1, 1, 4, n_out, dtype=torch.float64), 1, 5,
+                     [(0, 0, 1, 0, True)])

@@ -19,6 +19,7 @@ in this sense; use ``attn_implementation='eager'`` or ``'sdpa'`` for them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import warnings
 from collections.abc import Iterator
@@ -30,7 +31,13 @@ from tqdm.auto import tqdm
 from varbench._util.checks import check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.grads._inputs import eval_mode, prepare
-from varbench.grads.chunking import DEFAULT_CHUNK, MEMORY_FRACTION, auto_chunk, cotangent_bytes
+from varbench.grads.chunking import (
+    DEFAULT_CHUNK,
+    MEMORY_FRACTION,
+    auto_chunk,
+    cotangent_bytes,
+    free_device_bytes,
+)
 from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
 from varbench.grads.precision import batched_backward_attention
@@ -39,7 +46,7 @@ from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs, upcast
 
 __all__ = ["DEFAULT_CHUNK", "TokenGradNorms", "iter_token_grads", "last_response_value",
-           "token_chunks", "token_grad_norms"]
+           "packed_chunk", "token_chunks", "token_grad_norms"]
 
 
 @dataclass
@@ -167,6 +174,28 @@ def iter_token_grads(
     bar.close()
 
 
+def packed_chunk(offsets: list[int], budget: int) -> int:
+    """Largest packed chunk size ``c <= budget`` whose chunks keep ``C x rows <= budget``.
+
+    ``offsets [B+1]``: row b's response tokens are ``offsets[b]:offsets[b+1]`` of the
+    row-major token list. A packed chunk of C tokens over rows lo..hi holds C cotangents of
+    ``hi - lo + 1`` rows each, so a budget measured in one-row cotangents (``auto_chunk``)
+    bounds ``C x rows``, not C. Host arithmetic only (no device read).
+    """
+    n = offsets[-1]
+    for c in range(max(1, budget), 1, -1):
+        worst = 0
+        for i in range(0, n, c):
+            j = min(i + c, n)
+            rows = bisect.bisect_right(offsets, j - 1) - bisect.bisect_right(offsets, i) + 1
+            worst = max(worst, (j - i) * rows)
+            if worst > budget:
+                break
+        if worst <= budget:
+            return c
+    return 1
+
+
 def token_grad_norms(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -182,6 +211,7 @@ def token_grad_norms(
     accumulate: torch.dtype | None = None,
     progress: bool | None = None,
     memory_fraction: float = MEMORY_FRACTION,
+    pack: bool | None = None,
 ) -> TokenGradNorms:
     """Exact ``token_sq``, ``prefix_sq``, ``diag_prefix_sq`` (each ``[B, L]``) of a causal LM.
 
@@ -201,6 +231,15 @@ def token_grad_norms(
     the total), plus the weight-gradient norms at about the same cost or less (ghost Gram
     products on short prefixes), plus one forward per chunk (4-11% of the total at chunk
     8-16, measured on the small preset) and one inspection forward per call.
+
+    ``pack``: several sequences per forward (a chunk takes the next ``chunk_size`` tokens
+    whatever their rows, :func:`token_chunks`; one forward over those rows and one batched
+    backward); default on CUDA only, so CPU results are those of one sequence per forward.
+    Token c's cotangent is nonzero only in its own row, so its norms are taken from that
+    row's slice alone, with per-row ghost state and running prefixes (a row's state carries
+    over to the next chunk while the row continues). Each cotangent's backward then spans the
+    chunk's rows: with the automatic CUDA chunk size, packed chunks are shrunk until tokens x
+    rows fits the memory budget (:func:`packed_chunk`); an explicit ``chunk_size`` is kept.
     """
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
@@ -209,6 +248,7 @@ def token_grad_norms(
         model, input_ids, response_mask, attention_mask, dtype, device
     )
     dev = input_ids.device
+    pack = dev.type == "cuda" if pack is None else bool(pack)
     chosen = select_params(model, params)
     names = [n for n, _ in chosen]
     if groups is False:
@@ -222,14 +262,37 @@ def token_grad_norms(
     tok = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     n_mat = 0 if method == "ghost" else sum(p.numel() for _, p in chosen)
+    measured = chunk_size is None and free_device_bytes(dev) is not None
     chunk_size = auto_chunk(dev, cotangent_bytes(model, L, n_mat), chunk_size=chunk_size,
                             memory_fraction=memory_fraction)
+    # the index of every row's first response token in the row-major token list
+    if pack:  # one more host read per call: the rows' token counts
+        offs = [0]
+        for n in response_mask.count_nonzero(1).tolist():
+            offs.append(offs[-1] + n)
+        first = {b: offs[b] for b in range(B) if offs[b + 1] > offs[b]}
+        stops = {b: offs[b + 1] for b in first}
+        if measured:  # each cotangent's backward spans the chunk's rows: C x rows in budget
+            chunk_size = packed_chunk(offs, chunk_size)
     # the plan of every chunk, read from the mask once (no host sync per chunk)
     nz = torch.nonzero(response_mask, as_tuple=False)  # [N, 2] on the device
-    plan = token_chunks(response_mask, chunk_size)
-    first = {}
-    for start, _, b, _, _ in plan:
-        first.setdefault(b, start)
+    plan = token_chunks(response_mask, chunk_size, pack=pack)
+    if not pack:
+        first, stops = {}, {}
+        for start, stop, b, _, _ in plan:
+            first.setdefault(b, start)
+            stops[b] = stop
+
+    def segments(start: int, stop: int, lo: int, hi: int) -> list[tuple[int, int, int, int, bool]]:
+        # (local row, k0, k1, row, fresh): the chunk's tokens start:stop split by row
+        out = []
+        for b in range(lo, hi + 1):
+            if b not in first:
+                continue  # a row without response tokens inside a packed forward
+            k0, k1 = max(start, first[b]), min(stop, stops[b])
+            if k1 > k0:
+                out.append((b - lo, k0 - start, k1 - start, b, k0 == first[b]))
+        return out
 
     def probe() -> tuple[int, torch.Tensor]:
         # the inspection forward: the first sequence with a response, up to its last token
@@ -264,22 +327,21 @@ def token_grad_norms(
     bar = tqdm(total=nz.shape[0], desc="per-token grads", disable=not show_progress(progress),
                leave=False)
     nan_lp = torch.zeros((), dtype=torch.bool, device=dev)  # read once, after the loop
-    running: list[torch.Tensor] = []
+    running: list[torch.Tensor] = []  # the rest's prefix sums of the chunk's last row
     try:
         with batched_eval(model, dev):
-            for start, stop, b, _, end in plan:
-                if first[b] == start:  # a new sequence: its prefix sums start at 0
-                    for gm in ghosts:
-                        gm.reset()
+            for start, stop, lo, hi, end in plan:
+                segs = segments(start, stop, lo, hi)
+                if segs[0][4]:  # the chunk opens a new sequence: its prefix sums start at 0
                     running = [torch.zeros(p.numel(), dtype=acc, device=dev) for p in rest_p]
-                cols = nz[start:stop, 1]
+                rows, cols = nz[start:stop, 0], nz[start:stop, 1]
                 C = stop - start
-                ids = input_ids[b : b + 1, :end]
+                ids = input_ids[lo : hi + 1, :end]
                 for gm in ghosts:
                     calls[id(gm)] = 0
                 with torch.enable_grad():
-                    logits = forward_logits(model, ids, attention_mask[b : b + 1, :end]).logits
-                    lp = token_logprobs(upcast(logits), ids)[0, cols]  # [C]
+                    logits = forward_logits(model, ids, attention_mask[lo : hi + 1, :end]).logits
+                    lp = token_logprobs(upcast(logits), ids)[rows - lo, cols]  # [C]
                     nan_lp |= torch.isnan(lp).any()
                     if any(c != 1 for c in calls.values()):
                         raise RuntimeError(
@@ -294,31 +356,34 @@ def token_grad_norms(
                 for gm, d in zip(ghosts, grads[: len(ghosts)], strict=True):
                     if d is None:
                         continue
-                    t_sq, p_sq = gm.norms(d.reshape(C, end, -1))
-                    tok[b, cols, gm.group] += t_sq
-                    pre[b, cols, gm.group] += p_sq
+                    t_sq, p_sq = gm.row_norms(d, hi - lo + 1, end, segs)
+                    tok[rows, cols, gm.group] += t_sq
+                    pre[rows, cols, gm.group] += p_sq
                 for i, g in enumerate(grads[len(ghosts) :]):
                     if g is None:
                         g = torch.zeros(C, rest_p[i].numel(), dtype=acc, device=dev)
                     g = g.reshape(C, -1).to(acc)
-                    tok[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
+                    tok[rows, cols, rest_g[i]] += torch.einsum("cn,cn->c", g, g)
                     cum = g.clone()
-                    cum[0] += running[i]
-                    cumsum_rows_(cum)
-                    pre[b, cols, rest_g[i]] += torch.einsum("cn,cn->c", cum, cum)
+                    for _, k0, k1, _, fresh in segs:  # each row's own running prefix
+                        if not fresh:
+                            cum[k0] += running[i]
+                        cumsum_rows_(cum[k0:k1])
+                    pre[rows, cols, rest_g[i]] += torch.einsum("cn,cn->c", cum, cum)
                     running[i] = cum[-1].clone()
                 bar.update(C)
         if bool(nan_lp):  # one sync per call: name the model on NaN log-probs
-            for _, _, b, _, end in plan:
+            for _, _, lo, hi, end in plan:
                 with eval_mode(model), torch.no_grad():
-                    logits = forward_logits(model, input_ids[b : b + 1, :end],
-                                            attention_mask[b : b + 1, :end]).logits
+                    logits = forward_logits(model, input_ids[lo : hi + 1, :end],
+                                            attention_mask[lo : hi + 1, :end]).logits
                 check_finite_logits(model, logits, "the gradient harness's forward")
     finally:
         for h in handles:
             h.remove()
         for gm in ghosts:
             gm.inp = gm.out = gm.running = None
+            gm.rows = {}
         bar.close()
     m = response_mask.to(acc).unsqueeze(-1)
     diag = tok.cumsum(1) * m

@@ -192,6 +192,8 @@ class GhostModule:
 
     def reset(self) -> None:
         """Start a new sequence: forget cached inputs, Gram matrix and running prefix."""
+        # row_norms: one per-sequence state per row key, kept while that row continues
+        self.rows: dict[int, GhostModule] = {}
         self.a: torch.Tensor | None = None  # [L, in(+1)] inputs (ids [L] for an Embedding)
         self.n_a = 0  # positions of self.a filled
         self.gram: torch.Tensor | None = None  # [L, L] A A^T (+1 with a bias)
@@ -199,6 +201,49 @@ class GhostModule:
         self.n_prefix = 0  # positions covered by a position-space running prefix
         self.running: torch.Tensor | None = None  # ghost: [L, out]; weight: [out, in(+1)]
         self.weight_mode = False
+
+    def row_norms(
+        self, D: torch.Tensor, n_rows: int, t: int,
+        segments: list[tuple[int, int, int, int, bool]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms of a forward over ``n_rows`` rows of ``t`` positions (one sequence or several).
+
+        ``D [C, n_rows, t, out]`` (any shape of that size): the cotangents of the chunk's C
+        tokens at this call's output (token c's is nonzero only in its own row);
+        ``segments [(r, k0, k1, key, fresh)]``: tokens ``k0:k1`` belong to local row r, whose
+        per-sequence state is ``key`` (started anew where ``fresh``: the row's first token).
+        Each row's norms use only its own inputs, cotangent slice, Gram and running prefix;
+        only the last segment's state is kept (the one row a later chunk can continue).
+        Returns (token_sq [C], prefix_sq [C]) in the chunk's token order.
+        """
+        C = D.shape[0]
+        x = self.inp
+        if x.shape[0] != n_rows * t:
+            raise RuntimeError(
+                f"{type(self.module).__name__} saw {x.shape[0]} positions in a forward over "
+                f"{n_rows} x {t}; its inputs are not one row per position "
+                "(use method='materialize')")
+        x = x.reshape(n_rows, t, *x.shape[1:])
+        D = D.reshape(C, n_rows, t, -1)
+        toks, pres = [], []
+        state = self
+        for r, k0, k1, key, fresh in segments:
+            state = None if fresh else self.rows.get(key)
+            if state is None:
+                if not fresh:  # a bug in the caller's plan: never continue from nothing
+                    raise RuntimeError(f"no running state for sequence {key} to continue")
+                state = GhostModule(self.module, self.group, self.L, form=self.form,
+                                    acc=self.acc)
+                self.rows = {key: state}
+            state.inp = x[r]
+            tk, pr = state.norms(D[k0:k1, r])
+            toks.append(tk)
+            pres.append(pr)
+            state.inp = None
+        self.rows = {segments[-1][3]: state}
+        if len(toks) == 1:
+            return toks[0], pres[0]
+        return torch.cat(toks), torch.cat(pres)
 
     def _cache_inputs(self, t: int) -> None:
         """Append this forward's inputs at positions [n_a, t) to the per-sequence cache."""
