@@ -323,3 +323,29 @@ def test_count_sketch_hash_drawn_in_chunks_is_the_cpu_whole_draw():
         bs, ss = CountSketch(numels, 6, 9, **kw).hashes()
         for got, want in zip(bs + ss, buckets + signs, strict=True):
             assert torch.equal(got, want), kw
+
+
+def test_packed_auto_chunk_keeps_tokens_times_rows_in_the_measured_budget(monkeypatch):
+    """With a measured (CUDA) budget, faked here, token_vectors shrinks its automatic packed
+    chunk so that tokens x rows fits (each cotangent's backward spans the chunk's rows), as
+    token_grad_norms does; an explicit chunk_size is kept; the vectors stay exact."""
+    import varbench.grads.exact as exact
+    import varbench.grads.vectors as vectors
+
+    model = exact_float64(tiny_llama())
+    rb = rollout_batch()
+    ref = _brute_vectors(model, rb)
+    sizes = []
+    real = exact.token_chunks
+    monkeypatch.setattr(vectors, "free_device_bytes", lambda d: 1 << 30)
+    monkeypatch.setattr(vectors, "auto_chunk", lambda d, b, chunk_size=None, **kw: chunk_size or 16)
+    monkeypatch.setattr(exact, "token_chunks",
+                        lambda m, c, pack=False: sizes.append(c) or real(m, c, pack=pack))
+    got = vectors.token_vectors(model, rb, sketch_dim=None, pack=True)
+    offs = [0]
+    for n in rb.mask.reshape(-1, rb.mask.shape[-1]).count_nonzero(1).tolist():
+        offs.append(offs[-1] + n)
+    assert sizes and sizes[0] == exact.packed_chunk(offs, 16) < 16
+    torch.testing.assert_close(got.vec, ref, rtol=RTOL, atol=1e-14)
+    vectors.token_vectors(model, rb, sketch_dim=None, pack=True, chunk_size=16)
+    assert sizes[-1] == 16

@@ -31,8 +31,9 @@ from varbench.grads.chunking import (
     auto_block_bytes,
     auto_chunk,
     cotangent_bytes,
+    free_device_bytes,
 )
-from varbench.grads.exact import iter_token_grads
+from varbench.grads.exact import iter_token_grads, packed_chunk
 from varbench.grads.params import ParamFilter, select_params
 
 
@@ -433,8 +434,15 @@ def token_vectors(
     block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction)
     # CUDA: the activation gradients of a chunk and the block of per-token gradients share
     # the fraction half and half
+    measured = chunk_size is None and free_device_bytes(dev) is not None
     chunk_size = auto_chunk(dev, cotangent_bytes(model, L), chunk_size=chunk_size,
                             memory_fraction=memory_fraction / 2)
+    if measured and (dev.type == "cuda" if pack is None else pack):
+        # a packed chunk's cotangents each span its rows: keep tokens x rows in the budget
+        offs = [0]
+        for n in rmask.count_nonzero(1).tolist():  # one host read per call
+            offs.append(offs[-1] + n)
+        chunk_size = packed_chunk(offs, chunk_size)
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
