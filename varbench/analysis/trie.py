@@ -34,8 +34,9 @@ def prefix_node_ids(
 
     ``env_mask`` is required when environment tokens exist (without it they end the path like
     padding). Two positions (p, i, t) and (p, j, t) get the same id iff responses i and j of
-    group p agree on every token and token kind up to and including t. Ids are unique within (p, t).
-    Vectorised over groups: one ``torch.unique`` per position.
+    group p agree on every token and token kind up to and including t: the id is
+    ``p * G + j`` with j the first response of the group sharing that prefix (unique within
+    (p, t)). Vectorised over groups with a ``[P, G, G]`` agreement mask: no host sync.
     """
     check_shape("tokens", tokens, [None, None, None])
     check_shape("mask", mask, list(tokens.shape))
@@ -47,19 +48,16 @@ def prefix_node_ids(
         check_shape("env_mask", env_mask, list(tokens.shape))
         kind = torch.where((env_mask.to(dev) != 0) & (mask == 0), torch.full_like(kind, _ENV),
                            kind)
-    group = torch.arange(P, device=dev).repeat_interleave(G)  # [P*G]
-    tok = tokens.reshape(P * G, T).long()
-    knd = kind.reshape(P * G, T)
-    parent = torch.zeros(P * G, dtype=torch.long, device=dev)
-    ids = torch.full((P * G, T), -1, dtype=torch.long, device=dev)
-    alive = torch.ones(P * G, dtype=torch.bool, device=dev)
-    for t in range(T):
-        alive = alive & (knd[:, t] != 0)  # padding ends a response's path through the trie
-        key = torch.stack([group, parent, tok[:, t], knd[:, t], alive.long()], 1)
-        _, inv = torch.unique(key, dim=0, return_inverse=True)
-        parent = inv
-        ids[:, t] = torch.where(alive, inv, torch.full_like(inv, -1))
-    ids = ids.reshape(P, G, T)
+    tok = tokens.to(dev).long()
+    alive = (kind != 0).long().cumprod(-1).bool()  # padding ends a response's path
+    base = (torch.arange(P, device=dev) * G)[:, None]  # [P, 1]: ids unique across groups
+    same = torch.ones(P, G, G, dtype=torch.bool, device=dev)  # i and j agree up to t
+    ids = torch.full((P, G, T), -1, dtype=torch.long, device=dev)
+    for t in range(T):  # elementwise work only: no host sync per position (unlike unique)
+        same &= (tok[:, :, None, t] == tok[:, None, :, t]) & (
+            kind[:, :, None, t] == kind[:, None, :, t])
+        first = same.to(torch.uint8).argmax(-1)  # the first response sharing i's prefix
+        ids[:, :, t] = torch.where(alive[:, :, t], base + first, torch.full_like(first, -1))
     return torch.where(mask != 0, ids, torch.full_like(ids, -1))
 
 
