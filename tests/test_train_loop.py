@@ -309,3 +309,53 @@ def test_same_parameters_as_the_slow_reference_in_float64(extra):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
         moved = max(moved, float((a.detach() - start[name].detach().double()).abs().max()))
     assert moved > 1e-4  # the parameters really moved: the comparison is not start vs start
+
+
+def test_exact_token_weights_are_the_per_response_exact_norms():
+    """exact_token_weights (OTB's exact w_t in training) equals the exact harness run on each
+    response alone, in float64, and is 0 off the policy's tokens."""
+    from varbench.grads import exact_float64, token_grad_norms
+    from varbench.models import build_policy
+    from varbench.rollout import sample
+    from varbench.tasks import get_task
+
+    pol = build_policy("micro")
+    pol.model = exact_float64(pol.model)
+    task = get_task("sort", n=2, max_value=3)
+    batch = sample(pol, task, task.prompts(2, seed=0), 3, seed=0)
+    got = loop_mod.exact_token_weights(pol.model, batch)
+    P, G, T = batch.tokens.shape
+    assert got.shape == (P, G, T) and got.dtype == torch.float64
+    flat = batch.flat()
+    for b in range(P * G):
+        one = token_grad_norms(pol.model, flat.input_ids[b:b + 1], flat.response_mask[b:b + 1],
+                               flat.attention_mask[b:b + 1], progress=False).token_sq[0, -T:]
+        torch.testing.assert_close(got.reshape(P * G, T)[b], one, rtol=1e-10, atol=0)
+    assert (got[batch.mask == 0] == 0).all() and (got[batch.mask != 0] > 0).all()
+
+
+def test_otb_trains_on_exact_token_weights(monkeypatch):
+    """token_weights='exact': OTB's advantages take the exact norms (not the proxy) each step;
+    other schemes and unknown values are refused naming the valid choices."""
+    seen = []
+    real = loop_mod.advantages
+
+    def spy(scheme, rewards, mask, **kw):
+        seen.append(sorted(kw))
+        return real(scheme, rewards, mask, **kw)
+
+    monkeypatch.setattr(loop_mod, "advantages", spy)
+    cfg = dict(SHORT, scheme="otb")
+    a = train(TrainConfig(**cfg, token_weights="exact"), progress=False).records
+    assert seen and all("token_weights" in k and "sum_pi_sq" not in k for k in seen)
+    seen.clear()
+    b = train(TrainConfig(**cfg), progress=False).records
+    assert seen and all("sum_pi_sq" in k and "token_weights" not in k for k in seen)
+    a, b = (df[df["step"] >= 1]["adv/abs_mean"] for df in (a, b))  # step 0: evaluation only
+    assert len(a) == SHORT["steps"] and a.notna().all()
+    assert not a.equals(b)  # the weights differ
+    with pytest.raises(ValueError, match=r"token_weights='exact' is not valid with "
+                                         r"scheme='centered'.*otb"):
+        TrainConfig(scheme="centered", token_weights="exact")
+    with pytest.raises(ValueError, match=r"token_weights='ghost'.*\['proxy', 'exact'\]"):
+        TrainConfig(scheme="otb", token_weights="ghost")

@@ -70,6 +70,11 @@ class TrainConfig:
     transform: str = "none"
     """Exchangeability transform of the per-sample weights
     (``varbench.estimators.coefficients.TRANSFORMS``)."""
+    token_weights: str = "proxy"
+    """Token weights w_t of the OTB-type schemes (otb, otb_loo): ``proxy`` (the forward-only
+    Logit-Gradient Proxy from the sampler's statistics) or ``exact`` (the exact per-token
+    gradient norms ||grad log pi(y_t)||^2 of the sampled responses: one exact-harness pass per
+    step, several times the cost of an update; the analyses' ``otb_exact``)."""
     dynamic_filter: bool = False
     """Drop groups whose rewards all agree before the update (DAPO's dynamic sampling, without
     resampling: the step trains on the remaining groups; a step with none left is skipped)."""
@@ -252,6 +257,11 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
+TOKEN_WEIGHTS = ("proxy", "exact")
+# the registered schemes that read SchemeOptions.token_weights (the others ignore them)
+WEIGHTED_SCHEMES = ("otb", "otb_loo")
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
@@ -291,6 +301,10 @@ def _validate(c: TrainConfig) -> None:
     _choice("ratio", c.ratio, RATIO_KINDS)
     _choice("kl_kind", c.kl_kind, KL_KINDS)
     _choice("transform", c.transform, TRANSFORMS)
+    _choice("token_weights", c.token_weights, TOKEN_WEIGHTS)
+    if c.token_weights == "exact" and c.scheme not in WEIGHTED_SCHEMES:
+        raise UsageError(f"token_weights='exact' is not valid with scheme={c.scheme!r}: only "
+                         f"the schemes that read token weights take it ({list(WEIGHTED_SCHEMES)})")
     if c.dtype == "float16":
         raise UsageError("dtype='float16' is not valid for training (it needs loss scaling); "
                          f"choose one of {list(DTYPES)}")

@@ -40,6 +40,7 @@ from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
+from varbench.grads import token_grad_norms
 from varbench.models import Policy
 from varbench.rollout import response_logprobs, sample
 from varbench.train import setup
@@ -109,6 +110,19 @@ def minibatch_loss(
            "loss/total": float(total.detach())}
     out.update({f"ppo/{k}": float(v) for k, v in metrics.items()})
     return total, out
+
+
+def exact_token_weights(model: torch.nn.Module, batch) -> torch.Tensor:
+    """``[P, G, T]`` exact per-token gradient norms ||grad_theta log pi(y_t)||^2 of ``batch``'s
+    responses under ``model`` (the exact harness; 0 off the policy's tokens), in float32 or
+    better: OTB's exact token weights."""
+    flat = batch.flat()
+    dev = next(model.parameters()).device
+    ids, resp, attn = (x.to(dev) for x in (flat.input_ids, flat.response_mask,
+                                           flat.attention_mask))
+    tok = token_grad_norms(model, ids, resp, attn, progress=False).token_sq
+    P, G, T = batch.tokens.shape
+    return tok[:, -T:].reshape(P, G, T)
 
 
 def train(
@@ -238,8 +252,10 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
 
         # ---- 3. advantages (Delta) over the whole batch, then optional dynamic filtering
         t0 = time.perf_counter()
-        adv = advantages(config.scheme, rewards, mask, logprobs=batch.logprobs,
-                         sum_pi_sq=batch.sum_pi_sq, **dict(config.scheme_options))
+        weights = {"logprobs": batch.logprobs, "sum_pi_sq": batch.sum_pi_sq}
+        if config.token_weights == "exact":
+            weights = {"token_weights": exact_token_weights(model, batch)}
+        adv = advantages(config.scheme, rewards, mask, **weights, **dict(config.scheme_options))
         keep = torch.arange(batch.P, device=mask.device)
         if config.dynamic_filter:
             keep = (~agree).nonzero()[:, 0]
