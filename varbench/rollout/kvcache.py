@@ -93,13 +93,20 @@ def grow_cache(model, capacity: int) -> Cache | None:
     Only for decoders whose every layer is plain full attention: sliding-window, chunked or
     linear-attention layers keep state that only transformers' own layer classes handle.
     """
+    n = _full_attention_layers(model)
+    return None if n is None else Cache(layers=[GrowLayer(capacity) for _ in range(n)])
+
+
+def _full_attention_layers(model) -> int | None:
+    """The number of cached layers of ``model``'s decoder when every one is plain full
+    attention, else None (sliding-window, chunked, linear or unknown layers)."""
     try:
         kinds = _layer_kinds(model.config.get_text_config(decoder=True))
     except Exception:  # a config without per-layer metadata: leave the cache to the model
         return None
     if not kinds or any(k != "full_attention" for k in kinds):
         return None
-    return Cache(layers=[GrowLayer(capacity) for _ in kinds])
+    return len(kinds)
 
 
 def _layer_kinds(config) -> list[str] | None:
@@ -134,10 +141,5 @@ def autograd_cache(model) -> Cache | None:
     concatenates (out of place), while ``GrowLayer`` writes in place into storage that autograd
     may have saved.
     """
-    try:
-        kinds = _layer_kinds(model.config.get_text_config(decoder=True))
-    except Exception:  # a config without per-layer metadata: leave the cache to the model
-        return None
-    if not kinds or any(k != "full_attention" for k in kinds):
-        return None
-    return Cache(layers=[DynamicLayer() for _ in kinds])
+    n = _full_attention_layers(model)
+    return None if n is None else Cache(layers=[DynamicLayer() for _ in range(n)])
