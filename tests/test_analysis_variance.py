@@ -84,7 +84,7 @@ def _run(pol, tmp_path, **kw):
     task = get_task("sort", n=2, max_value=2)
     # Reward "exact": the oracle's support is the one correct response (a cheap reference).
     args = dict(schemes=["raw", "centered", "otb", "otb_exact"], Gs=(2, 3), M=4, n_prompts=1,
-                reward="exact", sketch_dim=64, cache_dir=str(tmp_path))
+                reward="exact", sketch_dim=64, cache_dir=str(tmp_path), min_responses=0)
     args.update(kw)
     return estimator_variance(pol, task, **args)
 
@@ -129,6 +129,9 @@ def test_bad_input(tmp_path):
     for arg in ("Gs", "schemes", "modes"):  # empty lists: an empty report, exit 0 before
         with pytest.raises(ValueError, match=rf"{arg}=\[\] is empty"):
             _run(pol, tmp_path, **{arg: []})
+    for bad in ("many", -1, 1.5):
+        with pytest.raises(ValueError, match="min_responses"):
+            _run(pol, tmp_path, min_responses=bad)
 
 
 @pytest.mark.slow
@@ -184,3 +187,36 @@ def test_adaptive_M_targets_the_headline_figures(tmp_path):
     ref = met.records["reference"].iloc[0]
     assert ref["M_used"] == 4 and ref["target_met"] == 1.0 and ref["max_rel_se"] <= 100.0
     assert any("all within the target" in n for n in met.notes)
+
+
+def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
+    """min_responses="auto": a label fed the proxy weights (otb, otb_loo; not otb_exact, not the
+    reward-only schemes) raises M in whole rounds of M to PROXY_MIN_RESPONSES responses per
+    prompt, above M_cap, and keeps round 0 (the historical sample) as it was; an explicit 0
+    keeps M and the notes say the OTB intervals are too narrow; the floor is in the config."""
+    import varbench.analysis.variance as variance
+    import varbench.analysis.variance_report as variance_report
+    from varbench.analysis.variance_report import reads_proxy_weights
+
+    assert [reads_proxy_weights(s) for s in ("otb", "otb_loo", "otb_exact", "otb_loo_exact",
+                                             "centered", "rloo", "normalized", "topk", "raw",
+                                             "opo")] == [True, True] + [False] * 8
+    for mod in (variance, variance_report):  # 30 responses: M 4 -> 12 at G = 3
+        monkeypatch.setattr(mod, "PROXY_MIN_RESPONSES", 30)
+    pol = build_policy("micro", seed=0)
+    kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50,
+              exact="never", min_responses="auto")
+    floor = _run(pol, tmp_path / "a", M_cap=4, **kw)
+    ref = floor.records["reference"].iloc[0]
+    assert (ref["M_used"], ref["responses"], ref["min_responses"]) == (12, 36, 30)
+    assert floor.config["min_responses"] == 30
+    assert set(zip(floor.records["cells"]["G"], floor.records["cells"]["M"],
+                   strict=True)) == {(2, 18), (3, 12)}
+    assert not any("rest on fewer than" in n for n in floor.notes)
+    off = _run(pol, tmp_path / "b", **{**kw, "min_responses": 0})
+    ref0 = off.records["reference"].iloc[0]
+    assert (ref0["M_used"], ref0["responses"]) == (4, 12)
+    note = [n for n in off.notes if "rest on fewer than 30 responses" in n]
+    assert note and "otb (proxy weights)" in note[0] and "otb_exact" not in note[0]
+    plain = _run(pol, tmp_path / "c", **{**kw, "schemes": ["centered", "rloo", "otb_exact"]})
+    assert plain.records["reference"].iloc[0]["M_used"] == 4  # no proxy label: no floor

@@ -82,6 +82,8 @@ seed = 1
     (["variance", "--table-limit", "0"], r"table_limit.*>= 1"),
     (["variance", "--n-boot", "0"], r"n_boot.*>= 1"),
     (["variance", "--sketch-seed", "-1"], r"sketch_seed.*>= 0"),
+    (["variance", "--min-responses", "lots"], r"--min-responses='lots' is not valid.*'auto'"),
+    (["variance", "--min-responses", "-5"], r"--min-responses='-5' is not valid"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, args, message):
     import re
@@ -100,12 +102,13 @@ def test_variance_flags_reach_the_analysis(tmp_path):
                  "--knob", "n=1", "--schemes", "centered", "rloo", "-G", "2", "-M", "4",
                  "--M-cap", "8", "--target-rel-se", "0.5", "--sketch-dim", "auto",
                  "--sketch-seed", "3", "--interval", "normal", "--n-boot", "20", "--level",
-                 "0.9", "--exact", "never", "--table-limit", "10", "--no-progress",
+                 "0.9", "--exact", "never", "--table-limit", "10", "--min-responses", "0",
+                 "--no-progress",
                  "--no-cache", "--out", str(out)])
     assert code == 0
     cfg = json.loads((out / "summary.json").read_text())["analyses"][0]["provenance"]["config"]
     assert cfg["sketch_dim"] is None  # auto: micro has < 200k parameters, so flat vectors
     assert {k: cfg[k] for k in ("sketch_seed", "M_cap", "target_rel_se", "interval", "n_boot",
-                                "level", "exact", "table")} == {
+                                "level", "exact", "table", "min_responses")} == {
         "sketch_seed": 3, "M_cap": 8, "target_rel_se": 0.5, "interval": "normal",
-        "n_boot": 20, "level": 0.9, "exact": "never", "table": False}
+        "n_boot": 20, "level": 0.9, "exact": "never", "table": False, "min_responses": 0}

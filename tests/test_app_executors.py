@@ -24,6 +24,7 @@ kind = "variance"
 schemes = ["centered", "otb"]
 Gs = [2]
 M = 3
+min_responses = 0
 n_prompts = 1
 knobs = { n = 2 }
 [[cases]]

@@ -123,6 +123,8 @@ BAD_KEYS = [  # (case table body, key named in the error, words of the error)
     ('kind = "variance"\nM_cap = 0', "M_cap", ">= 1"),
     ('kind = "variance"\ntable_limit = 0', "table_limit", ">= 1"),
     ('kind = "variance"\nsketch_seed = -1', "sketch_seed", ">= 0"),
+    ('kind = "variance"\nmin_responses = -1', "min_responses", ">= 0"),
+    ('kind = "variance"\nmin_responses = "all"', "min_responses", "or 'auto'"),
     ('kind = "train"\nlr = inf', "lr", "finite"),
     ('kind = "train"\nlr = nan', "lr", "finite"),
     ('kind = "train"\ndevice = "bogus"', "device", "is not valid; use cpu, cuda"),
@@ -156,8 +158,9 @@ def test_a_knob_annotated_int_or_str_takes_both(tmp_path):
     """``sketch_dim: int | str | None`` (default 1024): a suite may give 256 or "auto";
     the type check reads the annotation, not only the default's type."""
     p = tmp_path / "s.toml"
-    for value, want in (("256", 256), ('"auto"', "auto"), ("0", 0)):
-        p.write_text(HEAD + f'[[cases]]\nname = "v"\nkind = "variance"\nsketch_dim = {value}\n')
-        assert load_suite(p).cases[0].params["sketch_dim"] == want
+    for key in ("sketch_dim", "min_responses"):
+        for value, want in (("256", 256), ('"auto"', "auto"), ("0", 0)):
+            p.write_text(HEAD + f'[[cases]]\nname = "v"\nkind = "variance"\n{key} = {value}\n')
+            assert load_suite(p).cases[0].params[key] == want
     msg = _bad(tmp_path, HEAD + '[[cases]]\nname = "v"\nkind = "variance"\nM = "auto"\n')
     assert "key 'M' must be a int" in msg  # M: int only

@@ -193,7 +193,7 @@ def test_variance_runs_under_the_meta_default_device(policy):
 
     task = get_task("sort", n=1, max_value=3)
     kw = dict(schemes=["centered", "otb", "otb_exact"], Gs=[2], n_prompts=1, n_boot=20,
-              modes=["seq-mean-token-sum", "token-mean"])
+              modes=["seq-mean-token-sum", "token-mean"], min_responses=0)  # M as given
     # the exact oracle (enumerated table: exact cells and table draws)
     res = _strict_equal(lambda: estimator_variance(policy, task, M=3, **kw).records)
     assert set(res["cells"]["method"]) == {"exact", "mc"}

@@ -24,11 +24,11 @@ from varbench.tasks import get_task
 # reference keep the statistics non-degenerate (random init rarely scores on "exact").
 KW = {"schemes": ("centered", "rloo", "otb"), "Gs": (2,), "M": 6, "n_prompts": 3,
       "reward": "inclusion_adjacency", "reference": "sampled", "n_ref": 32, "sketch_dim": 64,
-      "seed": 3, "progress": False}
+      "seed": 3, "progress": False, "min_responses": 0}
 CLI = ["variance", "--preset", "micro", "--states", "random", "--task", "sort", "--knob", "n=2",
        "--reward", "inclusion_adjacency", "--prompts", "3", "-G", "2", "-M", "6", "--schemes",
        "centered", "otb", "--reference", "sampled", "--n-ref", "32", "--sketch-dim", "64",
-       "--no-cache", "--no-progress"]
+       "--min-responses", "0", "--no-cache", "--no-progress"]
 # The gradient harness: exact per-token norms of 9 sequences split 5/4 over the ranks.
 PROXY_KW = {"n_prompts": 3, "G": 3, "seed": 3, "n_boot": 20, "progress": False}
 

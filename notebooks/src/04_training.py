@@ -121,7 +121,8 @@ schemes = list(dict.fromkeys(s for s, _ in CELLS))
 Gs = sorted({G for _, G in CELLS})
 var = estimator_variance(policy, task, schemes=schemes, Gs=Gs, modes=(BASE["agg"],),
                          M=8 if FAST else 16, n_prompts=1 if FAST else 2, reference="sampled",
-                         n_ref=64, sketch_dim=256, seed=0, progress=False)
+                         n_ref=64, sketch_dim=256, seed=0, progress=False,
+                         min_responses=0)  # only the point estimates enter the prediction
 v = var.records["cells"][["scheme", "G", "variance", "variance_x_tokens", "variance_x_tokens_se"]]
 t2t = cell_table(t2t_table(curves, {"sort": threshold}))
 pred = t2t.merge(v, on=["scheme", "G"])

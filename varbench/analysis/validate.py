@@ -655,7 +655,8 @@ def _prediction(cfg: ValidateConfig, cells: pd.DataFrame, out: Path
             res = estimator_variance(policy, task, schemes=cfg.schemes, Gs=Gs, modes=(tc.agg,),
                                      M=cfg.variance_M, n_prompts=cfg.variance_prompts,
                                      reference="sampled", n_ref=64, sketch_dim=256,
-                                     progress=False)
+                                     # point estimates only (no interval is read): no floor
+                                     min_responses=0, progress=False)
             v = res.records["cells"][["scheme", "G", "variance", "variance_x_tokens"]]
             cache.save(task_name, v)
         m = core[core.task == task_name].merge(v, on=["scheme", "G"])

@@ -52,7 +52,11 @@ from varbench.analysis.oracle import (
     exact_moments,
     response_table,
 )
-from varbench.analysis.variance_report import variance_headlines
+from varbench.analysis.variance_report import (
+    PROXY_MIN_RESPONSES,
+    reads_proxy_weights,
+    variance_headlines,
+)
 from varbench.estimators.aggregation import AGGREGATION_MODES, aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.registry import advantages
@@ -354,6 +358,7 @@ def estimator_variance(
     M: int = 32,
     M_cap: int | None = None,
     target_rel_se: float | None = None,
+    min_responses: int | str = "auto",
     n_prompts: int = 2,
     reward: str | None = None,
     reference: str = "auto",
@@ -393,7 +398,10 @@ def estimator_variance(
     of a scheme vs its ``_exact`` twin) has a relative SE at most the target, pooled over
     the prompts (each prompt aims at ``target * sqrt(n_prompts)``), or M reaches ``M_cap``;
     the M used, the largest relative SE and its figure are in ``reference``, the reached
-    pooled relative SE of every headline in the notes.
+    pooled relative SE of every headline in the notes. ``min_responses``: at least this many
+    responses per prompt (M raised to the smallest multiple of ``M`` with ``M * max(Gs) >=
+    min_responses``, above ``M_cap`` if need be); ``"auto"``: ``PROXY_MIN_RESPONSES`` (2048)
+    when a label reads the proxy weights (their intervals undercover with fewer), else 0.
     ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
     which picks the prompts and samples); None for flat vectors (exact contraction, no sketch
     error); ``"auto"``: flat when the model has at most 200k parameters, else 1024. With a
@@ -418,6 +426,14 @@ def estimator_variance(
                                           and target_rel_se > 0):
         raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
     check_positive_int("n_prompts", n_prompts)
+    if min_responses == "auto":
+        min_responses = (PROXY_MIN_RESPONSES if any(reads_proxy_weights(s) for s in schemes)
+                         else 0)
+    elif isinstance(min_responses, str):
+        raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
+                         "integer >= 0")
+    else:
+        check_positive_int("min_responses", min_responses, minimum=0)
     check_choice("reference", reference, ("auto", "exact", "sampled"))
     check_choice("exact", exact, ("auto", "never"))
     check_choice("interval", interval, INTERVAL_METHODS)
@@ -445,10 +461,14 @@ def estimator_variance(
                  and V**task.max_new_tokens * task.max_new_tokens <= table_limit)
     t0 = time.perf_counter()
     Gs = sorted(set(int(g) for g in Gs))
+    # the floor: whole rounds of M groups (round 0 stays the historical sample)
+    M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
+    M_cap = max(M_cap, M_floor)
     cfg = {"analysis": "variance", "policy": policy.name, "policy_meta": policy.meta,
            "task": task.name, "knobs": task.knobs, "reward": reward, "schemes": list(schemes),
            "Gs": Gs, "modes": list(modes), "M": M, "M_cap": M_cap,
-           "target_rel_se": target_rel_se, "n_prompts": n_prompts, "reference": ref_kind,
+           "target_rel_se": target_rel_se, "min_responses": min_responses,
+           "n_prompts": n_prompts, "reference": ref_kind,
            "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
@@ -499,14 +519,17 @@ def estimator_variance(
                     return _from_sample(b, tv)
                 sketch_desc, D = None, n_params
             parts = [draw(M)]
-            data = parts[0]
+            while len(parts) * M < M_floor:
+                parts.append(draw(M))
             # the sketch checked per prompt on the first round (sampled groups only)
             seq_norms = (_sequence_norms(policy.model, *first[0]) if table is None
                          else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
             # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
-            M_used, rel, met, worst = M, float("nan"), float("nan"), ""
+            M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
             if target_rel_se is not None:
-                mean_len0 = float(data["mask"].sum(-1).double().mean())
+                # rounds are equal-sized: the mean of their means is the mean over responses
+                mean_len0 = sum(float(x["mask"].sum(-1).double().mean()) for x in parts
+                                ) / len(parts)
 
                 worst_name = [""]
 
@@ -520,11 +543,12 @@ def estimator_variance(
                 # the target is for the figures pooled over n_prompts independent prompts
                 # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
                 M_used, rel, met_ = adaptive_groups(
-                    rel_se, start=M, step=M, cap=M_cap,
+                    rel_se, start=M_floor, step=M, cap=M_cap,
                     target=target_rel_se * math.sqrt(n_prompts))
                 worst = worst_name[0]
                 met = float(met_)
-                data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
+            data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
+            parts.clear()  # one copy of the (possibly flat) vectors from here on
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
             if sketch_desc is None:
                 sketch_desc = ("flat" if sketch_dim is None or sketch_dim >= D else
@@ -536,7 +560,8 @@ def estimator_variance(
                 "ref_se_norm": ref_se, "sketch": sketch_desc, "n_params": D,
                 "mean_len": mean_len, "mean_reward_sampled":
                     float(data["rewards"][0, : M_used * Gs[-1]].double().mean()),
-                "M_used": M_used, "groups_per_G": " ".join(
+                "M_used": M_used, "responses": M_used * Gs[-1],
+                "min_responses": min_responses, "groups_per_G": " ".join(
                     f"G={G}:{_groups(M_used, G, Gs)}" for G in Gs),
                 "target_rel_se": (float("nan") if target_rel_se is None
                                   else float(target_rel_se)),

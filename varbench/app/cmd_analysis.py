@@ -71,6 +71,22 @@ def _sketch_dim_flag(value: str) -> int | str:
                          "K (0: flat vectors) or 'auto'") from None
 
 
+def _auto_or_int_flag(value: str) -> int | str:
+    """``--min-responses``: a non-negative integer or ``auto``."""
+    from varbench._util.checks import UsageError
+
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UsageError(f"--min-responses={value!r} is not valid; give an integer >= 0 or "
+                         "'auto'")
+    return n
+
+
 def _run_case(kind: str, keys: dict[str, Any], convert: dict[str, Any] | None = None):
     """A handler running the case these flags describe inside torchrun's process group
     (one process outside torchrun); rank 0 writes the report and prints. ``convert``: per
@@ -157,6 +173,9 @@ def register(subparsers) -> None:
     v.add_argument("--target-rel-se", type=float, default=None,
                    help="adaptive M: grow M in steps of -M until the headline quantities' "
                         "relative SE is at most this (default: off)")
+    v.add_argument("--min-responses", default="auto", metavar="N|auto",
+                   help="responses per prompt at least (M raised in steps of -M); auto: "
+                        "2048 when a scheme reads the proxy weights (OTB-type), else 0")
     v.add_argument("--interval", default="studentized",
                    help=f"interval method: {' | '.join(INTERVAL_METHODS)} (default studentized)")
     v.add_argument("--n-boot", type=int, default=1000, help="bootstrap draws (default 1000)")
@@ -171,9 +190,11 @@ def register(subparsers) -> None:
         "task": "task", "schemes": "schemes", "Gs": "G", "modes": "modes", "M": "M",
         "n_prompts": "prompts", "reference": "reference", "n_ref": "n_ref",
         "sketch_dim": "sketch_dim", "sketch_seed": "sketch_seed", "M_cap": "M_cap",
-        "target_rel_se": "target_rel_se", "interval": "interval", "n_boot": "n_boot",
+        "target_rel_se": "target_rel_se", "min_responses": "min_responses",
+        "interval": "interval", "n_boot": "n_boot",
         "level": "level", "exact": "exact", "table_limit": "table_limit",
-        "topk_k": "topk_k"}, convert={"sketch_dim": _sketch_dim_flag}))
+        "topk_k": "topk_k"}, convert={"sketch_dim": _sketch_dim_flag,
+                                                   "min_responses": _auto_or_int_flag}))
 
     c = subparsers.add_parser(
         "cancellation", help="shared-step token gradient cancellation diagnostics",

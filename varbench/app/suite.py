@@ -300,6 +300,8 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
     if key == "sketch_dim" and isinstance(value, str) and value != "auto":
         raise SuiteError(f"{at} = {value!r} is not valid; give a non-negative integer (0: flat "
                          "vectors) or 'auto'")
+    if key == "min_responses" and isinstance(value, str) and value != "auto":
+        raise SuiteError(f"{at} = {value!r} is not valid; give an integer >= 0 or 'auto'")
     choices = _choices(key, kind)
     if choices is not None:
         values = value if isinstance(value, list) else [value]
@@ -342,11 +344,12 @@ _AT_LEAST_1 = {"G", "M", "n_prompts", "n_ref", "n_boot", "n_bins", "groups_per_c
 _AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup_steps",
                "warm_start_seed", "eval_seed"}
 _AT_LEAST_1 |= {"M_cap", "table_limit"}  # variance knobs
-_AT_LEAST_0 |= {"sketch_seed"}
+_AT_LEAST_0 |= {"sketch_seed", "min_responses"}
 _AT_LEAST = {"num_steps": 3}
 _AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
             "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
-            "sketch_dim": 1 << 24, "prompts_per_step": 1 << 20, "eval_prompts": 1 << 20,
+            "sketch_dim": 1 << 24, "min_responses": 1 << 24, "prompts_per_step": 1 << 20,
+            "eval_prompts": 1 << 20,
             "eval_samples": 1 << 16, "hacking_G": 1 << 16, "variance_M": 1 << 20}
 _NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
              "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
