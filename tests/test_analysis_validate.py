@@ -5,6 +5,7 @@ tests/test_app_cmd_train.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -245,3 +246,43 @@ def _check_grid_end_to_end(tmp_path, monkeypatch, cfg):
     stab = pd.read_csv(rep / "tables" / "validation__stability.csv")
     assert {"collapsed_outcome", "surge_score", "flag_surge", "collapsed"} <= set(stab.columns)
     assert (out / "prediction").is_dir()  # the variance cells are cached with the runs
+
+
+def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
+    """A run that learns (final accuracy high) but whose entropy fell below the live floor is
+    not a collapse, nor is a run the surge detector flags while it learns (a surge is its own
+    measure); a run whose accuracy collapsed is, with or without a flag. The headlines give the
+    entropy flag's rate on both kinds of run; stability claims count either measure."""
+    cfg = _tiny_grid(surge_factor=5.0)
+    keys = dict(task="sort", scheme="otb", G=4, variant="")
+    runs = [(0, 0.9, 3), (1, 0.9, 0), (2, 0.9, 0), (3, 0.05, 0), (4, 0.05, 2)]
+    stab = pd.DataFrame([{**keys, "seed": s, "entropy_collapse_steps": e} for s, _, e in runs])
+    stab.loc[[1, 2], "scheme"] = "normalized"
+    # seed 2 learns, with one gradient-norm spike 50x its trailing median
+    traces = pd.DataFrame([{**keys, "seed": s, "step": k,
+                            "grad_norm": 50.0 if (s, k) == (2, 25) else 1.0 + 0.01 * k}
+                           for s, _, _ in runs for k in range(1, 30)])
+    traces.loc[traces.seed.isin([1, 2]), "scheme"] = "normalized"
+    t2t = stab[["task", "scheme", "G", "variant", "seed"]].assign(
+        final_acc_sampled=[a for _, a, _ in runs])
+    out, calib = V._stability(cfg, stab, traces, t2t, {"sort": 0.4})
+    assert out["collapsed"].tolist() == [False, False, False, True, True]
+    assert out["flag_entropy"].tolist() == [True, False, False, False, True]
+    assert out["flag_surge"].tolist() == [False, False, True, False, False]
+    assert (calib["entropy_flagged_healthy"], calib["entropy_flagged_collapsed"]) == (1, 1)
+    heads, _ = V._headlines(cfg, pd.DataFrame(columns=["claim"]), {"sort": 0.4},
+                            {"sort": 0.58}, out, calib, pd.DataFrame())
+    text = {h.key: h.text for h in heads}
+    assert "fired on 1 of the 3 runs that did not collapse" in text["collapse/entropy_flag_fpr"]
+    assert text["collapse/runs"].startswith("2 of 5 runs collapsed")
+    both = {"kind": "stability", "a": ["otb/4"], "b": ["normalized/4"], "tasks": ["sort"]}
+    col = V._stability_claim(cfg, both, out)
+    assert (col["collapsed_a"], col["collapsed_b"], col["measure"]) == (2, 0, "collapse")
+    assert col["claim"] == "collapse rate of normalized/4 minus otb/4 on sort"
+    surge = V._stability_claim(cfg, {**both, "measure": "surge"}, out)
+    assert (surge["collapsed_a"], surge["collapsed_b"]) == (0, 1)
+    assert surge["claim"].startswith("surge-flag rate of") and "1/2 vs 0/3 runs flagged" in (
+        surge["note"])
+    bad = replace(cfg, claims=({**both, "measure": "entropy"},))
+    with pytest.raises(ValueError, match="measure.*'entropy'.*'collapse'"):
+        V._check(bad)

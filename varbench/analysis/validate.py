@@ -58,6 +58,10 @@ CLAIMED_SAVING = {"single_turn": 0.62, "multi_turn": 0.66}
 # Exchangeability paper: Min-Replace / Adv-Orthogonal reach the threshold at ~0.91x GSPO's compute.
 CLAIMED_COMPUTE_SAVING = 0.09
 CLAIM_KINDS = ("tokens", "proxy", "compute", "stability")
+# stability claims compare per-run rates of: a collapse (final held-out accuracy below
+# collapse_acc_frac x the warm start's, or a non-finite gradient norm), or a surge flagged by
+# the calibrated detector
+STABILITY_MEASURES = {"collapse": "collapsed", "surge": "flag_surge"}
 _ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
 
 
@@ -408,6 +412,10 @@ def _check(cfg: ValidateConfig) -> None:
     arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
     for c in cfg.claims:
         check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
+        if c.get("kind") == "stability":
+            check_choice("claims measure", c.get("measure", "collapse"), STABILITY_MEASURES)
+            for t in _as_list(c.get("tasks")):
+                check_choice("claims tasks", t, list(cfg.tasks))
         for side in ("a", "b"):
             for ref in _as_list(c.get(side)):
                 if ref not in arms:
@@ -433,9 +441,13 @@ def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2
 
     A run *collapsed by outcome* when its final held-out accuracy fell below
     ``collapse_acc_frac`` x the warm start's or a gradient norm was non-finite. The surge factor
-    is calibrated on the runs that did not (their false-positive rate is reported); a run
-    counts as collapsed when it collapsed by outcome or the calibrated detector (surge or
-    entropy) flags it.
+    is calibrated on the runs that did not (their false-positive rate is reported) and its flag
+    is a separate measure (``flag_surge``, the stability claims' ``measure = "surge"``): on the
+    claims grid it flagged none of the runs whose accuracy collapsed and mostly runs that
+    learned, so ``collapsed`` is the outcome alone. The live entropy flag (entropy below
+    ``entropy_floor`` x its first value) is reported with its own false-positive rate and not
+    counted: a policy that learns a task with one right answer has a low entropy, so the flag
+    fires on runs that succeed.
     """
     keys = ["task", "scheme", "G", "variant", "seed"]
     final = t2t.set_index(keys)["final_acc_sampled"]
@@ -471,12 +483,14 @@ def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2
     calib["fpr_ci"] = vs.wilson_ci(round(calib["fpr"] * healthy_n), healthy_n)
     stab["flag_surge"] = stab["surge_score"] > calib["surge_factor"]
     stab["flag_surge_default"] = stab["surge_score"] > default
-    stab["collapsed"] = (stab["collapsed_outcome"] | stab["flag_surge"]
-                         | (stab["entropy_collapse_steps"] > 0))
+    stab["flag_entropy"] = stab["entropy_collapse_steps"] > 0
+    stab["collapsed"] = stab["collapsed_outcome"]
     bad = stab[stab["collapsed_outcome"]]
-    calib["detected_outcome_collapses"] = int((bad["flag_surge"]
-                                               | (bad["entropy_collapse_steps"] > 0)).sum())
+    good = stab[~stab["collapsed_outcome"]]
+    calib["detected_outcome_collapses"] = int(bad["flag_surge"].sum())
     calib["outcome_collapses"] = len(bad)
+    calib["entropy_flagged_healthy"] = int(good["flag_entropy"].sum())
+    calib["entropy_flagged_collapsed"] = int(bad["flag_entropy"].sum())
     return stab, calib
 
 
@@ -614,7 +628,11 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
 
     a_arms, b_arms = _as_list(c["a"]), _as_list(c["b"])
     a, b = pick(a_arms), pick(b_arms)
-    row = {"claim": f"collapse rate of {'+'.join(b_arms)} minus {'+'.join(a_arms)}",
+    measure = c.get("measure", "collapse")
+    col = STABILITY_MEASURES[measure]
+    what = "collapse rate" if measure == "collapse" else "surge-flag rate"
+    where = f" on {', '.join(c['tasks'])}" if c.get("tasks") else ""
+    row = {"claim": f"{what} of {'+'.join(b_arms)} minus {'+'.join(a_arms)}{where}",
            "kind": "stability", "task": ",".join(c.get("tasks", [])) or "all",
            "a": "+".join(a_arms), "b": "+".join(b_arms), "metric": "collapse_rate_diff",
            "claimed": math.nan, "n_a": len(a), "n_b": len(b),
@@ -622,12 +640,15 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
     if len(a) == 0 or len(b) == 0:
         return {**row, "estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan,
                 "verdict": "undecided", "note": "no runs of one side"}
-    ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
+    ka, kb = int(a[col].sum()), int(b[col].sum())
     d, lo, hi = vs.newcombe_diff_ci(kb, len(b), ka, len(a))
     return {**row, "estimate": d, "ci_lo": lo, "ci_hi": hi, "collapsed_a": ka, "collapsed_b": kb,
             "verdict": vs.verdict_interval(lo, hi),
-            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs collapsed"
-                    + ("; no run collapsed on either side" if ka + kb == 0 else "")}
+            "measure": measure,
+            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs "
+                    + ("collapsed" if measure == "collapse" else "flagged")
+                    + (f"; no run {'collapsed' if measure == 'collapse' else 'flagged'} on "
+                       "either side" if ka + kb == 0 else "")}
 
 
 # --- prediction --------------------------------------------------------------------------------
@@ -715,13 +736,24 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
              f"{fpr_hi * 100:.0f}%), against {calib['fpr_default'] * 100:.0f}% at the live "
              f"default {calib['default']:g}; it flags {calib['detected_outcome_collapses']} of "
              f"the {calib['outcome_collapses']} runs whose held-out accuracy collapsed."))
+    ent_lo, ent_hi = vs.wilson_ci(calib["entropy_flagged_healthy"], calib["runs"])
+    floor = cfg.base.get("entropy_floor", TrainConfig().entropy_floor)
+    heads.append(Headline(
+        key="collapse/entropy_flag_fpr", value=calib["entropy_flagged_healthy"] / max(
+            calib["runs"], 1), se=None, unit="fraction of runs",
+        text=f"Entropy flag (entropy below {floor:g} x its first "
+             f"value; not counted as a collapse): it fired on {calib['entropy_flagged_healthy']} "
+             f"of the {calib['runs']} runs that did not collapse (Wilson 95% CI "
+             f"{ent_lo * 100:.0f}-{ent_hi * 100:.0f}%) and on "
+             f"{calib['entropy_flagged_collapsed']} of the {calib['outcome_collapses']} that "
+             "did: a policy that learns a task with one right answer has a low entropy."))
     n_c = int(stab["collapsed"].sum())
     which = ", ".join(f"{r.task}/{r.scheme}/G={r.G}{'/' + r.variant if r.variant else ''}"
                       f"/s{r.seed}" for r in stab[stab["collapsed"]].itertuples())
     heads.append(Headline(key="collapse/runs", value=n_c, se=None, unit="runs",
-                          text=f"{n_c} of {len(stab)} runs collapsed (held-out accuracy below "
-                               f"{cfg.collapse_acc_frac:g} x the warm start's, or flagged by "
-                               "the calibrated detector)" + (f": {which}." if which else ".")))
+                          text=f"{n_c} of {len(stab)} runs collapsed (final held-out accuracy "
+                               f"below {cfg.collapse_acc_frac:g} x the warm start's, or a "
+                               "non-finite gradient norm)" + (f": {which}." if which else ".")))
     for r in hack.itertuples() if len(hack) else []:
         heads.append(Headline(
             key=f"hacking/{r.reward}/s{r.seed}", value=r.pearson, se=None, unit="r",
