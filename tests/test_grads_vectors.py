@@ -188,6 +188,11 @@ def test_token_vectors_match_brute_force_flat_and_sketched():
     S = dense_count_sketch(sk)
     torch.testing.assert_close(by_dim.vec, ref @ S.T, rtol=RTOL, atol=1e-13)
     assert (by_dim.vec[off] == 0).all()
+    # the result holds response positions only: its storage is [P, G, T, K], not a view into
+    # a [B, Lp + T, K] buffer (flat vectors of long prompts would be mostly zeros)
+    for tv in (flat, by_dim):
+        assert tv.vec.is_contiguous()
+        assert tv.vec.untyped_storage().nbytes() == tv.vec.numel() * tv.vec.element_size()
     with pytest.raises(TypeError, match="CountSketch"):
         token_vectors(model, rb, sketch="countsketch")
 

@@ -382,21 +382,21 @@ def token_vectors(
     The sketch: ``sketch`` when given (a :class:`CountSketch` built for these ``params`` on the
     model's device; ``sketch_dim``/``sketch_seed`` are then ignored), else
     ``CountSketch(numels, sketch_dim, sketch_seed)`` on the model's device, or flat gradients
-    when ``sketch_dim`` is None or ``>= D``. Results accumulate on the model's device (``B*L*K``
+    when ``sketch_dim`` is None or ``>= D``. Results accumulate on the model's device (``B*T*K``
     floats) and are moved to ``out_device`` (default: stay there) once, at the end; the model
     runs where its parameters are.
 
-    Memory beyond the model: the ``[B, L, K]`` result, one block of per-token gradients and the
-    sketch's state (O(chunk) when streamed, see :class:`CountSketch`). The parameters are cut
-    into consecutive blocks whose ``[C, numel]`` per-token gradients fit in ``block_bytes``
-    (``C = chunk_size``, lowered to fit down to 1 for a single parameter larger than the
-    budget): each block runs the exact harness on its own and its sketch and squared norms are
-    summed in (S is linear), so peak extra memory is ``max(block_bytes, one gradient of the
-    largest parameter)`` whatever D; the price is one harness pass per block (one block, the
-    default cost, whenever ``C x D`` fits). Flat vectors (no sketch) are ``B*L*D`` floats by
-    definition. Precision: vectors and
-    ``token_sq`` are float32 (float64 for a float64 model) whatever the model dtype: bf16
-    gradients are upcast before they are squared or sketched.
+    Memory beyond the model: the ``[B, T, K]`` result (response positions only), one block of
+    per-token gradients and the sketch's state (O(chunk) when streamed, see
+    :class:`CountSketch`). The parameters are cut into consecutive blocks whose ``[C, numel]``
+    per-token gradients fit in ``block_bytes`` (``C = chunk_size``, lowered to fit down to 1
+    for a single parameter larger than the budget): each block runs the exact harness on its
+    own and its sketch and squared norms are summed in (S is linear), so peak extra memory is
+    ``max(block_bytes, one gradient of the largest parameter)`` whatever D; the price is one
+    harness pass per block (one block, the default cost, whenever ``C x D`` fits). Flat vectors
+    (no sketch) are ``B*T*D`` floats by definition. Precision: vectors and ``token_sq`` are
+    float32 (float64 for a float64 model) whatever the model dtype: bf16 gradients are upcast
+    before they are squared or sketched.
     Cost: the exact harness's per-token backward (about one backward per token over its prefix).
 
     Knobs: ``chunk_size`` (tokens per batched backward) and ``block_bytes`` default to the CPU's
@@ -428,8 +428,11 @@ def token_vectors(
     B, L = ids.shape
     # statistics in float32 or better whatever the model dtype (bf16 sums lose ~3 digits)
     dtype = torch.float64 if plist[0].dtype == torch.float64 else torch.float32
-    # accumulated on the model's device; moved to out_device once, at the end
-    vec = torch.zeros(B, L, K, dtype=dtype, device=dev)
+    # accumulated on the model's device; moved to out_device once, at the end. Only response
+    # positions (flat()'s last L - prompt_len columns; its response mask is 0 on the prompt)
+    # get a vector: [B, L, K] would hold L / T times the memory, all zeros but T columns.
+    Lp = flat.prompt_len
+    vec = torch.zeros(B, L - Lp, K, dtype=dtype, device=dev)
     tsq = torch.zeros(B, L, dtype=dtype, device=dev)
     block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction)
     # CUDA: the activation gradients of a chunk and the block of per-token gradients share
@@ -455,12 +458,13 @@ def token_vectors(
             # (rows, cols) are distinct within a chunk: a plain indexed add is exact
             tsq[rows, cols] += sum(g.pow(2).sum(1) for g in grads)
             if sk is None:
-                vec[rows, cols, offsets[idx[0]]:offsets[idx[-1] + 1]] = torch.cat(grads, 1)
+                vec[rows, cols - Lp, offsets[idx[0]]:offsets[idx[-1] + 1]] = torch.cat(grads, 1)
             else:
-                vec[rows, cols] += sk(grads, idx)
+                vec[rows, cols - Lp] += sk(grads, idx)
     vec, tsq = vec.to(out_device), tsq.to(out_device)
+    P, G, T = batch.tokens.shape
     return TokenVectors(
-        vec=batch.to_groups(vec),
+        vec=vec.reshape(P, G, T, K),
         token_sq=batch.to_groups(tsq),
         dim=K,
         n_params=D,
