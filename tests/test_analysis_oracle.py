@@ -223,7 +223,7 @@ COVERAGE_REPS = 1000
 # (1,000 replicates: otb variance 0.902, otb MSE 0.897, otb / otb_exact variance 0.907 and MSE
 # 0.908; the misses are samples that lack the rare large groups, truth above the interval; a
 # calibrated (double) bootstrap-t did not change them: 0.887 / 0.877 over 300 replicates).
-# More responses do: estimator_variance samples PROXY_MIN_RESPONSES (2048) per prompt when a
+# More responses do: estimator_variance samples PROXY_MIN_RESPONSES (4096) per prompt when a
 # label reads the proxy weights, and test_interval_coverage_at_the_response_floor_slow checks
 # these quantities there. At M = 128 they are guarded at >= 0.88 against regressions.
 SHORTFALL = {("otb", "variance"), ("otb", "mse"), ("otb/otb_exact", "variance"),

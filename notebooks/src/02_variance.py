@@ -53,7 +53,7 @@ print(f"FAST={FAST}: schemes {SCHEMES}, G in {GS}, M={M} groups x {N_PROMPTS} pr
 # %%
 task = get_task("sort", n=3)
 policy = warm_start("tiny", task, seed=0, progress=False)
-# min_responses="auto" (the default) samples at least 2048 responses per prompt because OTB's
+# min_responses="auto" (the default) samples at least 4096 responses per prompt because OTB's
 # intervals need them (with fewer they are too narrow: 90% coverage at 512 responses); the FAST
 # test run turns the floor off and its report says so in the notes.
 res = estimator_variance(policy, task, schemes=SCHEMES, Gs=GS, M=M, n_prompts=N_PROMPTS,

@@ -400,7 +400,7 @@ def estimator_variance(
     the M used, the largest relative SE and its figure are in ``reference``, the reached
     pooled relative SE of every headline in the notes. ``min_responses``: at least this many
     responses per prompt (M raised to the smallest multiple of ``M`` with ``M * max(Gs) >=
-    min_responses``, above ``M_cap`` if need be); ``"auto"``: ``PROXY_MIN_RESPONSES`` (2048)
+    min_responses``, above ``M_cap`` if need be); ``"auto"``: ``PROXY_MIN_RESPONSES`` (4096)
     when a label reads the proxy weights (their intervals undercover with fewer), else 0.
     ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
     which picks the prompts and samples); None for flat vectors (exact contraction, no sketch

@@ -175,7 +175,7 @@ def register(subparsers) -> None:
                         "relative SE is at most this (default: off)")
     v.add_argument("--min-responses", default="auto", metavar="N|auto",
                    help="responses per prompt at least (M raised in steps of -M); auto: "
-                        "2048 when a scheme reads the proxy weights (OTB-type), else 0")
+                        "4096 when a scheme reads the proxy weights (OTB-type), else 0")
     v.add_argument("--interval", default="studentized",
                    help=f"interval method: {' | '.join(INTERVAL_METHODS)} (default studentized)")
     v.add_argument("--n-boot", type=int, default=1000, help="bootstrap draws (default 1000)")
