@@ -116,8 +116,8 @@ def variance_headlines(
                             + f", target {'met' if bool(r.target_met) else 'NOT met: cap'}")
                          for r in ref.itertuples())
         notes.append(f"Groups per prompt (every response is used at every G): {used}.")
-    proxy = sorted({s for s in cells["scheme"]} if len(cells) else set())
-    proxy = [s for s in proxy if reads_proxy_weights(s)]
+    proxy = [s for s in sorted(set(cells["scheme"]) if len(cells) else ()) if
+             reads_proxy_weights(s)]
     if proxy and len(ref) and "responses" in ref:
         few = [f"p{int(r.prompt)}: {int(r.responses)}" for r in ref.itertuples()
                if r.responses < PROXY_MIN_RESPONSES]

@@ -58,33 +58,25 @@ def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
     return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
 
-def _sketch_dim_flag(value: str) -> int | str:
-    """``--sketch-dim``: a non-negative integer (0: flat) or ``auto``."""
-    from varbench._util.checks import UsageError
+def _int_or_auto(flag: str, what: str, minimum: int | None = None):
+    """A converter for ``flag``: ``auto``, or an integer (at least ``minimum`` when given; else
+    the library checks its range); ``what`` names the integer in the error."""
+    def convert(value: str) -> int | str:
+        from varbench._util.checks import UsageError
 
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"--sketch-dim={value!r} is not valid; give a non-negative integer "
-                         "K (0: flat vectors) or 'auto'") from None
+        if value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or (minimum is not None and n < minimum):
+            raise UsageError(f"{flag}={value!r} is not valid; give {what} or 'auto'")
+        return n
+    return convert
 
 
-def _auto_or_int_flag(value: str) -> int | str:
-    """``--min-responses``: a non-negative integer or ``auto``."""
-    from varbench._util.checks import UsageError
-
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise UsageError(f"--min-responses={value!r} is not valid; give an integer >= 0 or "
-                         "'auto'")
-    return n
+_sketch_dim_flag = _int_or_auto("--sketch-dim", "a non-negative integer K (0: flat vectors)")
 
 
 def _run_case(kind: str, keys: dict[str, Any], convert: dict[str, Any] | None = None):
@@ -194,7 +186,9 @@ def register(subparsers) -> None:
         "interval": "interval", "n_boot": "n_boot",
         "level": "level", "exact": "exact", "table_limit": "table_limit",
         "topk_k": "topk_k"}, convert={"sketch_dim": _sketch_dim_flag,
-                                                   "min_responses": _auto_or_int_flag}))
+                                                   "min_responses": _int_or_auto(
+                                                       "--min-responses", "an integer >= 0",
+                                                       minimum=0)}))
 
     c = subparsers.add_parser(
         "cancellation", help="shared-step token gradient cancellation diagnostics",

@@ -297,11 +297,8 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
                 label = " or ".join(t.__name__ for t in admitted)
             raise SuiteError(f"{at} must be a {label} (like its default {default!r}), "
                              f"got {value!r}")
-    if key == "sketch_dim" and isinstance(value, str) and value != "auto":
-        raise SuiteError(f"{at} = {value!r} is not valid; give a non-negative integer (0: flat "
-                         "vectors) or 'auto'")
-    if key == "min_responses" and isinstance(value, str) and value != "auto":
-        raise SuiteError(f"{at} = {value!r} is not valid; give an integer >= 0 or 'auto'")
+    if key in _INT_OR_AUTO and isinstance(value, str) and value != "auto":
+        raise SuiteError(f"{at} = {value!r} is not valid; give {_INT_OR_AUTO[key]} or 'auto'")
     choices = _choices(key, kind)
     if choices is not None:
         values = value if isinstance(value, list) else [value]
@@ -346,11 +343,14 @@ _AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup
 _AT_LEAST_1 |= {"M_cap", "table_limit"}  # variance knobs
 _AT_LEAST_0 |= {"sketch_seed", "min_responses"}
 _AT_LEAST = {"num_steps": 3}
+# knobs taking an integer or the string "auto", and how their errors name the integer
+_INT_OR_AUTO = {"sketch_dim": "a non-negative integer (0: flat vectors)",
+                "min_responses": "an integer >= 0"}
 _AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
             "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
             "sketch_dim": 1 << 24, "min_responses": 1 << 24, "prompts_per_step": 1 << 20,
-            "eval_prompts": 1 << 20,
-            "eval_samples": 1 << 16, "hacking_G": 1 << 16, "variance_M": 1 << 20}
+            "eval_prompts": 1 << 20, "eval_samples": 1 << 16, "hacking_G": 1 << 16,
+            "variance_M": 1 << 20}
 _NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
              "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
 _OPEN_RANGE = {"level": (0, 1), "target_rel_se": (0, math.inf)}  # floats, bounds excluded

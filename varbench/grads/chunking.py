@@ -78,11 +78,10 @@ def auto_chunk(
     """
     if chunk_size is not None:
         return check_positive_int("chunk_size", chunk_size)
-    frac = check_fraction(memory_fraction)
-    free = free_device_bytes(device)
-    if free is None:
+    budget = _free_budget(device, memory_fraction)
+    if budget is None:
         return default
-    return max(1, min(int(cap), int(frac * free) // max(1, int(item_bytes))))
+    return max(1, min(int(cap), budget // max(1, int(item_bytes))))
 
 
 def auto_block_bytes(
@@ -97,8 +96,12 @@ def auto_block_bytes(
     is the chunk's activation gradients)."""
     if block_bytes is not None:
         return check_positive_int("block_bytes", block_bytes)
+    budget = _free_budget(device, memory_fraction)
+    return default if budget is None else max(1, budget // 2)
+
+
+def _free_budget(device: torch.device | str, memory_fraction: float) -> int | None:
+    """``memory_fraction`` of the device's free bytes; None where it is not measured (CPU)."""
     frac = check_fraction(memory_fraction)
     free = free_device_bytes(device)
-    if free is None:
-        return default
-    return max(1, int(frac * free) // 2)
+    return None if free is None else int(frac * free)
