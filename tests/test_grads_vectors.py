@@ -354,3 +354,23 @@ def test_packed_auto_chunk_keeps_tokens_times_rows_in_the_measured_budget(monkey
     torch.testing.assert_close(got.vec, ref, rtol=RTOL, atol=1e-14)
     vectors.token_vectors(model, rb, sketch_dim=None, pack=True, chunk_size=16)
     assert sizes[-1] == 16
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "gemma2", "opt", "phi3", "gpt_neox"])
+def test_token_vectors_match_brute_force_across_architectures(arch):
+    """Flat and sketched per-token vectors of other architectures (float64, left-padded prompt,
+    a shorter response, an environment token) equal one full-length backward per token, at the
+    response positions only."""
+    from _fixtures_arch import build
+
+    model = exact_float64(build(arch))
+    rb = rollout_batch()
+    ref = _brute_vectors(model, rb)
+    flat = token_vectors(model, rb, sketch_dim=None, chunk_size=4)
+    assert flat.vec.shape == (rb.P, rb.G, rb.T, flat.n_params)
+    torch.testing.assert_close(flat.vec, ref, rtol=RTOL, atol=1e-13)
+    torch.testing.assert_close(flat.token_sq, ref.pow(2).sum(-1), rtol=RTOL, atol=1e-13)
+    sk = CountSketch.for_model(model, 8, seed=3)
+    sketched = token_vectors(model, rb, sketch=sk, chunk_size=4)
+    torch.testing.assert_close(sketched.vec, ref @ dense_count_sketch(sk).T, rtol=RTOL,
+                               atol=1e-12)
