@@ -13,7 +13,8 @@ torch threads. Reported: sampled tokens per second of wall time and of CPU time 
 the figure to trust on a shared machine), and the process's peak resident set size.
 
 Timing window. varbench: a run of N steps minus a run of 1 step with the same seed (setup,
-the step-0 evaluation, step 1 and one final evaluation cancel), i.e. steps 2..N. trl: its
+the step-0 evaluation, step 1 and one final evaluation cancel), i.e. steps 2..N, both after
+an untimed 1-step run that pays the process's one-off costs. trl: its
 callbacks' clocks at the end of step 1 and of step N, i.e. steps 2..N.
 
 The same work on both sides: the same randomly initialised policy (saved by varbench, loaded by
@@ -34,6 +35,26 @@ trl logs every step (its metrics gathering is part of its step); trl's dataloade
 wrapper and Trainer bookkeeping run in its step; varbench records its own per-step statistics
 (entropy, advantages, clip fraction). Both compute log pi_old from the update's own forward
 (one update per batch).
+
+The floor table. Below the ratios, per preset and G: the sampler's model calls alone (prefill,
+T - 1 decode calls; the same log-probs as the sampler's, tests/test_benchmarks_bench_train.py)
+plus the backward alone of one call over the ``[B, T - 1]`` response tokens an update feeds,
+with transformers' modules as they are and nothing else: no update forward, loss, optimizer
+step, tokenizer or scoring. Each contender's ms/step over that floor is the most any loop,
+varbench's or another, could gain over it on this machine: new/old >= 3 needs ``old /floor``
+well above 3, since a real step also pays for everything the floor leaves out. The second
+floor (``+fwd``) adds the forward of that one call with its graph: the least a loop pays whose
+update runs a forward of its own (varbench's, the old loop's and trl's all do); only a loop
+that backpropagates through the sampler's forward (below) can step under it.
+
+Levers measured and not taken (tiny/small, sort, this machine): ``torch.compile`` of the model
+(fwd+bwd 11.7 -> 9.4 ms on tiny, 38 s of compilation per process and per new shape);
+backpropagating through the sampler's own forward instead of a teacher-forced one (one forward
+fewer per step: 1.17-1.43x at T = 3, but 0.69x on toolsum's T = 30, where the per-token graphs
+cost more than the forward they save, and its saved keys and values grow as T^2); eager
+attention instead of SDPA (tiny fwd+bwd 12.4 vs 7.8 ms); SDPA's math backend (mixed: from 26%
+faster to 10% slower by cell and path); a hand-written functional forward of the Llama preset
+(1.24x fwd+bwd; it would not be the user's model).
 """
 
 from __future__ import annotations
@@ -72,14 +93,103 @@ def run_varbench(which: str, preset: str, G: int, P: int, steps: int, lr: float)
         from _old_train_loop import train
     cfg = _config(preset, G, P, steps, lr)
     clocks = []
-    for n in (1, steps):
+    # a first, untimed 1-step run pays the process's one-off costs (first calls of each op,
+    # allocator growth), which would otherwise fall on the timed 1-step run and be
+    # subtracted from the N-step one (trl's window starts after its warm-up step too)
+    for n in (1, 1, steps):
         w0, c0 = time.perf_counter(), time.process_time()
         df = train(cfg.replace(steps=n), progress=False).records
         clocks.append((time.perf_counter() - w0, time.process_time() - c0))
     body = df[df["step"] >= 2]
-    return {"wall_s": clocks[1][0] - clocks[0][0], "cpu_s": clocks[1][1] - clocks[0][1],
+    return {"wall_s": clocks[2][0] - clocks[1][0], "cpu_s": clocks[2][1] - clocks[1][1],
             "tokens": float(body["tokens/step_sampled"].sum()),
             "mean_length": float(body["train/response_len"].mean())}
+
+
+def sampling_calls(model, batch, G: int):
+    """The sampler's model calls alone for ``batch`` (its prompts and tokens, [P, G, T]): the
+    prefill of the P prompts, the cache repeated G times, T - 1 decode calls on the P G rows.
+    Returns the ``[P G, T]`` log pi of the batch's tokens from those calls (the benchmark's
+    test checks them against the sampler's: the floor times the same work)."""
+    import torch
+
+    from varbench.models.arch import stepper
+    from varbench.models.forward import position_ids_from_mask
+    from varbench.rollout.kvcache import grow_cache
+
+    P, _, T = batch.tokens.shape
+    pids, pmask = batch.prompt_ids, batch.prompt_mask.long()
+    toks = batch.tokens.reshape(P * G, T)
+    Lp = pids.shape[1]
+    step = stepper(model)
+    cache = grow_cache(model, Lp + T)
+    cache, z = step(pids, pmask, position_ids_from_mask(pmask), cache)
+    cache.batch_repeat_interleave(G)
+    logits = [z.repeat_interleave(G, 0)]
+    attn = torch.cat([pmask.repeat_interleave(G, 0), torch.ones_like(toks)], 1)
+    pos = position_ids_from_mask(attn)
+    for t in range(T - 1):
+        cache, z = step(toks[:, t:t + 1], attn[:, : Lp + t + 1], pos[:, Lp + t:Lp + t + 1], cache)
+        logits.append(z)
+    z = torch.stack(logits, 1).float()  # [P G, T, V]
+    return torch.log_softmax(z, -1).gather(-1, toks[..., None])[..., 0]
+
+
+def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
+    """In a worker process: a lower bound on one training step's wall time, any implementation.
+
+    A step must sample: at least one model call per token (the prefill of the P prompts, then
+    T - 1 decode calls on the B = P G rows with a KV cache: the sampler's own calls,
+    :func:`sampling_calls`, timed alone under inference mode, without its bookkeeping). An
+    update must backpropagate through the model over at least the B (T - 1) response tokens it
+    feeds (the prompts' positions come on top): the backward alone of one call on the
+    ``[B, T - 1]`` fed tokens (a forward and backward minus the same forward with its graph;
+    one call is the fewest ops and positions any update backpropagates through). The floor is
+    the sum of the two medians, with transformers' own modules run as they are (what varbench
+    runs for any user's model) and no loss, optimizer step, update forward or bookkeeping.
+    ``tf_floor_ms`` adds the forward of that one call with its graph (``fwd_ms``): the floor
+    of a loop whose update runs a forward of its own rather than backpropagating through
+    the sampler's.
+    """
+    import torch
+
+    from varbench.rollout import sample
+    from varbench.train import setup
+
+    cfg = _config(preset, G, P, 1, 1e-4)
+    task, reward = setup.build_task(cfg)
+    policy = setup.build_policy(cfg, task)
+    model = policy.model.eval()
+    batch = sample(policy, task, task.prompts(P, split="train", seed=0), G, seed=0,
+                   reward=reward)
+    # the response tokens a forward must be fed (the last one is only predicted)
+    toks = batch.tokens.reshape(P * G, batch.T)[:, : max(1, batch.T - 1)]
+
+    def forward() -> torch.Tensor:
+        return model(input_ids=toks).logits
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        out = {"calls_ms": timed(lambda: sampling_calls(model, batch, G))}
+    params = [p for p in model.parameters() if p.requires_grad]
+    # fresh gradients every call (an update's zero_grad(set_to_none=True)), not accumulated
+    out["fwd_ms"] = timed(forward)  # with its graph, as an update's forward runs
+    out["bwd_ms"] = max(0.0, timed(lambda: torch.autograd.grad(forward().sum(), params))
+                        - out["fwd_ms"])
+    out["floor_ms"] = out["calls_ms"] + out["bwd_ms"]
+    # a loop whose update runs its own forward (teacher-forced, as varbench's, old's and
+    # trl's do) pays that forward on top: at least one call on the fed tokens, with its graph
+    out["tf_floor_ms"] = out["floor_ms"] + out["fwd_ms"]
+    return out
 
 
 def _peak_mib() -> float:
@@ -121,6 +231,9 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+        if which == "floor":
+            print(json.dumps(floor_ms(preset, int(G), int(P))))
+            return
         res = run_varbench(which, preset, int(G), int(P), int(steps), float(lr))
         print(json.dumps({**res, "peak_mib": _peak_mib()}))
         return
@@ -146,9 +259,11 @@ def main() -> None:
         for _ in range(args.repeat):
             for preset in presets:
                 for G in gs:
-                    for name in names:
+                    for name in [*names, "floor"]:
                         res.setdefault((preset, G, name), []).append(
                             contender(name, preset, G, args, dirs[preset]))
+        floors = {(preset, G): _median(res[(preset, G, "floor")])
+                  for preset in presets for G in gs}
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     head = (f"{'preset':<6} {'G':>3} {'contender':<9} {'tok/s wall':>10} {'tok/s CPU':>10} "
             f"{'ms/step':>8} {'peak MiB':>9} {'len':>5}   new/this: {'wall':>6} {'CPU':>6} "
@@ -175,6 +290,37 @@ def main() -> None:
                       f"{r['mean_length']:>5.2f}   {'':>8}{ratio}")
     print("ratios: sampled tokens/s of new over the contender (wall, CPU) and peak memory new "
           "over the contender; targets: new/old >= 3, new/trl >= 2")
+    _print_floors(floors, res, presets, gs, names, args.steps)
+
+
+def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> None:
+    """The step-time floors (``floor_ms``) beside each contender's ms/step: the most any
+    implementation could gain over it on this machine (contender ms/step / floor), and the
+    same over the floor of a loop with its own update forward (``tf_floor_ms``)."""
+    head = (f"{'preset':<6} {'G':>3} {'sample calls':>12} {'backward':>9} {'floor':>7} "
+            f"{'update fwd':>10} {'+fwd':>6}   "
+            + "  ".join(f"{n + ' ms':>8} {'/floor':>6} {'/+fwd':>6}" for n in names))
+    print("\nfloor (ms per step): the sampler's model calls alone + the backward alone of one "
+          "call on the [B, T - 1] fed response tokens; +fwd: floor + that call's forward with "
+          "its graph (a loop whose update runs its own forward); /floor, /+fwd: contender "
+          "ms/step over them, the most a loop could gain over that contender on this machine")
+    print(head)
+    print("-" * len(head))
+    for preset in presets:
+        for G in gs:
+            f = floors[(preset, G)]
+            if "error" in f:
+                print(f"{preset:<6} {G:>3} floor failed: {f['error']}")
+                continue
+            cells = []
+            for n in names:
+                r = _median(res[(preset, G, n)])
+                ms = float("nan") if "error" in r else 1000 * r["wall_s"] / (steps - 1)
+                cells.append(f"{ms:>8.1f} {ms / f['floor_ms']:>6.2f} "
+                             f"{ms / f['tf_floor_ms']:>6.2f}")
+            print(f"{preset:<6} {G:>3} {f['calls_ms']:>12.1f} {f['bwd_ms']:>9.1f} "
+                  f"{f['floor_ms']:>7.1f} {f['fwd_ms']:>10.1f} {f['tf_floor_ms']:>6.1f}   "
+                  + "  ".join(cells))
 
 
 def _median(runs: list[dict]) -> dict:
