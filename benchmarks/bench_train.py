@@ -45,13 +45,19 @@ varbench's or another, could gain over it on this machine: new/old >= 3 needs ``
 well above 3, since a real step also pays for everything the floor leaves out. The second
 floor (``+fwd``) adds the forward of that one call with its graph: the least a loop pays whose
 update runs a forward of its own (varbench's, the old loop's and trl's all do); only a loop
-that backpropagates through the sampler's forward (below) can step under it.
+that backpropagates through the sampler's forward (below) can step under it. ``bptt`` times
+the least such a loop pays (:func:`bptt_step`: the sampler's calls with their graph, a loss on
+their log-probs, backward, clip, AdamW; its gradient is the teacher-forced one, tested in
+float64), and ``old/3`` is the step time new/old >= 3 asks for: where ``old/3`` is below
+``floor`` no loop reaches 3x, where it is below ``+fwd`` and ``bptt`` neither kind does.
 
 Levers measured and not taken (tiny/small, sort, this machine): ``torch.compile`` of the model
 (fwd+bwd 11.7 -> 9.4 ms on tiny, 38 s of compilation per process and per new shape);
 backpropagating through the sampler's own forward instead of a teacher-forced one (one forward
-fewer per step: 1.17-1.43x at T = 3, but 0.69x on toolsum's T = 30, where the per-token graphs
-cost more than the forward they save, and its saved keys and values grow as T^2); eager
+fewer per step, the ``bptt`` column's loop: 1.17-1.43x over the loop at T = 3, but 0.69x on
+toolsum's T = 30, where the per-token graphs cost more than the forward they save, and its
+saved keys and values grow as T^2; its floats differ from the teacher-forced update's, so the
+published claims grid would no longer be what the code computes); eager
 attention instead of SDPA (tiny fwd+bwd 12.4 vs 7.8 ms); SDPA's math backend (mixed: from 26%
 faster to 10% slower by cell and path); a hand-written functional forward of the Llama preset
 (1.24x fwd+bwd; it would not be the user's model).
@@ -106,15 +112,18 @@ def run_varbench(which: str, preset: str, G: int, P: int, steps: int, lr: float)
             "mean_length": float(body["train/response_len"].mean())}
 
 
-def sampling_calls(model, batch, G: int):
+def sampling_calls(model, batch, G: int, cache=None):
     """The sampler's model calls alone for ``batch`` (its prompts and tokens, [P, G, T]): the
     prefill of the P prompts, the cache repeated G times, T - 1 decode calls on the P G rows.
     Returns the ``[P G, T]`` log pi of the batch's tokens from those calls (the benchmark's
-    test checks them against the sampler's: the floor times the same work)."""
+    test checks them against the sampler's: the floor times the same work). ``cache``: the
+    sampler's preallocated one by default; a differentiable ``autograd_cache`` to
+    backpropagate through the calls."""
     import torch
 
     from varbench.models.arch import stepper
     from varbench.models.forward import position_ids_from_mask
+    from varbench.models.logits import stat_dtype
     from varbench.rollout.kvcache import grow_cache
 
     P, _, T = batch.tokens.shape
@@ -122,7 +131,7 @@ def sampling_calls(model, batch, G: int):
     toks = batch.tokens.reshape(P * G, T)
     Lp = pids.shape[1]
     step = stepper(model)
-    cache = grow_cache(model, Lp + T)
+    cache = grow_cache(model, Lp + T) if cache is None else cache
     cache, z = step(pids, pmask, position_ids_from_mask(pmask), cache)
     cache.batch_repeat_interleave(G)
     logits = [z.repeat_interleave(G, 0)]
@@ -131,7 +140,8 @@ def sampling_calls(model, batch, G: int):
     for t in range(T - 1):
         cache, z = step(toks[:, t:t + 1], attn[:, : Lp + t + 1], pos[:, Lp + t:Lp + t + 1], cache)
         logits.append(z)
-    z = torch.stack(logits, 1).float()  # [P G, T, V]
+    z = torch.stack(logits, 1)
+    z = z.to(stat_dtype(z.dtype))  # [P G, T, V], float32 or better, as the sampler's
     return torch.log_softmax(z, -1).gather(-1, toks[..., None])[..., 0]
 
 
@@ -181,6 +191,7 @@ def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
     with torch.inference_mode():
         out = {"calls_ms": timed(lambda: sampling_calls(model, batch, G))}
     params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = setup.make_optimizer(params, cfg)  # for bptt_step, the last one timed
     # fresh gradients every call (an update's zero_grad(set_to_none=True)), not accumulated
     out["fwd_ms"] = timed(forward)  # with its graph, as an update's forward runs
     out["bwd_ms"] = max(0.0, timed(lambda: torch.autograd.grad(forward().sum(), params))
@@ -189,7 +200,28 @@ def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
     # a loop whose update runs its own forward (teacher-forced, as varbench's, old's and
     # trl's do) pays that forward on top: at least one call on the fed tokens, with its graph
     out["tf_floor_ms"] = out["floor_ms"] + out["fwd_ms"]
+    out["bptt_ms"] = timed(lambda: bptt_step(model, batch, G, params, optimizer))
     return out
+
+
+def bptt_step(model, batch, G: int, params, optimizer) -> None:
+    """The least a step costs that backpropagates through the sampler's own model calls:
+    those calls with their graph (a differentiable cache), a token-mean loss on their
+    log-probs, the backward, the gradient-norm clip and the fused AdamW step. No draws,
+    scoring, advantages or statistics: a lower bound on such a loop, which varbench does not
+    run (the bench module's docstring says why)."""
+    import torch
+
+    from varbench.rollout.kvcache import autograd_cache
+
+    lp = sampling_calls(model, batch, G, cache=autograd_cache(model))  # [P G, T]
+    # fixed per-row coefficients standing in for the advantages (the work does not depend on them)
+    coef = torch.linspace(-1, 1, lp.shape[0], dtype=lp.dtype, device=lp.device)[:, None]
+    loss = -(coef * lp).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
 
 
 def _peak_mib() -> float:
@@ -298,12 +330,14 @@ def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> No
     implementation could gain over it on this machine (contender ms/step / floor), and the
     same over the floor of a loop with its own update forward (``tf_floor_ms``)."""
     head = (f"{'preset':<6} {'G':>3} {'sample calls':>12} {'backward':>9} {'floor':>7} "
-            f"{'update fwd':>10} {'+fwd':>6}   "
+            f"{'update fwd':>10} {'+fwd':>6} {'bptt':>6} {'old/3':>6}   "
             + "  ".join(f"{n + ' ms':>8} {'/floor':>6} {'/+fwd':>6}" for n in names))
     print("\nfloor (ms per step): the sampler's model calls alone + the backward alone of one "
           "call on the [B, T - 1] fed response tokens; +fwd: floor + that call's forward with "
-          "its graph (a loop whose update runs its own forward); /floor, /+fwd: contender "
-          "ms/step over them, the most a loop could gain over that contender on this machine")
+          "its graph (a loop whose update runs its own forward); bptt: the least a step costs "
+          "that backpropagates through the sampler's calls (bptt_step); old/3: the step time "
+          "new/old >= 3 needs; /floor, /+fwd: contender ms/step over those floors, the most a "
+          "loop could gain over that contender on this machine")
     print(head)
     print("-" * len(head))
     for preset in presets:
@@ -312,6 +346,8 @@ def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> No
             if "error" in f:
                 print(f"{preset:<6} {G:>3} floor failed: {f['error']}")
                 continue
+            old = _median(res[(preset, G, "old")])
+            target = float("nan") if "error" in old else 1000 * old["wall_s"] / (steps - 1) / 3
             cells = []
             for n in names:
                 r = _median(res[(preset, G, n)])
@@ -319,7 +355,8 @@ def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> No
                 cells.append(f"{ms:>8.1f} {ms / f['floor_ms']:>6.2f} "
                              f"{ms / f['tf_floor_ms']:>6.2f}")
             print(f"{preset:<6} {G:>3} {f['calls_ms']:>12.1f} {f['bwd_ms']:>9.1f} "
-                  f"{f['floor_ms']:>7.1f} {f['fwd_ms']:>10.1f} {f['tf_floor_ms']:>6.1f}   "
+                  f"{f['floor_ms']:>7.1f} {f['fwd_ms']:>10.1f} {f['tf_floor_ms']:>6.1f} "
+                  f"{f['bptt_ms']:>6.1f} {target:>6.1f}   "
                   + "  ".join(cells))
 
 

@@ -31,11 +31,39 @@ def test_floor_calls_are_the_samplers_model_work():
     torch.testing.assert_close(lp, batch.logprobs.reshape(6, batch.T), rtol=0, atol=1e-6)
 
 
+def test_bptt_calls_backpropagate_to_the_teacher_forced_gradient():
+    """The bptt figure times the right work: the sampler's calls on a differentiable cache
+    give the gradient of a teacher-forced forward (float64, rtol 1e-8)."""
+    from varbench.grads.precision import exact_float64
+    from varbench.rollout import response_logprobs, sample
+    from varbench.rollout.kvcache import autograd_cache
+    from varbench.train import setup
+
+    cfg = bench_train._config("tiny", 3, 2, 1, 1e-4)
+    task, reward = setup.build_task(cfg)
+    policy = setup.build_policy(cfg, task)
+    model = exact_float64(policy.model).eval()  # float64 throughout, rotary tables too
+    batch = sample(policy, task, task.prompts(2, split="train", seed=2), 3, seed=2,
+                   reward=reward)
+    params = [p for p in model.parameters() if p.requires_grad]
+    coef = torch.linspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    lp = bench_train.sampling_calls(model, batch, 3, cache=autograd_cache(model))
+    got = torch.autograd.grad((coef * lp).sum(), params)
+    ref_lp = response_logprobs(model, batch).reshape(6, batch.T)
+    want = torch.autograd.grad((coef * ref_lp).sum(), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
+    before = [p.detach().clone() for p in params]
+    bench_train.bptt_step(model, batch, 3, params, torch.optim.SGD(params, lr=0.1))
+    assert any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+
+
 def test_floor_is_its_two_parts():
     f = bench_train.floor_ms("tiny", 2, 2, reps=3)
     assert f["calls_ms"] > 0 and f["bwd_ms"] >= 0
     assert f["floor_ms"] == f["calls_ms"] + f["bwd_ms"]
     assert f["fwd_ms"] > 0 and f["tf_floor_ms"] == f["floor_ms"] + f["fwd_ms"]
+    assert f["bptt_ms"] > 0
 
 
 def test_the_benchmark_runs_end_to_end_and_prints_both_tables():
@@ -48,11 +76,13 @@ def test_the_benchmark_runs_end_to_end_and_prints_both_tables():
     assert [r[2] for r in rows[:2]] == ["new", "old"]  # the ratio table
     assert float(rows[1][-3]) > 0  # new/old wall ratio
     floor = rows[2]
-    # preset, G, calls, backward, floor, update fwd, +fwd, 2 x (ms, /floor, /+fwd)
-    assert len(floor) == 2 + 5 + 2 * 3
-    calls, bwd, fl, fwd, tf = map(float, floor[2:7])
-    assert abs(fl - calls - bwd) < 0.15 and abs(tf - fl - fwd) < 0.15
-    ms, over, over_tf = map(float, floor[7:10])  # new's ms/step over each floor
+    # preset, G, calls, backward, floor, update fwd, +fwd, bptt, old/3, 2 x (ms, /floor, /+fwd)
+    assert len(floor) == 2 + 7 + 2 * 3
+    calls, bwd, fl, fwd, tf, bptt, target = map(float, floor[2:9])
+    assert abs(fl - calls - bwd) < 0.15 and abs(tf - fl - fwd) < 0.15 and bptt > 0
+    old_ms = float(floor[12])
+    assert abs(target - old_ms / 3) < 0.1
+    ms, over, over_tf = map(float, floor[9:12])  # new's ms/step over each floor
     # 2 decimals of ratios of 1-decimal numbers (ms may even be negative on a 1-step window)
     assert abs(over - ms / fl) < 0.01 * abs(over) + 0.01
     assert abs(over_tf - ms / tf) < 0.01 * abs(over_tf) + 0.01
