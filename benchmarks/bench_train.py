@@ -48,8 +48,11 @@ update runs a forward of its own (varbench's, the old loop's and trl's all do); 
 that backpropagates through the sampler's forward (below) can step under it. ``bptt`` times
 the least such a loop pays (:func:`bptt_step`: the sampler's calls with their graph, a loss on
 their log-probs, backward, clip, AdamW; its gradient is the teacher-forced one, tested in
-float64), and ``old/3`` is the step time new/old >= 3 asks for: where ``old/3`` is below
-``floor`` no loop reaches 3x, where it is below ``+fwd`` and ``bptt`` neither kind does.
+float64), ``tf`` the same for a loop with its own update forward (the sampler's calls +
+:func:`tf_update`, the faster of the shared-prompt and flat forwards), and ``old/3`` is the
+step time new/old >= 3 asks for: where ``old/3`` is below ``floor`` no loop reaches 3x, where
+it is below both ``tf`` and ``bptt`` neither kind of loop does, before any sampling draw,
+scoring, advantage or statistic is paid for.
 
 Levers measured and not taken (tiny/small, sort, this machine): ``torch.compile`` of the model
 (fwd+bwd 11.7 -> 9.4 ms on tiny, 38 s of compilation per process and per new shape);
@@ -81,23 +84,27 @@ PRESETS = ("tiny", "small")
 GS = (4, 32)
 
 
-def _config(preset: str, G: int, P: int, steps: int, lr: float):
+def _config(preset: str, G: int, P: int, steps: int, lr: float, task: str = "sort"):
     from varbench.train.config import TrainConfig
 
-    return TrainConfig(policy=preset, warm_start=False, G=G, prompts_per_step=P, steps=steps,
+    return TrainConfig(task=task, policy=preset, warm_start=False, G=G, prompts_per_step=P,
+                       steps=steps,
                        lr=lr, scheme="normalized", scheme_options={"eps": 1e-4},
                        agg="seq-mean-token-mean", eval_every=10**6, eval_prompts=1,
                        eval_samples=1)
 
 
-def run_varbench(which: str, preset: str, G: int, P: int, steps: int, lr: float) -> dict:
+def run_varbench(which: str, preset: str, G: int, P: int, steps: int, lr: float,
+                 task: str = "sort") -> dict:
     """In a worker process: steps 2..N of the new or old loop (N-step run minus 1-step run)."""
-    if which == "new":
+    if which in ("new", "bptt"):
         from varbench.train.loop import train
     else:
         sys.path.insert(0, str(BENCH))
         from _old_train_loop import train
-    cfg = _config(preset, G, P, steps, lr)
+    cfg = _config(preset, G, P, steps, lr, task)
+    if which == "bptt":  # today's loop, backpropagating through the sampler's calls
+        cfg = cfg.replace(update_forward="sampler")
     clocks = []
     # a first, untimed 1-step run pays the process's one-off costs (first calls of each op,
     # allocator growth), which would otherwise fall on the timed 1-step run and be
@@ -145,7 +152,7 @@ def sampling_calls(model, batch, G: int, cache=None):
     return torch.log_softmax(z, -1).gather(-1, toks[..., None])[..., 0]
 
 
-def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
+def floor_ms(preset: str, G: int, P: int, reps: int = 30, task: str = "sort") -> dict:
     """In a worker process: a lower bound on one training step's wall time, any implementation.
 
     A step must sample: at least one model call per token (the prefill of the P prompts, then
@@ -166,7 +173,7 @@ def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
     from varbench.rollout import sample
     from varbench.train import setup
 
-    cfg = _config(preset, G, P, 1, 1e-4)
+    cfg = _config(preset, G, P, 1, 1e-4, task)
     task, reward = setup.build_task(cfg)
     policy = setup.build_policy(cfg, task)
     model = policy.model.eval()
@@ -201,7 +208,30 @@ def floor_ms(preset: str, G: int, P: int, reps: int = 30) -> dict:
     # trl's do) pays that forward on top: at least one call on the fed tokens, with its graph
     out["tf_floor_ms"] = out["floor_ms"] + out["fwd_ms"]
     out["bptt_ms"] = timed(lambda: bptt_step(model, batch, G, params, optimizer))
+    # the same for a loop with its own update forward: the sampler's calls + one update
+    # (teacher-forced log-probs, each prompt once or the flat rows, whichever is faster here)
+    out["tf_ms"] = out["calls_ms"] + min(
+        timed(lambda s=shared: tf_update(model, batch, params, optimizer, s))
+        for shared in (True, False))
     return out
+
+
+def tf_update(model, batch, params, optimizer, shared_prompt: bool) -> None:
+    """One update of a loop with its own forward: the teacher-forced log-probs of ``batch``
+    (``response_logprobs``, each prompt once when ``shared_prompt``), a token-mean loss,
+    backward, clip, AdamW; no sampling, scoring, advantages or statistics."""
+    import torch
+
+    from varbench.rollout import response_logprobs
+
+    lp = response_logprobs(model, batch, shared_prompt=shared_prompt)  # [P, G, T]
+    coef = torch.linspace(-1, 1, lp.shape[0] * lp.shape[1], dtype=lp.dtype,
+                          device=lp.device).reshape(lp.shape[0], lp.shape[1], 1)
+    loss = -(coef * lp).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
 
 
 def bptt_step(model, batch, G: int, params, optimizer) -> None:
@@ -238,9 +268,10 @@ def _spawn(cmd: list[str], env: dict) -> dict:
 
 def contender(name: str, preset: str, G: int, args, policy_dir: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
-    common = [preset, str(G), str(args.prompts), str(args.steps), str(args.lr), str(args.threads)]
+    common = [preset, str(G), str(args.prompts), str(args.steps), str(args.lr), str(args.threads),
+              args.task]
     if name == "trl":
-        cmd = [args.trl_python, str(BENCH / "_trl_grpo_worker.py"), policy_dir, *common[1:]]
+        cmd = [args.trl_python, str(BENCH / "_trl_grpo_worker.py"), policy_dir, *common[1:-1]]
     else:
         cmd = [sys.executable, __file__, "--worker", name, *common]
     return _spawn(cmd, env)
@@ -256,17 +287,19 @@ def main() -> None:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--G", default=",".join(map(str, GS)))
     ap.add_argument("--trl-python", default=None, help="python of a venv with trl installed")
-    ap.add_argument("--worker", nargs=7, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--task", default="sort", choices=("sort", "toolsum"),
+                    help="sort (3 tokens; trl too) or toolsum (multi-turn, ~30 tokens; no trl)")
+    ap.add_argument("--worker", nargs=8, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        which, preset, G, P, steps, lr, threads = args.worker
+        which, preset, G, P, steps, lr, threads, task = args.worker
         import torch
 
         torch.set_num_threads(int(threads))
         if which == "floor":
-            print(json.dumps(floor_ms(preset, int(G), int(P))))
+            print(json.dumps(floor_ms(preset, int(G), int(P), task=task)))
             return
-        res = run_varbench(which, preset, int(G), int(P), int(steps), float(lr))
+        res = run_varbench(which, preset, int(G), int(P), int(steps), float(lr), task)
         print(json.dumps({**res, "peak_mib": _peak_mib()}))
         return
     if args.steps < 2:
@@ -277,8 +310,10 @@ def main() -> None:
 
     presets = args.presets.split(",")
     gs = [int(g) for g in args.G.split(",")]
-    names = ["new", "old"] + (["trl"] if args.trl_python else [])
-    print(f"bench_train: sort n=3, P={args.prompts}, N={args.steps} steps (timed 2..N), "
+    names = ["new", "bptt", "old"] + (["trl"] if args.trl_python else [])
+    if args.trl_python and args.task != "sort":
+        ap.error("--trl-python runs trl's GRPOTrainer on sort only (it has no tool environment)")
+    print(f"bench_train: {args.task}, P={args.prompts}, N={args.steps} steps (timed 2..N), "
           f"{args.threads} torch thread(s), {args.repeat} repeat(s), torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     res: dict = {}
@@ -297,31 +332,38 @@ def main() -> None:
         floors = {(preset, G): _median(res[(preset, G, "floor")])
                   for preset in presets for G in gs}
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+    refs = [n for n in ("old", "trl") if n in names]
     head = (f"{'preset':<6} {'G':>3} {'contender':<9} {'tok/s wall':>10} {'tok/s CPU':>10} "
-            f"{'ms/step':>8} {'peak MiB':>9} {'len':>5}   new/this: {'wall':>6} {'CPU':>6} "
-            f"{'mem':>6}")
+            f"{'ms/step':>8} {'peak MiB':>9} {'len':>5}   "
+            + "   ".join(f"this/{n}: {'wall':>5} {'CPU':>5} {'mem':>5}" for n in refs))
     print(head)
     print("-" * len(head))
     for preset in presets:
         for G in gs:
-            new = _median(res[(preset, G, "new")])
+            meds = {n: _median(res[(preset, G, n)]) for n in names}
             for name in names:
-                r = _median(res[(preset, G, name)])
+                r = meds[name]
                 if "error" in r:
                     print(f"{preset:<6} {G:>3} {name:<9} failed: {r['error']}")
                     continue
-                ratio = ""
-                if name != "new" and "error" not in new:
-                    # throughput ratios (new/this, > 1: new is faster) and memory new/this
-                    rw = (new["tokens"] / new["wall_s"]) / (r["tokens"] / r["wall_s"])
-                    rc = (new["tokens"] / new["cpu_s"]) / (r["tokens"] / r["cpu_s"])
-                    ratio = f"{rw:>6.2f} {rc:>6.2f} {new['peak_mib'] / r['peak_mib']:>6.2f}"
+                cells = []
+                for ref in refs:
+                    o = meds[ref]
+                    if ref == name or "error" in o:
+                        cells.append(f"{'':>9} {'-':>5} {'-':>5} {'-':>5}")
+                        continue
+                    # throughput ratios (this/ref, > 1: this is faster) and memory this/ref
+                    rw = (r["tokens"] / r["wall_s"]) / (o["tokens"] / o["wall_s"])
+                    rc = (r["tokens"] / r["cpu_s"]) / (o["tokens"] / o["cpu_s"])
+                    cells.append(f"{'':>9} {rw:>5.2f} {rc:>5.2f} "
+                                 f"{r['peak_mib'] / o['peak_mib']:>5.2f}")
                 print(f"{preset:<6} {G:>3} {name:<9} {r['tokens'] / r['wall_s']:>10.0f} "
                       f"{r['tokens'] / r['cpu_s']:>10.0f} "
                       f"{1000 * r['wall_s'] / (args.steps - 1):>8.1f} {r['peak_mib']:>9.0f} "
-                      f"{r['mean_length']:>5.2f}   {'':>8}{ratio}")
-    print("ratios: sampled tokens/s of new over the contender (wall, CPU) and peak memory new "
-          "over the contender; targets: new/old >= 3, new/trl >= 2")
+                      f"{r['mean_length']:>5.2f}   " + "   ".join(cells))
+    print("ratios: sampled tokens/s of the contender over old's and trl's (wall, CPU) and peak "
+          "memory over theirs; targets: new/old >= 3, new/trl >= 2; bptt: today's loop with "
+          "update_forward='sampler'")
     _print_floors(floors, res, presets, gs, names, args.steps)
 
 
@@ -330,11 +372,12 @@ def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> No
     implementation could gain over it on this machine (contender ms/step / floor), and the
     same over the floor of a loop with its own update forward (``tf_floor_ms``)."""
     head = (f"{'preset':<6} {'G':>3} {'sample calls':>12} {'backward':>9} {'floor':>7} "
-            f"{'update fwd':>10} {'+fwd':>6} {'bptt':>6} {'old/3':>6}   "
+            f"{'update fwd':>10} {'+fwd':>6} {'tf':>6} {'bptt':>6} {'old/3':>6}   "
             + "  ".join(f"{n + ' ms':>8} {'/floor':>6} {'/+fwd':>6}" for n in names))
     print("\nfloor (ms per step): the sampler's model calls alone + the backward alone of one "
           "call on the [B, T - 1] fed response tokens; +fwd: floor + that call's forward with "
-          "its graph (a loop whose update runs its own forward); bptt: the least a step costs "
+          "its graph (a loop whose update runs its own forward); tf: the sampler's calls + one "
+          "teacher-forced update (tf_update), no bookkeeping; bptt: the least a step costs "
           "that backpropagates through the sampler's calls (bptt_step); old/3: the step time "
           "new/old >= 3 needs; /floor, /+fwd: contender ms/step over those floors, the most a "
           "loop could gain over that contender on this machine")
@@ -356,7 +399,7 @@ def _print_floors(floors: dict, res: dict, presets, gs, names, steps: int) -> No
                              f"{ms / f['tf_floor_ms']:>6.2f}")
             print(f"{preset:<6} {G:>3} {f['calls_ms']:>12.1f} {f['bwd_ms']:>9.1f} "
                   f"{f['floor_ms']:>7.1f} {f['fwd_ms']:>10.1f} {f['tf_floor_ms']:>6.1f} "
-                  f"{f['bptt_ms']:>6.1f} {target:>6.1f}   "
+                  f"{f['tf_ms']:>6.1f} {f['bptt_ms']:>6.1f} {target:>6.1f}   "
                   + "  ".join(cells))
 
 

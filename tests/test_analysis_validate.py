@@ -72,6 +72,11 @@ def test_a_finished_run_is_reused_and_a_changed_one_retrained(tmp_path, monkeypa
     monkeypatch.setattr(V, "train", lambda *a, **k: pytest.fail("retrained a finished run"))
     df = V._run(tc, run)
     assert list(df["step"]) == [0] and df["eval/acc_sampled"].iloc[0] == 0.25
+    # a run finished before a config field existed ran with its default: still finished
+    older = {k: v for k, v in tc.to_dict().items() if k != "update_forward"}
+    (run / "done.json").write_text(json.dumps({"config": older, "stopped": "budget"}))
+    assert list(V._run(tc, run)["step"]) == [0]
+    assert not V._is_done(tc.replace(update_forward="sampler"), run)
 
     calls = []
 

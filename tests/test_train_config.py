@@ -89,3 +89,13 @@ def test_config_missing_file_and_section(tmp_path):
     assert TrainConfig.from_toml(p, section="a").G == 2
     with pytest.raises(ValueError, match=r"no section \[b\].*\['a'\]"):
         TrainConfig.from_toml(p, section="b")
+
+
+def test_with_defaults_fills_the_fields_a_saved_config_predates():
+    from varbench.train.config import with_defaults
+
+    now = TrainConfig(scheme="otb", G=4).to_dict()
+    older = {k: v for k, v in now.items() if k != "update_forward"}
+    assert with_defaults(older) == now
+    assert with_defaults({**older, "update_forward": "sampler"}) != now
+    assert with_defaults(now) == now

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -130,6 +131,15 @@ def test_dynamic_filter_kl_and_sequence_ratio():
     assert df["policy/kl_ref"].iloc[0] == 0.0  # pi_old == ref before the first update
     assert df["policy/kl_ref"].iloc[-1] > 0
     assert df["loss/kl"].iloc[-1] > 0
+    # the sampler's forward: the same run up to the rounding of cached decoding (pi_old's
+    # log-probs come from the sampler's calls, the reference's from a teacher-forced forward)
+    one = cfg.replace(dynamic_filter=False, epochs=1, minibatches=1)
+    df = train(one, progress=False).records.iloc[1:]
+    bp = train(one.replace(update_forward="sampler"), progress=False).records.iloc[1:]
+    assert abs(bp["policy/kl_ref"].iloc[0]) < 1e-6
+    assert bp["policy/kl_ref"].iloc[-1] > 0 and bp["loss/kl"].iloc[-1] > 0
+    for col in ("grad/norm", "loss/policy", "policy/kl_ref"):
+        np.testing.assert_allclose(bp[col], df[col], rtol=1e-3, atol=1e-6, err_msg=col)
 
 
 def test_transforms_restore_cancellation_in_the_gradient():
@@ -181,6 +191,23 @@ def test_bad_inputs_are_named():
         train(TrainConfig(reward="bogus"), progress=False)
     with pytest.raises(ValueError, match="resume=True needs run_dir"):
         train(TrainConfig(), resume=True, progress=False)
+    with pytest.raises(ValueError, match="update_forward='both'.*'teacher-forced', 'sampler'"):
+        TrainConfig(update_forward="both")
+    with pytest.raises(ValueError, match="update_forward='sampler'.*epochs=2, minibatches=1"):
+        TrainConfig(update_forward="sampler", epochs=2)
+
+
+def test_sampler_forward_refuses_a_model_without_a_differentiable_cache():
+    from _fixtures_arch import build
+
+    from varbench.models import Policy, build_tokenizer
+
+    pol = Policy(model=build("mistral_sliding", seed=0), tokenizer=build_tokenizer(),
+                 name="sliding")
+    cfg = TrainConfig(**{**SHORT, "epochs": 1, "minibatches": 1, "update_forward": "sampler"})
+    with pytest.raises(ValueError, match="update_forward='sampler'.*'sliding'.*teacher-forced"):
+        train(cfg, policy=pol, progress=False)
+    train(cfg.replace(update_forward="teacher-forced", steps=1), policy=pol, progress=False)
 
 
 def test_local_checkpoint_policy_and_toml_config(tmp_path):
@@ -279,10 +306,14 @@ def test_lr_schedules():
 
 # ---- the fast loop computes the same update as the slow reference (float64)
 
-@pytest.mark.parametrize("extra", [{}, {"epochs": 2, "minibatches": 2, "ratio": "sequence"}],
-                         ids=["one-update", "ppo-2x2"])
+@pytest.mark.parametrize("extra", [{}, {"epochs": 2, "minibatches": 2, "ratio": "sequence"},
+                                   {"update_forward": "sampler"},
+                                   {"update_forward": "sampler", "ratio": "sequence",
+                                    "agg": "seq-mean-token-sum"}],
+                         ids=["one-update", "ppo-2x2", "sampler-forward", "sampler-gspo"])
 def test_same_parameters_as_the_slow_reference_in_float64(extra):
-    """Three steps of ``train`` (shared-prompt forward, sampler's rewards and log-probs reused,
+    """Three steps of ``train`` (shared-prompt forward, or the sampler's own forward with
+    ``update_forward="sampler"``; sampler's rewards and log-probs reused,
     fused AdamW) and of :func:`reference_train_steps` (each response alone, texts re-scored,
     per-tensor AdamW) from the same float64 model and seed: the same draws, the same
     parameters. Tolerance 1e-12 absolute + 1e-9 relative: float64 rounding of different

@@ -45,7 +45,7 @@ from varbench.analysis._common import CellCache
 from varbench.report import provenance, write_report
 from varbench.report.result import AnalysisResult, Headline
 from varbench.train.collapse import calibrate, surge_scores
-from varbench.train.config import TrainConfig
+from varbench.train.config import TrainConfig, with_defaults
 from varbench.train.loop import train
 from varbench.train.records import read_records
 from varbench.train.setup import build_policy, build_task
@@ -235,7 +235,11 @@ def _job_config(cfg: ValidateConfig, job: Job) -> TrainConfig:
 
 def _is_done(tc: TrainConfig, run_dir: Path) -> bool:
     done = run_dir / "done.json"
-    return done.exists() and json.loads(done.read_text()).get("config") == tc.to_dict()
+    if not done.exists():
+        return False
+    saved = json.loads(done.read_text()).get("config")
+    # a run finished before a config field existed ran with that field's default
+    return isinstance(saved, dict) and with_defaults(saved) == tc.to_dict()
 
 
 def _run(tc: TrainConfig, run_dir: Path) -> pd.DataFrame:

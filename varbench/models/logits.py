@@ -466,6 +466,12 @@ def logit_proxy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
                                p.square().sum(-1))
 
 
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[..., V], [...] -> [...]`` log softmax(logits) at ``tokens`` (no shift: position t's
+    logits score position t's token). Differentiable; in the logits' dtype."""
+    return _plain_logprobs(logits, tokens)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """``[B, L, V], [B, L] -> [B, L]`` log-prob of ``input_ids[:, t]`` from ``logits[:, t-1]``.
 
@@ -474,5 +480,5 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     Computed in the logits' dtype (the gradient paths choose their precision by the model's);
     :func:`sequence_logprobs` is the chunked, float32-at-least path of the trainer.
     """
-    lp = _plain_logprobs(logits[:, :-1], input_ids[:, 1:])
+    lp = chosen_logprobs(logits[:, :-1], input_ids[:, 1:])
     return torch.nn.functional.pad(lp, (1, 0))

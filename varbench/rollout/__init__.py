@@ -2,6 +2,7 @@
 
 from varbench.rollout.batch import FlatBatch, RolloutBatch
 from varbench.rollout.logprobs import response_logprobs
-from varbench.rollout.sampler import encode_prompts, sample
+from varbench.rollout.sampler import can_sample_differentiably, encode_prompts, sample
 
-__all__ = ["FlatBatch", "RolloutBatch", "encode_prompts", "response_logprobs", "sample"]
+__all__ = ["FlatBatch", "RolloutBatch", "can_sample_differentiably", "encode_prompts",
+           "response_logprobs", "sample"]

@@ -23,6 +23,13 @@ of plain full-attention decoders is preallocated and written in place (``kvcache
 of concatenated every step; for single-turn tasks the statistics of pi are computed in one pass
 over the stored [B, T, V] logits after the loop. None of this changes a drawn token or a
 recorded number (tests compare against transformers' DynamicCache and the per-step path).
+
+``differentiable=True`` runs the same calls with autograd on, on transformers' differentiable
+``DynamicLayer`` cache: the returned ``logprobs`` carry the graph to the parameters, so a loss
+on them backpropagates through the sampler's own forward (the gradient of a teacher-forced
+forward over the same tokens, up to float64 rounding; tested), and the update needs no forward
+of its own. ``sum_pi_sq`` and ``entropy`` stay detached. Every decode step's graph is kept
+until that backward: memory grows with T (and the saved keys and values as T^2).
 """
 
 from __future__ import annotations
@@ -39,10 +46,11 @@ from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.models.arch import stepper
 from varbench.models.forward import position_ids_from_mask
-from varbench.models.logits import pi_stats, stat_dtype
+from varbench.models.logits import chosen_logprobs, pi_stats, stat_dtype
 from varbench.models.presets import Policy
 from varbench.models.tokenizer import check_tokenizer_covers
 from varbench.rollout.batch import RolloutBatch
+from varbench.rollout.kvcache import autograd_cache
 from varbench.rollout.kvcache import grow_cache as _grow_cache
 from varbench.tasks.base import Prompt, Task
 
@@ -127,14 +135,17 @@ def sample(
     reward: str | None = None,
     device: str | torch.device | None = None,
     progress: bool | None = False,
+    differentiable: bool = False,
 ) -> RolloutBatch:
     """Sample ``G`` responses to each prompt; return the scored ``[P, G, T]`` RolloutBatch.
 
     ``generator`` (on the model's device) overrides ``seed``. ``max_new_tokens`` defaults to
     ``task.max_new_tokens``; T of the result is the longest response actually produced
     (exactly ``max_new_tokens`` for fixed-length tasks). ``device`` is where the returned
-    tensors live (default: the model's device). Raises ValueError before any model call on bad
-    arguments, prompts longer than the context, or a tokenizer missing a symbol of the task.
+    tensors live (default: the model's device). ``differentiable``: ``logprobs`` carry the
+    graph of the model calls (module docstring; needs a model whose every layer is plain full
+    attention, :func:`can_sample_differentiably`). Raises ValueError before any model call on
+    bad arguments, prompts longer than the context, or a tokenizer missing a symbol of the task.
     """
     _check_args(policy, task, prompts, G, temperature, top_k, top_p)
     reward = task.check_reward(reward)
@@ -142,6 +153,12 @@ def sample(
         "max_new_tokens", max_new_tokens)
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
+    if differentiable and not can_sample_differentiably(model):
+        raise UsageError(
+            f"differentiable=True needs a model whose every layer is plain full attention "
+            f"(a differentiable KV cache); policy {policy.name!r} "
+            f"({type(model).__name__}) has other layers: sample without it and run a "
+            f"teacher-forced forward (varbench.rollout.response_logprobs)")
     dev = policy.device
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, device=dev)
     longest = prompt_ids.shape[1]  # Lp is the longest prompt's length: no host sync
@@ -165,8 +182,9 @@ def sample(
     Lp = pids.shape[1]
     # inference_mode, not just no_grad: no version counters or autograd metadata on the many
     # small tensors of each model call (several % of a decode step for a small model).
-    with torch.inference_mode():
-        cache = _grow_cache(model, Lp + T)
+    calls = torch.enable_grad if differentiable else torch.inference_mode
+    with calls():
+        cache = autograd_cache(model) if differentiable else _grow_cache(model, Lp + T)
         if G > 1 and _can_repeat(model):
             # Prefill each prompt once and copy its cache G times: identical rows, 1/G the work.
             cache, logits = step(pids, pmask, position_ids_from_mask(pmask), cache)
@@ -185,7 +203,7 @@ def sample(
     lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=sdt, device=dev)
                                  for _ in range(3))
     stop = torch.full((B,), T, dtype=torch.long, device=dev)  # steps each row took part in
-    with torch.inference_mode():
+    with calls():
         # Attention mask and position ids of every step, preallocated: step t reads a view
         # instead of concatenating. Active rows never hold a stopped token (stopped rows leave
         # the batch), so the response part of the mask is all ones.
@@ -194,14 +212,17 @@ def sample(
         pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
         loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=eos, turn_ids=turn_ids,
                      gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
-                     stat_dtype=sdt,
+                     stat_dtype=sdt, differentiable=differentiable,
                      out=(tokens, mask, env, lp_out, spsq_out, ent_out, stop))
         used = loop.run(step, cache, logits, attn_all, pos_all, progress)
         loop.finish(used)
     if not task.multi_turn:  # mask was not needed during the loop: every kept step is policy
         mask.copy_(torch.arange(T, device=dev) < stop[:, None])
     sl = slice(0, used)
-    res = [x[:, sl] for x in (tokens, mask, env, lp_out, spsq_out, ent_out)]
+    res = [x[:, sl] for x in (tokens, mask, env, spsq_out, ent_out)]
+    out_dev = torch.device(device) if device is not None else dev
+    with calls():  # the log-probs' slice and reshape stay on the graph when differentiable
+        logprobs = lp_out[:, sl].reshape(P, G, used).to(out_dev)
     # decoded once, at the end, in one tokenizer call
     real = (res[1] + res[2]).tolist()
     texts = tok.batch_decode([[x for x, r in zip(row, keep, strict=True) if r > 0]
@@ -209,7 +230,6 @@ def sample(
                              skip_special_tokens=True)
     scores = [task.score(prompts[b // G], texts[b], reward) for b in range(B)]
     rewards = torch.tensor(scores, dtype=torch.float32, device=dev).reshape(P, G)
-    out_dev = torch.device(device) if device is not None else dev
     shape = (P, G, used)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(out_dev),
@@ -217,9 +237,9 @@ def sample(
         tokens=res[0].reshape(shape).to(out_dev),
         mask=res[1].reshape(shape).to(out_dev),
         env_mask=res[2].reshape(shape).to(out_dev),
-        logprobs=res[3].reshape(shape).to(out_dev),
-        sum_pi_sq=res[4].reshape(shape).to(out_dev),
-        entropy=res[5].reshape(shape).to(out_dev),
+        logprobs=logprobs,
+        sum_pi_sq=res[3].reshape(shape).to(out_dev),
+        entropy=res[4].reshape(shape).to(out_dev),
         rewards=rewards.to(out_dev),
         lengths=res[1].sum(-1).long().reshape(P, G).to(out_dev),
         prompts=[p.text for p in prompts],
@@ -254,12 +274,13 @@ class _Loop:
     """
 
     def __init__(self, *, task, prompts, G, tok, T, eos, turn_ids, gen, greedy, temperature,
-                 top_k, top_p, stat_dtype, out):
+                 top_k, top_p, stat_dtype, out, differentiable=False):
         self.task, self.prompts, self.G, self.tok, self.T = task, prompts, G, tok, T
         self.eos, self.turn_ids, self.gen, self.greedy = eos, turn_ids, gen, greedy
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.plain = _plain(temperature, top_k, top_p)
         self.stat_dtype = stat_dtype
+        self.differentiable = differentiable
         self.tokens, self.mask, self.env, self.lp, self.spsq, self.ent, self.stop = out
         B = self.tokens.shape[0]
         self.queues: list[deque[int]] = [deque() for _ in range(B)]
@@ -321,12 +342,14 @@ class _Loop:
     def _record(self, logits, t, rows, act):
         """Draw step t's tokens from ``logits`` [A, V] and record them and pi's statistics."""
         z = logits.to(self.stat_dtype)
-        cur = self._draw(z)
+        with torch.no_grad():  # draws are not differentiated (nor recorded on a graph)
+            cur = self._draw(z)
         if self.zbuf is not None:
             self.tokens[rows, t] = cur
             self.zbuf[rows, t] = z
             return cur, None
         lp, ent, spsq = pi_stats(z, cur)[:3]  # of pi itself (temperature 1, unfiltered)
+        lp = self._on_graph(lp, z, cur.clone())  # cur takes env tokens in place below
         is_pol = None
         if self.task.multi_turn:  # env tokens replace draws and get mask 0 / statistics 0
             is_env = torch.zeros_like(cur, dtype=torch.bool)
@@ -339,9 +362,17 @@ class _Loop:
             self.env[rows, t] = is_env.float()
         self.tokens[rows, t] = cur
         self.lp[rows, t] = lp
-        self.spsq[rows, t] = spsq
-        self.ent[rows, t] = ent
+        self.spsq[rows, t] = spsq.detach()
+        self.ent[rows, t] = ent.detach()
         return cur, is_pol
+
+    def _on_graph(self, lp: torch.Tensor, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``lp`` (pi_stats' values, the same bits as plain sampling) with the gradient of
+        log softmax(z) at ``tokens`` when differentiable: ``g - g.detach()`` is exactly 0."""
+        if not self.differentiable:
+            return lp
+        g = chosen_logprobs(z, tokens)
+        return lp + (g - g.detach())
 
     def _draw(self, z: torch.Tensor) -> torch.Tensor:
         """[A] tokens drawn from ``z`` [A, V] (argmax when greedy)."""
@@ -358,11 +389,12 @@ class _Loop:
         # the whole contiguous block, a chunk of rows at a time: the same row-wise kernels as
         # the per-step [A, V] rows
         lp, ent, spsq = pi_stats(self.zbuf, self.tokens)[:3]
+        lp = self._on_graph(lp, self.zbuf, self.tokens)
         z = self.zbuf
         T = self.T
         valid = torch.arange(T, device=z.device) < self.stop[:, None]  # steps a row took
         zero = torch.zeros((), dtype=self.stat_dtype, device=z.device)
-        for out, x in ((self.lp, lp), (self.spsq, spsq), (self.ent, ent)):
+        for out, x in ((self.lp, lp), (self.spsq, spsq.detach()), (self.ent, ent.detach())):
             out[:, :used] = torch.where(valid, x, zero)[:, :used]
 
     def _take_env_tokens(self, cur, is_env, act) -> None:
@@ -426,6 +458,13 @@ class _Loop:
 def _stepper(model):
     """``step(ids, attn, pos, cache) -> (cache, last logits [B, V])`` (models/arch.py)."""
     return stepper(model)
+
+
+def can_sample_differentiably(model) -> bool:
+    """Whether ``sample(..., differentiable=True)`` can run ``model``: every layer plain full
+    attention (transformers' differentiable ``DynamicLayer`` cache; the rule of
+    ``kvcache.autograd_cache``)."""
+    return autograd_cache(model) is not None
 
 
 def _can_repeat(model) -> bool:

@@ -122,6 +122,13 @@ class TrainConfig:
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping; the norm is still recorded)."""
+    update_forward: str = "teacher-forced"
+    """Where the update's log-probs come from: ``teacher-forced`` (a forward over the sampled
+    responses, in train mode) or ``sampler`` (backpropagate through the sampler's own model
+    calls, one forward fewer per step: the same gradient up to rounding, taken in eval mode,
+    i.e. without dropout; needs epochs = minibatches = 1 and a model whose every layer is plain
+    full attention; faster for short responses, slower for long ones, whose per-token graphs
+    cost more than the forward they save; benchmarks/bench_train.py)."""
 
     # --- evaluation, records, checkpoints ---
     eval_every: int = 10
@@ -215,6 +222,14 @@ class TrainConfig:
         return cls.from_dict(data, source=source)
 
 
+def with_defaults(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved ``to_dict()`` with the fields it predates filled in with their defaults (a new
+    field's default keeps the behaviour of the code that saved it), for comparing runs."""
+    defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                         else f.default) for f in fields(TrainConfig)}
+    return {**defaults, **dict(saved)}
+
+
 def field_docs() -> dict[str, str]:
     """Each TrainConfig field's docstring (the CLI's help text), read from this module's source."""
     import ast
@@ -258,6 +273,7 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
 
 
 TOKEN_WEIGHTS = ("proxy", "exact")
+UPDATE_FORWARDS = ("teacher-forced", "sampler")
 # the registered schemes that read SchemeOptions.token_weights (the others ignore them)
 WEIGHTED_SCHEMES = ("otb", "otb_loo")
 
@@ -302,6 +318,12 @@ def _validate(c: TrainConfig) -> None:
     _choice("kl_kind", c.kl_kind, KL_KINDS)
     _choice("transform", c.transform, TRANSFORMS)
     _choice("token_weights", c.token_weights, TOKEN_WEIGHTS)
+    _choice("update_forward", c.update_forward, UPDATE_FORWARDS)
+    if c.update_forward == "sampler" and (c.epochs, c.minibatches) != (1, 1):
+        raise UsageError(
+            f"update_forward='sampler' is not valid with epochs={c.epochs}, "
+            f"minibatches={c.minibatches}: the sampler's graph serves one update per step; "
+            f"use epochs=1 and minibatches=1, or update_forward='teacher-forced'")
     if c.token_weights == "exact" and c.scheme not in WEIGHTED_SCHEMES:
         raise UsageError(f"token_weights='exact' is not valid with scheme={c.scheme!r}: only "
                          f"the schemes that read token weights take it ({list(WEIGHTED_SCHEMES)})")

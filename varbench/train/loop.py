@@ -21,6 +21,9 @@ instead of ``P G (Lp + T)``); the sampler's rewards are used as they are (texts 
 once) and, for a float32/float64 model without a reference model, its log-probs are
 ``logp_old``; AdamW runs torch's fused kernel. The update is the same up to float64 rounding
 (tests/test_train_loop.py against tests/reference_train.py); the random draws are unchanged.
+``update_forward="sampler"`` drops the update's forward: the loss backpropagates through the
+sampler's own calls (``sample(..., differentiable=True)``), the same gradient up to rounding
+(the same test), worth it for responses of a few tokens only (the config field's docstring).
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
 from varbench.grads import token_grad_norms
 from varbench.models import Policy
-from varbench.rollout import response_logprobs, sample
+from varbench.rollout import can_sample_differentiably, response_logprobs, sample
 from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
-from varbench.train.config import TrainConfig
+from varbench.train.config import TrainConfig, with_defaults
 from varbench.train.records import RecordWriter, as_records, read_records
 
 _EVAL_SEED_OFFSET = 1_000_003  # sampling seed of evaluations: eval_seed + this
@@ -210,6 +213,12 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         row["time/wall_s"] = counters["wall_s"] = row["time/eval_s"]
         emit(row)
 
+    bptt = config.update_forward == "sampler"
+    if bptt and not can_sample_differentiably(model):
+        raise UsageError(
+            f"update_forward='sampler' needs a model whose every layer is plain full attention "
+            f"(a differentiable KV cache); policy {policy.name!r} ({type(model).__name__}) has "
+            f"other layers: use update_forward='teacher-forced'")
     stopped = "steps"
     for step in range(start + 1, config.steps + 1):
         if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
@@ -228,7 +237,10 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
         model.eval()
         batch = sample(policy, task, prompts, config.G, seed=sample_seed,
-                       temperature=config.temperature, reward=reward)
+                       temperature=config.temperature, reward=reward, differentiable=bptt)
+        logp_graph = None  # [P, G, T] on the sampler's graph (update_forward="sampler")
+        if bptt:
+            logp_graph, batch.logprobs = batch.logprobs, batch.logprobs.detach()
         row["time/sample_s"] = time.perf_counter() - t0
         mask = batch.mask.bool()  # [P, G, T]
         n_sampled, n_env = int(batch.mask.sum()), int(batch.env_mask.sum())
@@ -291,7 +303,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
                                       device=train_gen.device).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
-                    logp = response_logprobs(model, batch, groups, shared_prompt=True)
+                    logp = (logp_graph[groups] if logp_graph is not None else
+                            response_logprobs(model, batch, groups, shared_prompt=True))
                     old = logp.detach() if logp_old is None else logp_old[mb]
                     ref = None if logp_ref is None else logp_ref[mb]
                     if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples
@@ -351,6 +364,7 @@ _RESUMABLE_CHANGES = ("steps", "token_budget", "checkpoint_every", "keep_checkpo
 def _check_same_run(config: TrainConfig, saved: dict, ckpt: Path) -> None:
     """A checkpoint resumes only the run that wrote it (same config, stopping rules aside)."""
     now = config.to_dict()
+    saved = with_defaults(saved)  # a checkpoint older than a field ran with its default
     free = set(_RESUMABLE_CHANGES)
     if config.lr_schedule != "constant":
         free.discard("steps")  # the schedule's length: changing it changes every later lr
