@@ -1,8 +1,9 @@
-"""Training throughput: sampled tokens/s of today's loop against the loop before the issue-17
-work (``_old_train_loop.py``, kept in the benchmark only) and against trl's GRPOTrainer, side by
-side, on the ``tiny`` and ``small`` presets at G in {4, 32} (sort, 3 numbers, P = 8 prompts per
-step, N = 16 steps, the window timed is steps 2..N), with new/old and new/trl ratios of wall
-time, CPU time and peak memory.
+"""Training throughput: sampled tokens/s of today's loop ("new"; "bptt": the same loop with
+``update_forward="sampler"``) against the loop before the issue-17 work (``_old_train_loop.py``,
+kept in the benchmark only) and against trl's GRPOTrainer, side by side, on the ``tiny`` and
+``small`` presets at G in {4, 32} (sort, 3 numbers, P = 8 prompts per step, N = 16 steps, the
+window timed is steps 2..N; ``--task toolsum``: the multi-turn task, without trl), with
+this/old and this/trl ratios of wall time, CPU time and peak memory.
 
     .venv/bin/python benchmarks/bench_train.py                              # new vs old
     .venv/bin/python benchmarks/bench_train.py --trl-python .venv-trl/bin/python
@@ -54,13 +55,15 @@ step time new/old >= 3 asks for: where ``old/3`` is below ``floor`` no loop reac
 it is below both ``tf`` and ``bptt`` neither kind of loop does, before any sampling draw,
 scoring, advantage or statistic is paid for.
 
+Backpropagating through the sampler's own forward instead of a teacher-forced one is an option,
+not the default (``update_forward="sampler"``, the ``bptt`` contender): one forward fewer per
+step pays on sort's 3 tokens (small G = 4: 1.26x), not on toolsum's ~19 (0.62x at tiny G = 4),
+where decoding with autograd on costs more than the forward it saves and the saved keys and
+values grow as T^2; its floats differ from the teacher-forced update's by rounding, so the
+published claims grid stays on the default.
+
 Levers measured and not taken (tiny/small, sort, this machine): ``torch.compile`` of the model
-(fwd+bwd 11.7 -> 9.4 ms on tiny, 38 s of compilation per process and per new shape);
-backpropagating through the sampler's own forward instead of a teacher-forced one (one forward
-fewer per step, the ``bptt`` column's loop: 1.17-1.43x over the loop at T = 3, but 0.69x on
-toolsum's T = 30, where the per-token graphs cost more than the forward they save, and its
-saved keys and values grow as T^2; its floats differ from the teacher-forced update's, so the
-published claims grid would no longer be what the code computes); eager
+(fwd+bwd 11.7 -> 9.4 ms on tiny, 38 s of compilation per process and per new shape); eager
 attention instead of SDPA (tiny fwd+bwd 12.4 vs 7.8 ms); SDPA's math backend (mixed: from 26%
 faster to 10% slower by cell and path); a hand-written functional forward of the Llama preset
 (1.24x fwd+bwd; it would not be the user's model).

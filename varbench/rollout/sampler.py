@@ -349,7 +349,7 @@ class _Loop:
             self.zbuf[rows, t] = z
             return cur, None
         lp, ent, spsq = pi_stats(z, cur)[:3]  # of pi itself (temperature 1, unfiltered)
-        lp = self._on_graph(lp, z, cur.clone())  # cur takes env tokens in place below
+        lp = self._on_graph(lp, z, cur)
         is_pol = None
         if self.task.multi_turn:  # env tokens replace draws and get mask 0 / statistics 0
             is_env = torch.zeros_like(cur, dtype=torch.bool)
@@ -371,7 +371,7 @@ class _Loop:
         log softmax(z) at ``tokens`` when differentiable: ``g - g.detach()`` is exactly 0."""
         if not self.differentiable:
             return lp
-        g = chosen_logprobs(z, tokens)
+        g = chosen_logprobs(z, tokens.clone())  # a step's tokens take env tokens in place later
         return lp + (g - g.detach())
 
     def _draw(self, z: torch.Tensor) -> torch.Tensor:
