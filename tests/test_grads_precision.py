@@ -240,3 +240,43 @@ def test_math_and_eager_attention_give_the_fused_numbers_float64():
         torch.testing.assert_close(grads[name], grads["sdpa"], rtol=1e-12, atol=1e-13)
     # transformers' eager attention rounds its softmax to float32 (also in a float64 model)
     torch.testing.assert_close(grads["eager"], grads["sdpa"], rtol=1e-5, atol=1e-6)
+
+
+def test_attention_scale_of_a_module_that_passes_none():
+    """GPT-2 in transformers 5.0 calls its attention function without ``scaling``: the scale
+    comes from the module (its ``scaling``, else GPT-2's two flags); an unknown module is
+    refused by name."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from varbench.grads.precision import module_attention_scale
+
+    for by_layer, weights in ((False, True), (True, True), (False, False)):
+        cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                         scale_attn_by_inverse_layer_idx=by_layer, scale_attn_weights=weights)
+        attn = GPT2LMHeadModel(cfg).transformer.h[1].attn
+        want = (4 ** -0.5 if weights else 1.0) / (2.0 if by_layer else 1.0)
+        if hasattr(attn, "scaling"):  # newer transformers precompute it
+            assert module_attention_scale(attn, 4) == pytest.approx(want)
+            del attn.scaling
+        assert module_attention_scale(attn, 4) == pytest.approx(want)
+    with pytest.raises(ValueError, match="Linear calls its attention function without a scaling"):
+        module_attention_scale(torch.nn.Linear(2, 2), 4)
+
+
+def test_exact_float64_gpt2_with_layer_scaled_attention():
+    """The float64 copy of a GPT-2 with layer-index attention scaling verifies against the
+    original (verify_copy raises on a differing module): the scale is honoured on every
+    transformers version, whether or not the model passes it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                     scale_attn_by_inverse_layer_idx=True)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    copy = exact_float64(model)
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        a = model(input_ids=ids).logits.double()
+        b = copy(input_ids=ids).logits
+    assert b.dtype == torch.float64
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -37,7 +37,7 @@ def keep_dtype_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float,
+    scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +49,13 @@ def keep_dtype_attention(
     A fully masked row (a left-pad query) gets the dtype's minimum instead of -inf, so it stays
     finite (uniform weights) and cannot put NaN into any gradient. ``softcap`` (Gemma2) applies
     ``softcap * tanh(scores / softcap)`` before the mask, as transformers does; attention sinks
-    are refused. Caveat: the ``[B, H, Lq, Lk]`` scores are materialised (in float32 for a
-    half-precision model), unlike a fused kernel.
+    are refused. ``scaling`` None (GPT-2 in transformers before it passed one): the module's
+    own rule (:func:`module_attention_scale`). Caveat: the ``[B, H, Lq, Lk]`` scores are
+    materialised (in float32 for a half-precision model), unlike a fused kernel.
     """
     check_attention_kwargs(module, kwargs)
+    if scaling is None:
+        scaling = module_attention_scale(module, query.shape[-1])
     softcap = kwargs.get("softcap")
     out_dtype = query.dtype
     work = torch.promote_types(query.dtype, torch.float32)  # a bf16 softmax loses ~3 digits
@@ -77,6 +80,25 @@ def keep_dtype_attention(
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights, value).transpose(1, 2).contiguous().to(out_dtype)
     return out, weights.to(out_dtype)
+
+
+def module_attention_scale(module: torch.nn.Module, head_dim: int) -> float:
+    """The score scale of an attention module that does not pass ``scaling`` to its attention
+    function: its ``scaling`` attribute, else GPT-2's rule (``head_dim ** -0.5`` when
+    ``scale_attn_weights``, divided by ``layer_idx + 1`` when
+    ``scale_attn_by_inverse_layer_idx``); any other module is an error naming it."""
+    own = getattr(module, "scaling", None)
+    if isinstance(own, (int, float)):
+        return float(own)
+    if hasattr(module, "scale_attn_weights"):
+        scale = head_dim ** -0.5 if module.scale_attn_weights else 1.0
+        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+            scale /= float(module.layer_idx + 1)
+        return scale
+    raise UsageError(
+        f"{type(module).__name__} calls its attention function without a scaling and has no "
+        f"known scale rule (a 'scaling' attribute or GPT-2's scale_attn_weights): varbench's "
+        f"float64 attention cannot know its score scale")
 
 
 def _always_mask(*args, **kwargs):
