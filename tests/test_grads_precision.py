@@ -243,12 +243,12 @@ def test_math_and_eager_attention_give_the_fused_numbers_float64():
 
 
 def test_attention_scale_of_a_module_that_passes_none():
-    """GPT-2 in transformers 5.0 calls its attention function without ``scaling``: the scale
-    comes from the module (its ``scaling``, else GPT-2's two flags); an unknown module is
-    refused by name."""
+    """GPT-2 in transformers 5.0 calls its attention function without ``scaling``: the scale is
+    the one the replaced implementation would have used (its ``scaling`` attribute; sdpa's
+    default; GPT-2's eager rule); an unknown case is refused by name."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from varbench.grads.precision import module_attention_scale
+    from varbench.grads.precision import SOURCE_ATTN, module_attention_scale
 
     for by_layer, weights in ((False, True), (True, True), (False, False)):
         cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=32,
@@ -258,19 +258,28 @@ def test_attention_scale_of_a_module_that_passes_none():
         if hasattr(attn, "scaling"):  # newer transformers precompute it
             assert module_attention_scale(attn, 4) == pytest.approx(want)
             del attn.scaling
+        setattr(attn.config, SOURCE_ATTN, "eager")
         assert module_attention_scale(attn, 4) == pytest.approx(want)
+        setattr(attn.config, SOURCE_ATTN, "sdpa")  # sdpa's own default, whatever the flags
+        assert module_attention_scale(attn, 4) == pytest.approx(0.5)
+        setattr(attn.config, SOURCE_ATTN, "my_kernel")
+        with pytest.raises(ValueError, match="GPT2Attention.*'my_kernel'"):
+            module_attention_scale(attn, 4)
     with pytest.raises(ValueError, match="Linear calls its attention function without a scaling"):
         module_attention_scale(torch.nn.Linear(2, 2), 4)
 
 
-def test_exact_float64_gpt2_with_layer_scaled_attention():
-    """The float64 copy of a GPT-2 with layer-index attention scaling verifies against the
-    original (verify_copy raises on a differing module): the scale is honoured on every
-    transformers version, whether or not the model passes it."""
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_exact_float64_gpt2_with_layer_scaled_attention(attn):
+    """The float64 copy of a GPT-2 with layer-index attention scaling computes the original's
+    function (verify_copy raises otherwise), eager or sdpa, on every transformers version,
+    whether or not the model passes a scaling; functional_attention leaves no trace."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from varbench.grads.precision import SOURCE_ATTN, functional_attention
+
     cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=32,
-                     scale_attn_by_inverse_layer_idx=True)
+                     scale_attn_by_inverse_layer_idx=True, attn_implementation=attn)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).eval()
     copy = exact_float64(model)
@@ -278,5 +287,8 @@ def test_exact_float64_gpt2_with_layer_scaled_attention():
     with torch.no_grad():
         a = model(input_ids=ids).logits.double()
         b = copy(input_ids=ids).logits
-    assert b.dtype == torch.float64
+        with functional_attention(model):
+            c = model(input_ids=ids).logits.double()
+    assert b.dtype == torch.float64 and not hasattr(model.config, SOURCE_ATTN)
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)

@@ -82,23 +82,34 @@ def keep_dtype_attention(
     return out, weights.to(out_dtype)
 
 
+# the attention implementation a model ran before keep_dtype_attention replaced it, on its
+# config: a module that passes no scaling is scaled as that implementation would have scaled it
+SOURCE_ATTN = "_varbench_source_attn"
+_DEFAULT_SCALE_IMPLS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 def module_attention_scale(module: torch.nn.Module, head_dim: int) -> float:
-    """The score scale of an attention module that does not pass ``scaling`` to its attention
-    function: its ``scaling`` attribute, else GPT-2's rule (``head_dim ** -0.5`` when
-    ``scale_attn_weights``, divided by ``layer_idx + 1`` when
-    ``scale_attn_by_inverse_layer_idx``); any other module is an error naming it."""
+    """The score scale of an attention module that passes no ``scaling`` to its attention
+    function (GPT-2 in transformers 5.0), as the implementation it replaced would have used:
+    the module's ``scaling`` attribute; else, after sdpa / flash / flex attention (which then
+    fall back to their default), ``head_dim ** -0.5``; after eager attention, GPT-2's rule
+    (``head_dim ** -0.5`` when ``scale_attn_weights``, divided by ``layer_idx + 1`` when
+    ``scale_attn_by_inverse_layer_idx``). Anything else is an error naming the module."""
     own = getattr(module, "scaling", None)
     if isinstance(own, (int, float)):
         return float(own)
-    if hasattr(module, "scale_attn_weights"):
+    source = getattr(getattr(module, "config", None), SOURCE_ATTN, None)
+    if source in _DEFAULT_SCALE_IMPLS:
+        return head_dim ** -0.5
+    if source == "eager" and hasattr(module, "scale_attn_weights"):
         scale = head_dim ** -0.5 if module.scale_attn_weights else 1.0
         if getattr(module, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(module.layer_idx + 1)
         return scale
     raise UsageError(
-        f"{type(module).__name__} calls its attention function without a scaling and has no "
-        f"known scale rule (a 'scaling' attribute or GPT-2's scale_attn_weights): varbench's "
-        f"float64 attention cannot know its score scale")
+        f"{type(module).__name__} calls its attention function without a scaling, and varbench "
+        f"knows no scale rule for it after attention implementation {source!r}: its float64 "
+        f"attention cannot know the score scale")
 
 
 def _always_mask(*args, **kwargs):
@@ -158,6 +169,8 @@ def exact_float64(model: torch.nn.Module, *, verify: bool = True) -> torch.nn.Mo
                     "w * x_hat nor (1 + w) * x_hat; varbench cannot make it float64-exact"
                 )
     float64_experts(new)
+    if getattr(new.config, "_attn_implementation", None) != ATTN_NAME:
+        setattr(new.config, SOURCE_ATTN, getattr(new.config, "_attn_implementation", None))
     if hasattr(new, "set_attn_implementation"):
         new.set_attn_implementation(ATTN_NAME)
     else:
@@ -263,11 +276,13 @@ def functional_attention(model: torch.nn.Module) -> Iterator[None]:
     if old is None or old == ATTN_NAME:
         yield
         return
+    setattr(config, SOURCE_ATTN, old)
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield
     finally:
         model.set_attn_implementation(old)
+        delattr(config, SOURCE_ATTN)
 
 
 # Attention implementations whose backward has no vmap (batched-cotangent) rule: transformers'
