@@ -153,12 +153,9 @@ def sample(
         "max_new_tokens", max_new_tokens)
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
-    if differentiable and not can_sample_differentiably(model):
-        raise UsageError(
-            f"differentiable=True needs a model whose every layer is plain full attention "
-            f"(a differentiable KV cache); policy {policy.name!r} "
-            f"({type(model).__name__}) has other layers: sample without it and run a "
-            f"teacher-forced forward (varbench.rollout.response_logprobs)")
+    if differentiable:
+        check_differentiable(policy, "differentiable=True", "sample without it and run a "
+                             "teacher-forced forward (varbench.rollout.response_logprobs)")
     dev = policy.device
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, device=dev)
     longest = prompt_ids.shape[1]  # Lp is the longest prompt's length: no host sync
@@ -465,6 +462,16 @@ def can_sample_differentiably(model) -> bool:
     attention (transformers' differentiable ``DynamicLayer`` cache; the rule of
     ``kvcache.autograd_cache``)."""
     return autograd_cache(model) is not None
+
+
+def check_differentiable(policy: Policy, what: str, way_out: str) -> None:
+    """Raise a UsageError naming ``what`` asked for differentiable sampling, the policy and
+    ``way_out`` when :func:`can_sample_differentiably` is False for its model."""
+    if not can_sample_differentiably(policy.model):
+        raise UsageError(
+            f"{what} needs a model whose every layer is plain full attention (a "
+            f"differentiable KV cache); policy {policy.name!r} ({type(policy.model).__name__}) "
+            f"has other layers: {way_out}")
 
 
 def _can_repeat(model) -> bool:

@@ -45,7 +45,7 @@ from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
 from varbench.grads import token_grad_norms
 from varbench.models import Policy
-from varbench.rollout import can_sample_differentiably, response_logprobs, sample
+from varbench.rollout import check_differentiable, response_logprobs, sample
 from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
@@ -214,11 +214,9 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         emit(row)
 
     bptt = config.update_forward == "sampler"
-    if bptt and not can_sample_differentiably(model):
-        raise UsageError(
-            f"update_forward='sampler' needs a model whose every layer is plain full attention "
-            f"(a differentiable KV cache); policy {policy.name!r} ({type(model).__name__}) has "
-            f"other layers: use update_forward='teacher-forced'")
+    if bptt:
+        check_differentiable(policy, "update_forward='sampler'",
+                             "use update_forward='teacher-forced'")
     stopped = "steps"
     for step in range(start + 1, config.steps + 1):
         if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
