@@ -1,7 +1,8 @@
 # The two commands of the README: `make run` and `make test`.
 PY := .venv/bin/python
 
-.PHONY: setup setup-peers run test test-slow test-compat lint bench clean
+# `make run` needs the package alone (EXTRAS=none): nothing a test or a peer needs.
+.PHONY: setup setup-run setup-peers run test test-slow test-compat lint bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -9,6 +10,9 @@ setup:
 # For the tests .venv also carries the peers (verl 0.9.1 with its transformers pin, TRL 1.16.0,
 # Opacus), so the peer tests run in `make test`; VARBENCH_REQUIRE_PEERS=1 makes a missing peer
 # fail, not skip.
+setup-run:
+	EXTRAS=none bash scripts/setup.sh
+
 setup-peers:
 	EXTRAS=dev,peers bash scripts/setup.sh
 
@@ -26,7 +30,7 @@ test-compat:
 	.venv-new/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	.venv-new/bin/python -m pytest -m "not slow" -q $(COMPAT_TESTS)
 
-run: setup
+run: setup-run
 	.venv/bin/varbench run suites/quickstart.toml --out reports/quickstart
 
 test: setup-peers

@@ -6,13 +6,91 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-# EXTRAS: the optional-dependency groups (make test: dev,peers); PIN: one more requirement,
-# e.g. "transformers==5.0.0" for the lowest-version venv of `make test-compat`.
+# EXTRAS: the optional-dependency groups (make test: dev,peers; none: the package alone);
+# PIN: one more requirement, e.g. "transformers==5.0.0" for the lowest-version venv of
+# `make test-compat`.
 EXTRAS=${EXTRAS:-dev}
 PIN=${PIN:-}
 # One stamp per set of extras: `make run` (dev) never stands in for `make test` (dev,peers).
 STAMP="$VENV/.varbench-installed-${EXTRAS//,/-}${PIN:+-pinned}"
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
+    exit 0
+fi
+# OFFLINE: 1 = no package registry: the venv sees the system python's packages (its torch,
+# transformers, ...) and installs nothing from an index, only wheels from WHEELHOUSE (a folder,
+# optional); 0 = online; auto (default) = offline when $PY already has torch and a quick probe
+# of the configured registry fails.
+OFFLINE=${VARBENCH_OFFLINE:-auto}
+WHEELHOUSE=${WHEELHOUSE:-}
+case "$OFFLINE" in
+    0|1|auto) ;;
+    *) echo "scripts/setup.sh: error: VARBENCH_OFFLINE=$OFFLINE; choose 0, 1 or auto" >&2; exit 2 ;;
+esac
+if [ -n "$WHEELHOUSE" ] && [ ! -d "$WHEELHOUSE" ]; then
+    echo "scripts/setup.sh: error: WHEELHOUSE=$WHEELHOUSE is not a folder" >&2
+    exit 2
+fi
+SYSTEM_TORCH=0
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+    SYSTEM_TORCH=1
+fi
+registry_reachable() {
+    # One small download through pip's own configuration (index, proxies, certificates), no
+    # retries: a registry that does not answer in 10 s is taken as absent.
+    local d rc
+    d=$(mktemp -d)
+    "$PY" -m pip download --quiet --no-deps --no-cache-dir --timeout 10 --retries 0 \
+        -d "$d" "setuptools>=68" >/dev/null 2>&1
+    rc=$?
+    rm -rf "$d"
+    return $rc
+}
+if [ "$OFFLINE" = auto ]; then
+    OFFLINE=0
+    # Only a new venv is decided here (an existing one keeps how it was made); without pip in
+    # $PY the probe cannot tell, and the online path stays the default.
+    if [ "$SYSTEM_TORCH" = 1 ] && [ ! -x "$VENV/bin/python" ] \
+            && "$PY" -m pip --version >/dev/null 2>&1 && ! registry_reachable; then
+        OFFLINE=1
+        echo "scripts/setup.sh: no package registry answered; reusing the packages installed" \
+             "for $PY (VARBENCH_OFFLINE=0 forces the online install)"
+    fi
+fi
+if [ "$OFFLINE" = 1 ]; then
+    if [ "$SYSTEM_TORCH" != 1 ]; then
+        echo "scripts/setup.sh: error: offline setup reuses an installed torch, and $PY has" \
+             "none; set PYTHON to the python that holds torch" >&2
+        exit 1
+    fi
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
+    if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+        echo "scripts/setup.sh: error: $VENV cannot see the torch of $PY (made without" \
+             "--system-site-packages?); remove $VENV and rerun" >&2
+        exit 1
+    fi
+    # Every requirement of the chosen extras (and the build backend: nothing is fetched for an
+    # isolated build) must be installed in an admitted version or come as a wheel from
+    # WHEELHOUSE; name all that are not before pip stops at the first.
+    if ! MISSING=$("$VENV/bin/python" scripts/requirements_missing.py "$EXTRAS" "$PIN"); then
+        echo "scripts/setup.sh: error: could not read the requirements of pyproject.toml" >&2
+        exit 1
+    fi
+    if [ -n "$MISSING" ] && [ -z "$WHEELHOUSE" ]; then
+        echo "scripts/setup.sh: error: offline, and these requirements are neither installed" \
+             "in an admitted version nor given as wheels (WHEELHOUSE=DIR):" >&2
+        echo "$MISSING" | sed 's/^/    /' >&2
+        exit 1
+    fi
+    PIP=("$VENV/bin/python" -m pip --quiet)
+    OFF=(--no-index --no-build-isolation)
+    [ -z "$WHEELHOUSE" ] || OFF+=(--find-links "$WHEELHOUSE")
+    TARGET="."
+    [ "$EXTRAS" = none ] || TARGET=".[$EXTRAS]"
+    "${PIP[@]}" install "${OFF[@]}" -e "$TARGET" $PIN
+    case ",$EXTRAS," in
+        *,peers,*) "${PIP[@]}" install "${OFF[@]}" --no-deps "verl==0.9.1" ;;
+    esac
+    touch "$STAMP"
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -55,7 +133,9 @@ sys.exit(0 if ok else 1)"; then
         exit 1
     fi
 fi
-"${PIP[@]}" install -e ".[$EXTRAS]" $PIN
+TARGET="."
+[ "$EXTRAS" = none ] || TARGET=".[$EXTRAS]"
+"${PIP[@]}" install -e "$TARGET" $PIN
 case ",$EXTRAS," in
     *,peers,*) "${PIP[@]}" install --no-deps "verl==0.9.1" ;;  # deps: the peers extra
 esac

@@ -129,3 +129,148 @@ def test_no_gpu_takes_a_cpu_build_without_a_cuda_check(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "cuda-check" not in log
     assert log[0] == "pip --quiet install --no-deps --no-index torch==2.13.0"  # local wheel
+
+
+# --- offline: a machine with a system torch and no package registry ---------------------------
+
+FAKE_SYSTEM_PYTHON = """#!/usr/bin/env bash
+# stand-in for a system python that holds torch; its pip reaches a registry iff FAKE_ONLINE=1
+log="$FAKE_DIR/calls.log"
+if [ "$1" = "-c" ]; then
+    case "$2" in *"import torch"*) [ "$FAKE_SYSTEM_TORCH" = 1 ]; exit $? ;; esac
+fi
+if [ "$1" = "-m" ] && [ "$2" = "pip" ] && [ "$3" = "--version" ]; then exit 0; fi
+if [ "$1" = "-m" ] && [ "$2" = "pip" ] && [ "$3" = "download" ]; then
+    echo "system-pip download" >> "$log"; [ "$FAKE_ONLINE" = 1 ]; exit $?
+fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+    echo "venv ${*:3}" >> "$log"
+    dir="${@: -1}"; mkdir -p "$dir/bin"; cp "$FAKE_DIR/venv-python" "$dir/bin/python"
+    case "$*" in *--system-site-packages*) touch "$FAKE_DIR/torch-installed" ;; esac
+    exit 0
+fi
+echo "unexpected system: $*" >> "$log"; exit 3
+"""
+
+# the venv's python: FAKE_PYTHON, plus the offline branch's requirements check
+FAKE_VENV_PYTHON = FAKE_PYTHON.replace(
+    'if [ "$1" = "-c" ]; then',
+    'if [ "$1" = "scripts/requirements_missing.py" ]; then\n'
+    '    echo "missing-check $2" >> "$log"; printf "%s" "$FAKE_MISSING"; exit 0\nfi\n'
+    'if [ "$1" = "-c" ]; then', 1)
+
+
+def _run_new_venv(tmp_path: Path, *, online: bool, system_torch: bool = True,
+                  missing: str = "", **extra_env: str):
+    """setup.sh with no venv yet and PYTHON a fake system python."""
+    (tmp_path / "venv-python").write_text(FAKE_VENV_PYTHON)
+    (tmp_path / "venv-python").chmod(0o755)
+    sysbin = tmp_path / "sys"
+    sysbin.mkdir()
+    spy = sysbin / "python3"
+    spy.write_text(FAKE_SYSTEM_PYTHON)
+    spy.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {"PATH": os.pathsep.join(["/usr/bin", "/bin"]), "HOME": str(tmp_path),
+           "VENV": str(venv), "PYTHON": str(spy), "FAKE_DIR": str(tmp_path),
+           "FAKE_CUDA_OK": "0", "FAKE_ONLINE": "1" if online else "0",
+           "FAKE_SYSTEM_TORCH": "1" if system_torch else "0", "FAKE_MISSING": missing,
+           **extra_env}
+    assert shutil.which("nvidia-smi", path=env["PATH"]) is None, "a real nvidia-smi is on PATH"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    logf = tmp_path / "calls.log"
+    log = logf.read_text().splitlines() if logf.exists() else []
+    return proc, log, venv
+
+
+def test_no_registry_and_a_system_torch_reuses_it(tmp_path):
+    """Regression: a GPU image with CUDA torch and no registry got a fresh venv that could not
+    see the system torch, then failed installing torch."""
+    proc, log, venv = _run_new_venv(tmp_path, online=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "no package registry answered" in proc.stdout
+    assert "system-pip download" in log  # the probe ran
+    assert "venv --system-site-packages " + str(venv) in log
+    assert not [c for c in log if "torch==" in c]  # torch is reused, never installed
+    installs = [c for c in log if c.startswith("pip") and " install " in c]
+    assert installs == ["pip --quiet install --no-index --no-build-isolation -e .[dev]"]
+    assert "missing-check dev" in log
+    assert list(venv.glob(".varbench-installed-*"))
+
+
+def test_offline_names_every_missing_requirement_and_installs_nothing(tmp_path):
+    missing = "ruff>=0.6 (not installed)\ntransformers<6,>=5.0 (installed: 4.57.0)"
+    proc, log, venv = _run_new_venv(tmp_path, online=False, missing=missing)
+    assert proc.returncode == 1
+    assert "ruff>=0.6 (not installed)" in proc.stderr
+    assert "transformers<6,>=5.0 (installed: 4.57.0)" in proc.stderr
+    assert "WHEELHOUSE" in proc.stderr
+    assert not [c for c in log if c.startswith("pip") and " install " in c]
+    assert not list(venv.glob(".varbench-installed-*"))
+
+
+def test_offline_takes_missing_requirements_from_a_wheelhouse(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    proc, log, _ = _run_new_venv(tmp_path, online=False, missing="ruff>=0.6 (not installed)",
+                                 WHEELHOUSE=str(wheels), EXTRAS="dev,peers")
+    assert proc.returncode == 0, proc.stderr
+    installs = [c for c in log if c.startswith("pip") and " install " in c]
+    off = f"--no-index --no-build-isolation --find-links {wheels}"
+    assert installs == [f"pip --quiet install {off} -e .[dev,peers]",
+                        f"pip --quiet install {off} --no-deps verl==0.9.1"]
+
+
+def test_a_reachable_registry_keeps_the_online_install(tmp_path):
+    proc, log, venv = _run_new_venv(tmp_path, online=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "venv " + str(venv) in log  # no --system-site-packages
+    assert [c for c in log if "torch==" in c][0] == (
+        "pip --quiet install --no-deps --no-index torch==2.13.0")
+
+
+def test_offline_forced_without_a_system_torch_fails_clearly(tmp_path):
+    proc, log, _ = _run_new_venv(tmp_path, online=True, system_torch=False,
+                                 VARBENCH_OFFLINE="1")
+    assert proc.returncode == 1
+    assert "reuses an installed torch" in proc.stderr and "PYTHON" in proc.stderr
+    assert not [c for c in log if c.startswith("venv")]
+
+
+def test_offline_flag_value_is_checked(tmp_path):
+    proc, _, _ = _run_new_venv(tmp_path, online=True, VARBENCH_OFFLINE="yes")
+    assert proc.returncode == 2
+    assert "VARBENCH_OFFLINE=yes" in proc.stderr and "0, 1 or auto" in proc.stderr
+
+
+def test_extras_none_installs_the_package_alone(tmp_path):
+    proc, log, _ = _run_new_venv(tmp_path, online=True, EXTRAS="none")
+    assert proc.returncode == 0, proc.stderr
+    assert "pip --quiet install -e ." in log
+
+
+def test_requirements_missing_reads_the_installed_versions(monkeypatch):
+    """The offline check against the real pyproject and importlib.metadata."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import requirements_missing as rm
+    finally:
+        sys.path.pop(0)
+    from importlib import metadata
+
+    assert rm.missing([]) == []  # this test's own venv holds every core requirement
+    real = metadata.version
+
+    def fake(name):
+        if name == "transformers":
+            return "4.57.0"
+        if name == "ruff":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(rm.metadata, "version", fake)
+    got = rm.missing(["dev"], "pyarrow>=1")
+    assert got == ["transformers<6,>=5.0 (installed: 4.57.0)", "ruff>=0.6 (not installed)"]
+    with pytest.raises(SystemExit, match="unknown group 'nope'"):
+        rm.missing(["nope"])
