@@ -18,6 +18,7 @@ rounding), with ``g_hat`` the exact group gradient of
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,14 +84,28 @@ class CountSketch:
       extra memory is O(chunk), not O(D). The cost is one pass of the generator over D per
       application.
 
-    Applying S costs one ``index_add_`` per parameter (chunk), O(D) per vector; inputs must be
+    Applying S costs one ``index_add_`` per parameter (chunk and slice of at most
+    ``APPLY_ELEMENTS`` products), O(D) per vector; inputs must be
     on ``device`` (nothing of theirs is copied). On the CPU the bucket sums are accumulated in
     a fixed order (bitwise reproducible); CUDA's ``index_add_`` uses atomics (reproducible to
     rounding only).
     """
 
     STORE_BYTES = 64 << 20  # store the hash below this size (12 bytes per coordinate)
-    CHUNK = 1 << 18  # coordinates per streamed chunk
+    # Coordinates per streamed chunk: on the CPU small enough to stay in cache; on an accelerator
+    # every op is a kernel launch (~8 per chunk), so chunks are 64x larger there (an 8B model's
+    # application is ~480 chunks, not ~30k), at 12 bytes per coordinate of transient hash (192
+    # MiB). The application's temporary product is bounded separately (APPLY_ELEMENTS).
+    CHUNK = 1 << 18
+    ACCEL_CHUNK = 1 << 24
+    # Elements of one ``grads[..., chunk] * signs`` product: rows are applied in slices this
+    # size, so the extra memory of an application is O(APPLY_ELEMENTS), not O(rows x chunk).
+    APPLY_ELEMENTS = 1 << 24
+
+    @classmethod
+    def default_chunk(cls, device: str | torch.device) -> int:
+        """Coordinates per streamed chunk on ``device`` (CPU: ``CHUNK``; else ``ACCEL_CHUNK``)."""
+        return cls.CHUNK if torch.device(device).type == "cpu" else cls.ACCEL_CHUNK
 
     def __init__(
         self,
@@ -112,7 +127,8 @@ class CountSketch:
         dev = torch.device("cpu") if device is None else torch.device(device)
         g = _generator(dev, seed)
         numels = [int(n) for n in numels]
-        chunk = self.CHUNK if chunk is None else check_positive_int("chunk", chunk)
+        chunk = (self.default_chunk(dev) if chunk is None
+                 else check_positive_int("chunk", chunk))
         if stream is None:
             stream = 12 * sum(numels) > self.STORE_BYTES
         self.seed: int | None = seed
@@ -308,9 +324,16 @@ class CountSketch:
             check_shape(f"grads[{j}]", g, [*g0.shape[:-1], self.numels[i]])
             if g.dtype != g0.dtype or g.device != g0.device:
                 raise UsageError("all gradient tensors must share one dtype and device")
+            per_row = math.prod(g.shape[1:-1]) if g.dim() > 1 else 1
             for start, b, s in self._chunks(i, g0.dtype):
                 part = g if self.chunk_of(i) is None else g[..., start:start + b.numel()]
-                out.index_add_(-1, b, part * s)
+                if g.dim() < 2:
+                    out.index_add_(-1, b, part * s)
+                    continue
+                # slices of the first axis (each row's bucket sums are its own: same numbers)
+                step = max(1, self.APPLY_ELEMENTS // max(b.numel() * per_row, 1))
+                for r in range(0, g.shape[0], step):
+                    out[r:r + step].index_add_(-1, b, part[r:r + step] * s)
         return out
 
     def chunk_of(self, i: int) -> int | None:

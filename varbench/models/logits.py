@@ -45,9 +45,23 @@ from varbench.models.head import OutputHead, final_hidden, read_head
 CHUNK_ROWS = 512
 GRAD_CHUNK_ROWS = 256
 CHUNK_ELEMENTS = 1 << 22
-# Logits per statistics block: the ~8 passes of the statistics run over blocks this size
-# (2 MiB in float32), which stay in the L2 cache instead of streaming from memory each pass.
+# Logits per statistics block on the CPU: the ~8 passes of the statistics run over blocks this
+# size (2 MiB in float32), which stay in the L2 cache instead of streaming from memory each pass.
+# On an accelerator a block is the whole chunk: there every op is a kernel launch, and at
+# V = 151936 a 2 MiB block is 3 rows (~11 launches per 3 positions); one block per chunk makes
+# the launches per position ~11 / chunk.
 _BLOCK_ELEMENTS = 1 << 19
+
+
+def block_rows(V: int, chunk_rows: int, device: torch.device | str) -> int:
+    """Rows per statistics block for ``chunk_rows``-row chunks of ``V`` logits on ``device``.
+
+    CPU: ``_BLOCK_ELEMENTS // V`` rows (cache blocking, at least 1); any other device: the
+    whole chunk.
+    """
+    if torch.device(device).type != "cpu":
+        return max(chunk_rows, 1)
+    return min(max(chunk_rows, 1), max(1, _BLOCK_ELEMENTS // max(V, 1)))
 
 
 def stat_dtype(dtype: torch.dtype, want: torch.dtype | None = None) -> torch.dtype:
@@ -126,7 +140,7 @@ def _chunked_stats(n: int, V: int, chunk_logits: Callable[[int, int], torch.Tens
     (``[j - i, V]`` in ``sd``, the caller's to overwrite) for tokens ``tokens`` ``[n]``."""
     dev = tokens.device
     c = min(_chunk_rows(V, chunk), max(n, 1))
-    r = min(c, max(1, _BLOCK_ELEMENTS // max(V, 1)))
+    r = block_rows(V, c, dev)
     out = [torch.empty(n, dtype=sd, device=dev) for _ in range(5)]
     k = min(top_k, V)
     tv = torch.empty(n, k, dtype=sd, device=dev) if k else None
