@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench._util.guard import UserCodeExit, user_code
 from varbench._util.io import IntegrityError, atomic_write, check_path, inside, safe_name
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
@@ -77,16 +78,20 @@ def run_suite(
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     device: str | None = None,
+    allow_code: bool = False,
 ) -> RunSummary:
     """Run every (selected) case not already cached, then render the report.
 
     Interruption (Ctrl-C, a kill) loses at most the case in progress; finished cases are never
     recomputed or corrupted. A sharded run writes its cases and ``suite.json`` but no report:
-    combine shards with :func:`merge_outputs`. ``device``: see :func:`load_suite` (a path only).
+    combine shards with :func:`merge_outputs`. ``device`` and ``allow_code`` (let the file name
+    code): see :func:`load_suite` (a path only).
     """
-    if isinstance(suite, Suite) and device:
-        raise UsageError("device= applies to a suite file; set device in the Suite's cases")
-    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device)
+    if isinstance(suite, Suite) and (device or allow_code):
+        raise UsageError("device= and allow_code= apply to a suite file; a Suite object was "
+                         "loaded with its own")
+    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device,
+                                                             allow_code=allow_code)
     out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
     prepare_out_dir(out)
     with dir_lock(out, what="output directory"):  # one writer per output directory
@@ -132,7 +137,12 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
         work = inside(out / "work", safe_name("case key", case.key), what="work directory")
         from varbench.app.executors import KINDS
 
-        results = KINDS[case.kind].execute(case.name, case.params, work, show)
+        try:  # a user's code in the case (estimator, task, verifier) cannot end the process
+            with user_code(f"user code in case {case.name!r}"):
+                results = KINDS[case.kind].execute(case.name, case.params, work, show)
+        except UserCodeExit as err:
+            raise UsageError(f"case {case.name!r} ended without a result: {err}; nothing was "
+                             "cached for it") from None
         cache.store(case, results, time.perf_counter() - t0)
         _note_failed(summary, case, results)
         summary.computed.append(case.name)
