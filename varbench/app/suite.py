@@ -220,7 +220,7 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
     if not isinstance(raw, dict):
         raise SuiteError(f"{where}: {at} must be a table ([[cases]])")
     name, kind = raw.get("name"), raw.get("kind")
-    if (not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_CASE_NAME
+    if (not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > _MAX_CASE_NAME
             or ".." in name):
         raise SuiteError(f"{where}: {at} key 'name' must be a string of 1-{_MAX_CASE_NAME} "
                          f"ASCII letters, digits, '_', '-', '.' (got {name!r})")
