@@ -254,6 +254,21 @@ def build_cases(root: Path) -> list[Case]:
             'kind = "train"\nscheme = "nope"'))], "'nope'"),
         Case("run: estimator module missing", ["run", _suite(root, "est", extra=_second(
             'kind = "check"\nestimator = "no_such_mod_xyz:f"'))], "no_such_mod_xyz"),
+        # ---- issue 32: a suite file reaches no code; names; reserved outputs
+        Case("run: factory runs shell (no --allow-code)", ["run", _suite(root, "shell", extra=(
+            _second('kind = "train"\ntask = "subprocess:getoutput"\n'
+                    'task_options = { cmd = "touch ran" }'))), "--shard", "1/2"],
+             "subprocess:getoutput"),
+        Case("run: trust_remote_code (no --allow-code)", ["run", _suite(root, "trc", extra=(
+            _second('kind = "variance"\ntrust_remote_code = true')))], "--allow-code"),
+        Case("run: suite name with trailing newline", ["run", _suite(
+            root, "nl", name='"quickstart\\n"')], "not a safe name"),
+        Case("run: suite named baselines", ["run", _suite(root, "resv", name='"baselines"')],
+             "reserved"),
+        Case("compare: new SE 1e300 hides a change", ["compare", good, summary("bse", {
+            "schema": "varbench.report/1", "analyses": [
+                {"name": "a", "headlines": [{"key": "x", "value": 99.0, "se": 1e300}]}]})],
+             "undefined", code=1),
         Case("run: --shard 0/3", ["run", s, "--shard", "0/3"], "--shard"),
         Case("run: --shard x", ["run", s, "--shard", "x"], "--shard"),
         Case("run: --out is a file", ["run", s, "--out", str(blocker)], str(blocker)),

@@ -79,7 +79,8 @@ def test_corrupt_and_foreign_files_are_named(tmp_path, cases):
     config = json.loads(json.dumps(cases[0].config()))
     path.write_text(json.dumps(seal({"format": FORMAT, "key": cases[0].key, "config": config,
                                      "results": [{"kind": "x"}]})))
-    with pytest.raises(UsageError, match=r"is corrupt \(KeyError"):
+    with pytest.raises(UsageError,
+                       match=r"is corrupt \(ValueError: result key 'name' must be a str"):
         cache.load(cases[0])
     # a sealed file whose results belong to another configuration posing under this key
     other = {**config, "params": {**config["params"], "G": 99}}

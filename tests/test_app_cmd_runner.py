@@ -21,6 +21,7 @@ from varbench.app.cli import main
 from varbench.app.runner import run_suite
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
        "OMP_NUM_THREADS": "1"}
 
@@ -85,7 +86,7 @@ def test_kill_then_resume_without_recomputing(tmp_path, sig):
     suite = fr.write_suite(tmp_path, fr.SLOW_CASE)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "varbench", "run", str(suite), "--out",
-                             str(out)], env=ENV, text=True, stdout=subprocess.PIPE,
+                             str(out), "--allow-code"], env=ENV, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     cases = out / "cases"
     # The slow case runs last: kill while it is in progress, after the other three finished.
@@ -101,7 +102,7 @@ def test_kill_then_resume_without_recomputing(tmp_path, sig):
     logs: list[str] = []
     sys.path.insert(0, str(TESTS))  # the slow case's estimator lives in the tests folder
     try:
-        again = run_suite(suite, out, log=logs.append)
+        again = run_suite(suite, out, log=logs.append, allow_code=True)
     finally:
         sys.path.remove(str(TESTS))
     assert again.cached == ["rloo", "centered", "topk"] and again.computed == ["slow"], logs
@@ -141,10 +142,11 @@ baselines = []
 def test_run_exits_1_when_a_check_case_fails(vb, tmp_path):
     """Regression: `varbench run` exited 0 when a `check` case failed."""
     suite = fr.write_suite(tmp_path, FAILING_CASE)
-    res = vb("run", str(suite), "--out", str(tmp_path / "out"))
+    res = vb("run", str(suite), "--out", str(tmp_path / "out"), "--allow-code")
     assert res.returncode == 1, res.stderr
     assert "1 check case(s) FAILED: biased" in res.stderr
-    again = vb("run", str(suite), "--out", str(tmp_path / "out"))  # cached: same verdict
+    again = vb("run", str(suite), "--out", str(tmp_path / "out"), "--allow-code")
+    # cached: the same verdict
     assert again.returncode == 1 and "4 cached" in again.stdout
     ok = vb("run", str(fr.write_suite(tmp_path, name="ok.toml")), "--out", str(tmp_path / "ok"))
     assert ok.returncode == 0
@@ -169,3 +171,82 @@ def test_degenerate_estimators_get_a_verdict_not_a_crash(vb, tmp_path):
     assert "at G=1 a group-mean baseline cancels every reward" in g1.stdout
     g1_rloo = vb("check", "rloo", "-G", "2", "--steps", "30", "--baselines", "centered")
     assert "Traceback" not in g1_rloo.stderr and g1_rloo.returncode in (0, 1)
+
+
+EXITING = """import os, sys
+def ex0(rewards, mask, **kw):
+    sys.exit(0)
+def bare_exit(rewards, mask, **kw):
+    exit()
+def osx(rewards, mask, **kw):
+    os._exit(0)
+def kbi(rewards, mask, **kw):
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("fn", ["ex0", "bare_exit", "osx"])
+def test_an_estimator_that_exits_is_a_fail_row_and_exit_1(vb, tmp_path, monkeypatch, fn):
+    """Regression: sys.exit(0) / exit() / os._exit(0) inside an estimator made `check` and
+    `run` exit 0 with no verdict. Now: FAIL rows, exit 1, and the process goes on."""
+    (tmp_path / "vb_exiting.py").write_text(EXITING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = vb("check", f"vb_exiting:{fn}", "--steps", "30", "--baselines", "")
+    assert res.returncode == 1, res.stderr
+    assert "FAIL    shape/mask contract" in res.stdout and "FAILED" in res.stdout
+    assert ("os._exit(0)" if fn == "osx" else "SystemExit") in res.stdout
+    suite = fr.write_suite(tmp_path, FAILING_CASE.replace("_fixtures_testing:length_bonus",
+                                                          f"vb_exiting:{fn}"))
+    run = vb("run", str(suite), "--out", str(tmp_path / "out"), "--allow-code")
+    assert run.returncode == 1 and "1 check case(s) FAILED: biased" in run.stderr
+    assert (tmp_path / "out" / "report.md").is_file()  # every case finished, one failed
+
+
+def test_an_estimator_interrupt_is_a_fail_row_and_nonzero(vb, tmp_path, monkeypatch):
+    (tmp_path / "vb_exiting.py").write_text(EXITING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = vb("check", "vb_exiting:kbi", "--steps", "30", "--baselines", "")
+    assert res.returncode == 130 and "FAIL    finished: interrupted" in res.stdout
+    suite = fr.write_suite(tmp_path, FAILING_CASE.replace("_fixtures_testing:length_bonus",
+                                                          "vb_exiting:kbi"))
+    run = vb("run", str(suite), "--out", str(tmp_path / "out"), "--allow-code")
+    assert run.returncode == 130  # nothing cached for the interrupted case, no report
+    assert not (tmp_path / "out" / "report.md").exists()
+
+
+def test_module_exiting_at_import_is_bad_input_not_a_pass(vb, tmp_path, monkeypatch):
+    (tmp_path / "vb_exit_on_import.py").write_text("raise SystemExit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = vb("check", "vb_exit_on_import:fn")
+    assert res.returncode == 2 and "SystemExit(0)" in res.stderr
+
+
+def test_a_case_whose_user_code_exits_fails_the_run(vb, tmp_path, monkeypatch):
+    """A scheme of a variance case calling exit(0) (outside a check's guarded rows): the run
+    stops with exit 2 naming the case, nothing cached for it."""
+    import varbench.app.executors as ex
+
+    def exits(*a, **k):
+        raise SystemExit(0)
+
+    monkeypatch.setitem(ex._EXECUTORS, "check", exits)
+    res = vb("run", str(fr.write_suite(tmp_path)), "--out", str(tmp_path / "out"))
+    assert res.returncode == 2 and "ended without a result" in res.stderr
+    assert "SystemExit(0)" in res.stderr
+    assert not list((tmp_path / "out" / "cases").glob("*.json"))
+
+
+def test_python_m_does_not_import_from_the_current_directory(tmp_path):
+    """`python -m varbench` drops the current directory python put on sys.path (the
+    `varbench` script never adds it): a module beside a suite is not importable by accident;
+    PYTHONPATH=. puts it back on purpose."""
+    (tmp_path / "vb_cwd_est.py").write_text(
+        "def fn(rewards, mask, **kw):\n    return rewards[..., None] * mask\n")
+    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "varbench", "check", "vb_cwd_est:fn", "--steps", "30",
+            "--baselines", ""]
+    res = subprocess.run(args, cwd=tmp_path, env=env, text=True, capture_output=True)
+    assert res.returncode == 2 and "the current directory is not on the import path" in res.stderr
+    res = subprocess.run(args, cwd=tmp_path, env={**env, "PYTHONPATH": f"{ROOT}{os.pathsep}."},
+                         text=True, capture_output=True)
+    assert res.returncode in (0, 1) and "check_estimator: vb_cwd_est:fn" in res.stdout

@@ -30,7 +30,7 @@ def counting(monkeypatch):
 
 
 def test_shards_partition_the_cases(tmp_path):
-    suite = load_suite(fr.write_suite(tmp_path, fr.SLOW_CASE))
+    suite = load_suite(fr.write_suite(tmp_path, fr.SLOW_CASE), allow_code=True)
     parts = [shard_cases(suite.cases, (i, 3)) for i in (1, 2, 3)]
     names = sorted(c.name for p in parts for c in p)
     assert names == sorted(c.name for c in suite.cases)

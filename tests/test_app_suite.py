@@ -3,6 +3,7 @@ defaults, seeds and case keys; every shipped suite validates."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import _fixtures_app as fr
@@ -14,11 +15,11 @@ from varbench.app.suite import SuiteError, load_suite
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bad(tmp_path, text):
+def _bad(tmp_path, text, allow_code=False):
     p = tmp_path / "bad.toml"
     p.write_text(text)
     with pytest.raises(SuiteError) as err:
-        load_suite(p)
+        load_suite(p, allow_code=allow_code)
     msg = str(err.value)
     assert str(p) in msg
     return msg
@@ -53,8 +54,96 @@ def test_schema_errors_name_file_key_and_choices(tmp_path):
 def test_suite_is_data_nothing_imported_at_validation(tmp_path):
     p = tmp_path / "s.toml"
     p.write_text(HEAD + CASE.replace('"rloo"', '"never_imported_module_xyz:fn"'))
-    suite = load_suite(p)  # a reference is only checked for its form, imported when run
-    assert suite.cases[0].params["estimator"] == "never_imported_module_xyz:fn"
+    with pytest.raises(SuiteError, match=r"cases\[0\] \('a'\) key 'estimator' = "
+                       r"'never_imported_module_xyz:fn'.*--allow-code"):
+        load_suite(p)  # refused before anything is imported
+    assert "never_imported_module_xyz" not in sys.modules
+    with pytest.raises(SuiteError, match="cannot import module 'never_imported_module_xyz'"):
+        load_suite(p, allow_code=True)  # allowed: checked by import (and signature) now
+    p.write_text(HEAD + CASE.replace('"rloo"', '"_fixtures_testing:verl_rloo"'))
+    suite = load_suite(p, allow_code=True)
+    assert suite.cases[0].params["estimator"] == "_fixtures_testing:verl_rloo"
+
+
+HOSTILE = """
+[suite]
+name = "hostile"
+
+[defaults]
+trust_remote_code = true
+
+[[cases]]
+name = "shell"
+kind = "train"
+task = "subprocess:getoutput"
+task_options = {{ cmd = "touch {marker}" }}
+
+[[cases]]
+name = "scheme"
+kind = "variance"
+schemes = ["centered", "{beside}:fn"]
+knobs = {{ verifier = "{beside}:verify" }}
+
+[[cases]]
+name = "est"
+kind = "check"
+estimator = "{beside}:fn"
+"""
+
+
+def test_hostile_suite_runs_nothing_without_allow_code(tmp_path, monkeypatch):
+    """A shell command through a factory, remote code, a module beside the suite: refused
+    with every entry listed; nothing imported, nothing run (API and `varbench run --shard`)."""
+    from varbench.app.cli import main
+    from varbench.app.runner import run_suite
+
+    marker = tmp_path / "ran"
+    beside = tmp_path / "vb_beside_mod.py"
+    beside.write_text(f"open({str(marker)!r}, 'w').write('imported')\n"
+                      "def fn(rewards, mask, **kw):\n    return rewards\n"
+                      "def verify(q, r, a):\n    return 1.0\n")
+    p = tmp_path / "hostile.toml"
+    p.write_text(HOSTILE.format(marker=marker, beside="vb_beside_mod"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # even importable, it is not imported
+    with pytest.raises(SuiteError) as err:
+        load_suite(p)
+    msg = str(err.value)
+    for entry in ("[defaults] key 'trust_remote_code' = True",
+                  "cases[0] ('shell') key 'task' = 'subprocess:getoutput'",
+                  "cases[1] ('scheme') key 'schemes' = 'vb_beside_mod:fn'",
+                  "cases[1] ('scheme') key 'knobs.verifier' = 'vb_beside_mod:verify'",
+                  "cases[2] ('est') key 'estimator' = 'vb_beside_mod:fn'", "--allow-code"):
+        assert entry in msg
+    with pytest.raises(SuiteError, match="--allow-code"):
+        run_suite(p, tmp_path / "out")
+    assert main(["run", str(p), "--shard", "1/2", "--out", str(tmp_path / "o2")]) == 2
+    assert not marker.exists() and "vb_beside_mod" not in sys.modules
+
+
+def test_allow_code_checks_by_import_and_type_never_calls(tmp_path, monkeypatch):
+    """With allow_code a factory is imported and its type checked, never called at load; a
+    factory's signature that cannot take the knobs, or a class that is not a Task, is refused."""
+    calls = tmp_path / "called"
+    mod = tmp_path / "vb_factory_mod.py"
+    mod.write_text("from pathlib import Path\n"
+                   f"def make(n=3):\n    Path({str(calls)!r}).write_text('called')\n"
+                   "    raise SystemExit(0)\n"
+                   "class NotATask:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    case = '[[cases]]\nname = "t"\nkind = "train"\ntask = "{t}"\ntask_options = {o}\n'
+    p = tmp_path / "s.toml"
+    p.write_text(HEAD + case.format(t="vb_factory_mod:make", o="{ n = 4 }"))
+    suite = load_suite(p, allow_code=True)
+    assert not calls.exists()  # imported, not called
+    assert suite.cases[0].inputs[0].startswith("code:vb_factory_mod:make:")
+    p.write_text(HEAD + case.format(t="vb_factory_mod:make", o="{ m = 4 }"))
+    with pytest.raises(SuiteError, match="cannot take the knobs"):
+        load_suite(p, allow_code=True)
+    p.write_text(HEAD + case.format(t="vb_factory_mod:NotATask", o="{}"))
+    with pytest.raises(SuiteError, match="not a varbench Task subclass"):
+        load_suite(p, allow_code=True)
+    assert not calls.exists()
 
 
 def test_defaults_seed_and_key(tmp_path):
@@ -95,7 +184,7 @@ def test_task_specs_in_suites_are_resolved_before_any_case(tmp_path):
     data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "3+3?", "answer": "6"}\n')
     assert load_suite(ok).cases[0].key != key  # changed data, new key
     assert "no such file" in _bad(tmp_path, HEAD + case.format(t=tmp_path / "missing.jsonl"))
-    msg = _bad(tmp_path, HEAD + case.format(t="_plugin_tasks:NOT_A_TASK"))
+    msg = _bad(tmp_path, HEAD + case.format(t="_plugin_tasks:NOT_A_TASK"), allow_code=True)
     assert "cases[0] ('p') key 'task'" in msg and "not a Task subclass" in msg
     msg = _bad(tmp_path, HEAD + case.format(t="sortt").replace(
         'knobs = { verifier = "number" }', ""))

@@ -76,3 +76,32 @@ def test_train_resume_refuses_missing_or_short_records(tmp_path):
     (run / "records.csv").write_text(text)
     assert list(train(cfg.replace(steps=6), run, resume=True, progress=False).records["step"]
                 ) == list(range(7))
+
+
+def test_resume_checks_the_whole_history_against_the_checkpoint(tmp_path):
+    """Regression (issue 32): only the last row was compared with the checkpoint; an edited
+    middle row was kept silently, a garbage step or an extra cell was a traceback."""
+    from varbench._util.checks import UsageError
+    from varbench.train.records import RecordWriter
+
+    path = tmp_path / "records.csv"
+    w = RecordWriter(path)
+    for step in range(4):
+        w.write({"step": step, "lr": 0.1 * step})
+    digest, last = w.digest, {"step": 3, "lr": 0.1 * 3}
+    again = RecordWriter(path, resume_step=3, last_row=last, records_sha256=digest)
+    assert again.digest == digest  # the kept rows hash as written
+    text = path.read_text()
+    path.write_text(text.replace("0.1,", "0.5,", 1))  # step 1's lr edited
+    with pytest.raises(UsageError, match=r"rows 0..3 of .* differ from the ones the checkpoint"):
+        RecordWriter(path, resume_step=3, last_row=last, records_sha256=digest)
+    lines = text.splitlines()
+    path.write_text("\n".join([*lines[:2], "x" + lines[2][1:], *lines[3:]]) + "\n")
+    with pytest.raises(UsageError, match="whose step is 'x'"):
+        RecordWriter(path, resume_step=3, last_row=last, records_sha256=digest)
+    path.write_text("\n".join([*lines[:2], lines[2] + ",9", *lines[3:]]) + "\n")
+    with pytest.raises(UsageError, match="line 3 has more cells than columns"):
+        RecordWriter(path, resume_step=3, last_row=last, records_sha256=digest)
+    path.write_text("\n".join([lines[0] + ",extra", *lines[1:]]) + "\n")
+    with pytest.raises(UsageError, match="header was changed"):
+        RecordWriter(path, resume_step=3, last_row=last, records_sha256=digest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ def atomic_write(path: str | Path, data: str | bytes, *, fsync: bool = True) -> 
     tmp.unlink(missing_ok=True)  # a stale temporary of a dead writer with our pid
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
-        with os.fdopen(os.open(tmp, flags, 0o666), mode, **kwargs) as fh:
+        with writing(path), os.fdopen(os.open(tmp, flags, 0o666), mode, **kwargs) as fh:
             fh.write(data)
             fh.flush()
             if fsync:
@@ -40,6 +41,27 @@ def atomic_write(path: str | Path, data: str | bytes, *, fsync: bool = True) -> 
         if tmp.exists():
             tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Errors of a write to ``path`` as an OSError naming it: an OSError without a file name
+    (a full disk: ``write`` raises ENOSPC with none) gets ``path``; a safetensors writer's
+    ``SafetensorError`` becomes the OSError it wraps (its errno, else EIO). The command line
+    prints those as the path and the reason, exit 2."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":
+            raise
+        code = re.search(r"code: (\d+)", str(err))
+        num = int(code.group(1)) if code else errno.EIO
+        raise OSError(num, os.strerror(num) if code else f"cannot write ({err})",
+                      str(path)) from err
 
 
 def is_tmp_name(name: str) -> tuple[str, int] | None:
@@ -107,7 +129,7 @@ def safe_name(what: str, value: Any) -> str:
     Refused: non-strings, empty, absolute paths, separators, ``..``, NUL and other control
     characters, a leading ``.``, non-ASCII and names longer than :data:`MAX_NAME`.
     """
-    if (not isinstance(value, str) or len(value) > MAX_NAME or not _SAFE_NAME.match(value)
+    if (not isinstance(value, str) or len(value) > MAX_NAME or not _SAFE_NAME.fullmatch(value)
             or ".." in value):
         shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "..."
         raise UsageError(f"{what}={shown!r} is not a safe name; expected 1-{MAX_NAME} letters, "

@@ -47,8 +47,36 @@ def result_to_dict(r: AnalysisResult) -> dict[str, Any]:
     }
 
 
+_RESULT_TYPES = {"kind": str, "name": str, "records": dict, "summary": dict, "headlines": list,
+                 "config": dict, "provenance": dict, "notes": list}
+
+
+def check_result_dict(d: Any) -> None:
+    """Refuse data :func:`result_to_dict` never writes (ValueError naming the key): a sealed
+    file from elsewhere is checked against the schema before it is copied or rendered."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a result must be an object, got {type(d).__name__}")
+    for key, typ in _RESULT_TYPES.items():
+        if not isinstance(d.get(key), typ):
+            raise ValueError(f"result key {key!r} must be a {typ.__name__}, got {d.get(key)!r:.80}")
+    for k, v in d["records"].items():
+        if not isinstance(v, dict):
+            raise ValueError(f"records[{k!r}] must be an object (a frame), got {v!r:.80}")
+    for h in d["headlines"]:
+        if not isinstance(h, dict) or not isinstance(h.get("key"), str) or not isinstance(
+                h.get("text"), str):
+            raise ValueError(f"a headline must have a string key and text, got {h!r:.80}")
+        for f in ("value", "se"):
+            v = h.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, str))):
+                raise ValueError(f"headline {h['key']!r}: {f}={v!r:.80} is not a number")
+    if not all(isinstance(n, str) for n in d["notes"]):
+        raise ValueError("notes must be strings")
+
+
 def result_from_dict(d: dict[str, Any]) -> AnalysisResult:
-    """Inverse of :func:`result_to_dict`."""
+    """Inverse of :func:`result_to_dict` (checked by :func:`check_result_dict` first)."""
+    check_result_dict(d)
     records = {k: frame_from_data(v) for k, v in d["records"].items()}
     heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
              for h in d["headlines"]]
@@ -110,8 +138,10 @@ def load_file(path: Path, expect_key: str | None = None) -> list[AnalysisResult]
         raise IntegrityError(f"case file {path}: its config does not hash to its key "
                              f"{payload.get('key')!r} (results of another case or version)")
     try:
+        if not isinstance(payload.get("results"), list):
+            raise ValueError("'results' must be a list")
         return [result_from_dict(d) for d in payload["results"]]
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise IntegrityError(f"case file {path} is corrupt ({type(err).__name__}: {err})"
                              ) from None
 

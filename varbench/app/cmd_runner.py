@@ -1,9 +1,12 @@
 """CLI: ``varbench run``, ``varbench merge``, ``varbench compare``, ``varbench check``.
 
-Exit codes: 0 success / pass; 1 a check failed (also a ``check`` case of ``run``) or a comparison
-found a regression; 2 bad input
-(unknown file, invalid suite, module not found, wrong signature: the message says which);
-130 interrupted (finished cases stay cached; rerun the same command to resume).
+Exit codes: 0 success / pass; 1 a check failed (also a ``check`` case of ``run``, and an
+estimator that called ``exit()`` or ``os._exit()``: a FAIL row) or a comparison found a
+regression; 2 bad input (unknown file, invalid suite, a suite naming code without
+``--allow-code``, module not found, wrong signature, a case whose user code tried to end the
+process: the message says which); 130 interrupted (``check``: a FAIL row, no verdict; ``run``:
+finished cases stay cached, rerun the same command to resume). Never 0 unless every selected
+case finished.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "combine shards with `varbench merge`")
     p.add_argument("--device", default=None,
                    help=f"device of every case that names none: {DEVICE_HELP}")
+    p.add_argument("--allow-code", action="store_true",
+                   help="let the suite name code: MODULE:ATTR tasks, schemes, estimators and "
+                   "verifiers, trust_remote_code = true (without it such a suite is refused, "
+                   "with the list of entries)")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("merge", help="combine shard outputs into one report")
@@ -74,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
 
     shard = parse_shard(args.shard) if args.shard else None
     summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True),
-                        device=args.device)
+                        device=args.device, allow_code=args.allow_code)
     print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
           f"{summary.wall_time_s:.1f} s")
     if summary.report is not None:
@@ -124,10 +131,18 @@ def _check(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)  # after joining: a rank's own GPU under NCCL
         for ref in args.estimators:
-            res = check_estimator(ref, G=args.G, num_steps=args.steps, seed=args.seed,
-                                  alpha=args.alpha, tolerance=args.tolerance,
-                                  baselines=baselines, require_unbiased=args.require_unbiased,
-                                  max_variance_ratio=args.max_variance_ratio, device=device)
+            try:
+                res = check_estimator(ref, G=args.G, num_steps=args.steps, seed=args.seed,
+                                      alpha=args.alpha, tolerance=args.tolerance,
+                                      baselines=baselines,
+                                      require_unbiased=args.require_unbiased,
+                                      max_variance_ratio=args.max_variance_ratio,
+                                      device=device)
+            except KeyboardInterrupt:  # Ctrl-C, or the estimator raised it: no verdict
+                print(f"check_estimator: {ref}\nFAIL    finished: interrupted "
+                      "(KeyboardInterrupt) before every check ran: no verdict\nFAILED",
+                      flush=True)
+                return 130
             if rank == 0:
                 print(res, flush=True)
             failed += not res.passed

@@ -86,8 +86,10 @@ def compare_reports(
 
     Status: ``ok``, ``regression`` (beyond tolerance), ``missing`` (in BASELINE, not in NEW),
     ``new`` (only in NEW), ``undefined`` (counts as a regression: a value that is null or
-    non-finite in one report and not the same in the other, an infinite or NaN SE, or an
-    allowed gap that overflows; null in both, or the same infinity in both, is ok). Both
+    non-finite in one report and not the same in the other, an infinite or NaN SE, an
+    allowed gap that overflows, or a change within the SE gap only because the two SEs
+    differ by more than ``SE_JUMP`` = 10 times; null in both, or the same infinity in both,
+    is ok). Both
     files must be ``varbench.report/1`` summaries; tolerances must be finite and >= 0.
     """
     for name, v in (("tolerance", tolerance), ("rel_tolerance", rel_tolerance),
@@ -117,11 +119,26 @@ def compare_reports(
             if not math.isfinite(allowed):
                 row.update(diff=diff, status="undefined")
             else:
-                row.update(diff=diff, allowed=allowed,
-                           status="ok" if abs(diff) <= allowed else "regression")
+                status = "ok" if abs(diff) <= allowed else "regression"
+                plain = rel_tolerance * abs(b) + abs_tolerance  # the gap without SEs
+                if status == "ok" and abs(diff) > plain and _se_jump(bse, nse):
+                    status = "undefined"  # passed only because one report's SE ballooned
+                row.update(diff=diff, allowed=allowed, status=status)
         rows.append(row)
     return pd.DataFrame(rows, columns=["figure", "status", "base", "base_se", "new", "new_se",
                                        "diff", "allowed"])
+
+
+SE_JUMP = 10.0  # SEs of one figure this far apart: the two reports do not measure alike
+
+
+def _se_jump(bse: float | None, nse: float | None) -> bool:
+    """Whether the two SEs differ by more than :data:`SE_JUMP` times (both given): a new SE of
+    1e300 would otherwise excuse any change."""
+    if bse is None or nse is None:
+        return False
+    lo, hi = sorted((bse, nse))
+    return hi > SE_JUMP * lo
 
 
 def regressions(table: pd.DataFrame) -> pd.DataFrame:

@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError
+from varbench._util.guard import UserCodeExit, user_code
 from varbench._util.io import IntegrityError, atomic_write, check_path, inside, safe_name
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
@@ -63,10 +64,20 @@ def shard_cases(cases: Sequence[Case], shard: tuple[int, int] | None) -> list[Ca
     return [c for c in cases if c.index % n == i - 1]
 
 
+# reports/ directories that hold published results, never a suite's default output: the
+# golden baseline the tests compare against and the published claims
+RESERVED_OUT = ("baselines", "claims")
+
+
 def default_out_dir(suite: Suite) -> Path:
     """``reports/<suite name>``; the name is one safe path component (checked again here for
-    a Suite built by hand)."""
-    return inside(Path("reports"), safe_name("suite name", suite.name), what="output directory")
+    a Suite built by hand) and not one of :data:`RESERVED_OUT` (any case)."""
+    name = safe_name("suite name", suite.name)
+    if name.lower() in RESERVED_OUT:
+        raise UsageError(f"suite name {name!r} is reserved: reports/{name.lower()} holds "
+                         f"published results ({', '.join(RESERVED_OUT)}); rename the suite or "
+                         "pass --out DIR")
+    return inside(Path("reports"), name, what="output directory")
 
 
 def run_suite(
@@ -77,18 +88,23 @@ def run_suite(
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     device: str | None = None,
+    allow_code: bool = False,
 ) -> RunSummary:
     """Run every (selected) case not already cached, then render the report.
 
     Interruption (Ctrl-C, a kill) loses at most the case in progress; finished cases are never
     recomputed or corrupted. A sharded run writes its cases and ``suite.json`` but no report:
-    combine shards with :func:`merge_outputs`. ``device``: see :func:`load_suite` (a path only).
+    combine shards with :func:`merge_outputs`. ``device`` and ``allow_code`` (let the file name
+    code): see :func:`load_suite` (a path only).
     """
-    if isinstance(suite, Suite) and device:
-        raise UsageError("device= applies to a suite file; set device in the Suite's cases")
-    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device)
+    if isinstance(suite, Suite) and (device or allow_code):
+        raise UsageError("device= and allow_code= apply to a suite file; a Suite object was "
+                         "loaded with its own")
+    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device,
+                                                             allow_code=allow_code)
     out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
     prepare_out_dir(out)
+    check_out_subdirs(out)
     with dir_lock(out, what="output directory"):  # one writer per output directory
         return _run_locked(suite, out, shard, show_progress(progress), log)
 
@@ -132,7 +148,12 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
         work = inside(out / "work", safe_name("case key", case.key), what="work directory")
         from varbench.app.executors import KINDS
 
-        results = KINDS[case.kind].execute(case.name, case.params, work, show)
+        try:  # a user's code in the case (estimator, task, verifier) cannot end the process
+            with user_code(f"user code in case {case.name!r}"):
+                results = KINDS[case.kind].execute(case.name, case.params, work, show)
+        except UserCodeExit as err:
+            raise UsageError(f"case {case.name!r} ended without a result: {err}; nothing was "
+                             "cached for it") from None
         cache.store(case, results, time.perf_counter() - t0)
         _note_failed(summary, case, results)
         summary.computed.append(case.name)
@@ -195,6 +216,7 @@ def merge_outputs(dirs: Sequence[str | Path], out_dir: str | Path) -> RunSummary
                          "merge only shards of one suite file and varbench version")
     head = manifests[0]
     prepare_out_dir(out)
+    check_out_subdirs(out)
     with dir_lock(out, what="output directory"):
         return _merge_locked(dirs, out, head)
 
@@ -252,7 +274,24 @@ def read_manifest(d: Path) -> dict:
             safe_name("case key", k)
         except UsageError as err:
             raise UsageError(f"{str(path)!r}: {err}") from None
+    twice = sorted({k for k in data["cases"] if data["cases"].count(k) > 1})
+    if twice:
+        raise UsageError(f"{str(path)!r}: case key(s) listed more than once: {twice} (varbench "
+                         "writes each once)")
     return data
+
+
+_OUT_SUBDIRS = ("cases", "tables", "figures", "work")
+
+
+def check_out_subdirs(out: Path) -> None:
+    """Refuse an output directory whose ``cases/``, ``tables/``, ``figures/`` or ``work/`` is a
+    symlink: a write there would land wherever it points (outside ``out``)."""
+    for sub in _OUT_SUBDIRS:
+        if (out / sub).is_symlink():
+            raise UsageError(f"{str(out / sub)!r} is a symlink (to {os.readlink(out / sub)!r}); "
+                             "varbench writes only inside the output directory: remove it or "
+                             "choose another --out")
 
 
 def _write_manifest(out: Path, suite: Suite, shard: tuple[int, int] | None,

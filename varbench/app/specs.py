@@ -61,6 +61,15 @@ def resolve_task(spec: str, knobs: Mapping[str, Any] | None = None):
     return get_task(spec, **dict(knobs or {}))
 
 
+def check_task_spec(spec: str, knobs: Mapping[str, Any] | None = None):
+    """Validate a task spec with its knobs without calling a user's code (see
+    :func:`varbench.tasks.check_task`): the Task for varbench's own tasks and data files,
+    None for user code (imported and checked by type only)."""
+    from varbench.tasks import check_task
+
+    return check_task(spec, **dict(knobs or {}))
+
+
 def resolve_scheme(ref: str) -> str:
     """A registered scheme name as it is, or a user's ``MODULE:FUNCTION`` estimator (any shape
     ``register_scheme`` takes) imported and registered under that reference, which is returned.

@@ -12,9 +12,15 @@
     kind = "variance"
     schemes = ["centered", "otb"]
 
-A suite file is data: nothing in it is evaluated. The only code it can reach is an explicit
-``estimator = "MODULE:FUNCTION"`` of a ``check`` case, imported by name when that case runs.
-Every error names the file, the key and the valid choices.
+A suite file is data: nothing in it is evaluated, and it reaches no code unless the command
+line allows it. Code a suite can name: a ``MODULE:ATTR`` anywhere in ``[defaults]`` or a case
+(a task or factory, a scheme or estimator, a verifier knob), and ``trust_remote_code = true``
+(a checkpoint's own code). A suite naming any of them is refused, with the list of entries,
+unless ``varbench run --allow-code`` (``load_suite(..., allow_code=True)``) is given; then
+validation imports each reference and checks its type, and calls none of them (a case calls
+its code when it runs). Installed packages (a ``varbench.tasks`` entry point, a built-in
+verifier's dependency) are the environment's, not the file's, and need no flag. Every error
+names the file, the key and the valid choices.
 """
 
 from __future__ import annotations
@@ -101,11 +107,14 @@ class SuiteError(UsageError):
     """An invalid suite file (message names the file and the key)."""
 
 
-def load_suite(path: str | Path, *, device: str | None = None) -> Suite:
+def load_suite(path: str | Path, *, device: str | None = None,
+               allow_code: bool = False) -> Suite:
     """Read and validate a suite file; raises :class:`SuiteError` (a ValueError).
 
     ``device`` (``varbench run --device``): the device of every case that names none itself
-    (it takes the place of ``[defaults] device``)."""
+    (it takes the place of ``[defaults] device``). ``allow_code`` (``varbench run
+    --allow-code``): let the suite name code (:func:`code_entries`); without it such a suite is
+    refused before anything is imported, the error listing every entry."""
     path = Path(path)
     if not path.is_file():
         raise UsageFileNotFoundError(f"suite file {str(path)!r} does not exist")
@@ -113,12 +122,21 @@ def load_suite(path: str | Path, *, device: str | None = None) -> Suite:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise SuiteError(f"{path}: not valid TOML: {err}") from None
-    return parse_suite(data, path, device=device)
+    return parse_suite(data, path, device=device, allow_code=allow_code)
 
 
-def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None) -> Suite:
-    """Validate the parsed TOML ``data`` of the file ``path``."""
+def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None,
+                allow_code: bool = False) -> Suite:
+    """Validate the parsed TOML ``data`` of the file ``path`` (``allow_code``: see
+    :func:`load_suite`)."""
     _keys(path, "top level", data, TOP_KEYS)
+    entries = code_entries(data)
+    if entries and not allow_code:
+        raise SuiteError(
+            f"{path}: this suite names code that would run on this machine: "
+            f"{'; '.join(entries)}. A suite file is data: it runs code only when the command "
+            "line says so; if you trust this file, pass --allow-code (varbench run) or "
+            "allow_code=True (load_suite / run_suite)")
     head = data.get("suite")
     if not isinstance(head, dict):
         raise SuiteError(f"{path}: missing [suite] table (with at least name = \"...\")")
@@ -160,6 +178,33 @@ def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None) 
                  head.get("description", ""), head.get("seed", 0), tuple(cases))
 
 
+def code_entries(data: dict[str, Any]) -> list[str]:
+    """Every place the parsed suite ``data`` names code, as ``"cases[i] ('name') key 'k' =
+    value"``: a ``MODULE:ATTR`` string anywhere under ``[defaults]`` or a case (any key, any
+    depth: tasks, schemes, estimators, verifier knobs, a validate case's base config), and a
+    ``trust_remote_code`` that is not false. Nothing is imported to find them."""
+    out: list[str] = []
+
+    def walk(at: str, key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(at, f"{key}.{k}" if key else str(k), v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(at, key, v)
+        elif key.rsplit(".", 1)[-1] == "trust_remote_code" and value is not False:
+            out.append(f"{at} key {key!r} = {value!r} (a checkpoint's own code)")
+        elif is_reference(value):
+            out.append(f"{at} key {key!r} = {value!r}")
+
+    walk("[defaults]", "", data.get("defaults"))
+    cases = data.get("cases")
+    for i, raw in enumerate(cases if isinstance(cases, list) else []):
+        name = raw.get("name") if isinstance(raw, dict) else None
+        walk(f"cases[{i}]" + (f" ({name!r})" if isinstance(name, str) else ""), "", raw)
+    return out
+
+
 def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
                defaults: dict[str, Any] | None = None, seed: int | None = None,
                params_of: dict[str, dict[str, inspect.Parameter]] | None = None) -> Case:
@@ -175,7 +220,7 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
     if not isinstance(raw, dict):
         raise SuiteError(f"{where}: {at} must be a table ([[cases]])")
     name, kind = raw.get("name"), raw.get("kind")
-    if (not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_CASE_NAME
+    if (not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > _MAX_CASE_NAME
             or ".." in name):
         raise SuiteError(f"{where}: {at} key 'name' must be a string of 1-{_MAX_CASE_NAME} "
                          f"ASCII letters, digits, '_', '-', '.' (got {name!r})")
@@ -208,10 +253,13 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
 
 
 def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tuple[str, ...]:
-    """Resolve the case's task spec(s) with their knobs now, so a missing file, a missing
-    column or a MODULE:ATTR that is not a Task fails before any case runs; returns the
-    fingerprints of dataset tasks (their data's hash: part of the case's cache key)."""
-    from varbench.app.specs import resolve_task
+    """Check the case's task spec(s) with their knobs now, so a missing file, a missing
+    column or a MODULE:ATTR that is not a Task fails before any case runs, without calling a
+    user's code (:func:`~varbench.app.specs.check_task_spec`); returns the fingerprints of
+    dataset tasks (their data's hash) and of ``MODULE:ATTR`` tasks (the reference and the hash
+    of its module's source): part of the case's cache key."""
+    from varbench._util.imports import is_reference
+    from varbench.app.specs import check_task_spec
     from varbench.tasks import DatasetTask
 
     if kind == "train":
@@ -228,12 +276,24 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tupl
     out = []
     for spec in specs:
         try:
-            task = resolve_task(spec, knobs)
+            task = check_task_spec(spec, knobs)
         except UsageError as err:
             raise SuiteError(f"{where}: {at} key 'task' = {spec!r}: {err}") from None
         if isinstance(task, DatasetTask):
             out.append(task.fingerprint())
+        elif task is None and is_reference(spec):
+            out.append(f"code:{spec}:{_source_digest(spec)}")
     return tuple(out)
+
+
+def _source_digest(ref: str) -> str:
+    """16 hex of the SHA-256 of the source file of ``ref``'s module (imported by now), so an
+    edited task module never reuses a cached result; "-" when it has no readable file."""
+    module = sys.modules.get(ref.partition(":")[0])
+    try:
+        return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
+    except (AttributeError, TypeError, OSError):
+        return "-"
 
 
 def _kind_params(path: Path | str, kind: str) -> dict[str, inspect.Parameter]:
@@ -303,8 +363,9 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
     if choices is not None:
         values = value if isinstance(value, list) else [value]
         for v in values:
-            if key in ("scheme", "schemes") and is_reference(v):
-                continue  # a user's estimator, imported by name when the case runs
+            if key in ("scheme", "schemes", "baselines") and is_reference(v):
+                _check_estimator_ref(at, v)  # imported and its signature read, never called
+                continue
             if key in ("task", "tasks") and isinstance(v, str) and v not in choices:
                 continue  # MODULE:ATTR or a data path: resolved with its knobs in parse_case
             if v not in choices and not (key == "policy" and isinstance(v, str)
@@ -329,6 +390,19 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
         if not isinstance(value, str) or not (is_reference(value) or value in schemes()):
             raise SuiteError(f"{at} = {value!r} is not valid; give MODULE:FUNCTION (imported "
                              f"by name when the case runs) or a scheme in {schemes()}")
+        if is_reference(value):
+            _check_estimator_ref(at, value)
+
+
+def _check_estimator_ref(at: str, ref: str) -> None:
+    """Import the estimator ``ref`` and read its signature (one of the shapes
+    ``register_scheme`` takes); it is not called. SuiteError naming the key otherwise."""
+    from varbench.testing.adapt import load
+
+    try:
+        load(ref)
+    except UsageError as err:
+        raise SuiteError(f"{at}: {err}") from None
 
 
 # Ranges of the numeric keys, by name, whatever the kind (suite keys and command-line flags):

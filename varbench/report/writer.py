@@ -44,14 +44,25 @@ def _parquet_ok() -> bool:
     return True
 
 
+_MD_SPECIAL = re.compile(r"([\\`*\[\]|!~])")
+
+
+def _md(text: Any) -> str:
+    """Data as literal Markdown text: HTML escaped (``<``, ``>``, ``&``), Markdown's inline
+    markup backslash-escaped, line breaks as spaces (a name or note from a case file can
+    neither inject HTML into a viewer nor start a block)."""
+    out = html.escape(" ".join(str(text).splitlines()), quote=False)
+    return _MD_SPECIAL.sub(r"\\\1", out)
+
+
 def _md_table(df: pd.DataFrame) -> str:
     df = df.head(_MAX_TABLE_ROWS)
-    cols = [str(c) for c in df.columns]
+    cols = [_md(c) for c in df.columns]
 
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.4g}" if math.isfinite(v) else ""
-        return str(v).replace("|", "\\|")
+        return _md(v)
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
@@ -117,26 +128,26 @@ def _provenance_lines(prov: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _markdown(title: str, sections: list[dict[str, Any]]) -> str:
-    md = [f"# {title}", ""]
+    md = [f"# {_md(title)}", ""]
     for s in sections:
         res = s["res"]
-        md += [f"## {res.name} ({res.kind})", "", "### Headlines", ""]
-        md += [f"- {h.text}" for h in res.headlines] or ["- (no headline figures)"]
+        md += [f"## {_md(res.name)} ({_md(res.kind)})", "", "### Headlines", ""]
+        md += [f"- {_md(h.text)}" for h in res.headlines] or ["- (no headline figures)"]
         if res.notes:
-            md += ["", "### Notes", ""] + [f"- {n}" for n in res.notes]
+            md += ["", "### Notes", ""] + [f"- {_md(n)}" for n in res.notes]
         if s["figures"]:
             md += ["", "### Figures", ""]
             for fname, cap in s["figures"]:
-                md += [f"![{cap}](figures/{fname})", "", f"*{cap}*", ""]
+                md += [f"![{_md(cap)}](figures/{fname})", "", f"*{_md(cap)}*", ""]
         md += ["", "### Tables", ""]
         for tname, fname, df in s["tables"]:
             big = len(df) > _MAX_TABLE_ROWS
             more = f" (first {_MAX_TABLE_ROWS} of {len(df)} rows)" if big else ""
-            md += [f"**{tname}**{more}: [tables/{fname}](tables/{fname})", ""]
+            md += [f"**{_md(tname)}**{more}: [tables/{fname}](tables/{fname})", ""]
             if tname != "tokens":
                 md += [_md_table(df), ""]
         md += ["### Provenance", "", "| field | value |", "|---|---|"]
-        md += [f"| {k} | {v.replace('|', '/')} |" for k, v in _provenance_lines(res.provenance)]
+        md += [f"| {_md(k)} | {_md(v)} |" for k, v in _provenance_lines(res.provenance)]
         md += [""]
     return "\n".join(md) + "\n"
 

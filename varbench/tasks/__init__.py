@@ -12,6 +12,7 @@ from varbench.tasks.base import (
     SPLITS,
     Prompt,
     Task,
+    check_task,
     get_task,
     register_task,
     task_names,
@@ -20,4 +21,4 @@ from varbench.tasks.dataset import DatasetTask
 from varbench.tasks.verifiers import VERIFIERS
 
 __all__ = ["ENTRY_POINT_GROUP", "SPLITS", "VERIFIERS", "DatasetTask", "Prompt", "Task",
-           "get_task", "register_task", "task_names"]
+           "check_task", "get_task", "register_task", "task_names"]

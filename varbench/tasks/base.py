@@ -10,6 +10,7 @@ the seed, so train and held-out never share a problem.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import random
 from collections.abc import Iterable, Mapping
@@ -259,19 +260,44 @@ def task_names() -> list[str]:
     return list(dict.fromkeys([*_REGISTRY, *_entry_points()]))
 
 
-def _instantiate(obj: Any, knobs: dict[str, Any], spec: str) -> Task:
-    """A Task from a Task subclass, a factory, or (without knobs) a Task instance."""
+def _check_type(obj: Any, knobs: dict[str, Any], spec: str) -> None:
+    """Refuse what cannot give a Task with these knobs, without calling any of its code: a
+    Task instance given knobs, a class that is not a Task subclass, a non-callable, a Task
+    subclass without one of the knobs, a factory whose signature cannot take them."""
     if isinstance(obj, Task):
         if knobs:
             raise UsageError(f"task={spec!r} is a Task instance: it takes no knobs "
                              f"(got {sorted(knobs)})")
-        return obj
+        return
     if isinstance(obj, type) and not issubclass(obj, Task):
         raise UsageTypeError(f"task={spec!r} names the class {obj.__name__}, which is not a "
                              "varbench Task subclass")
     if not callable(obj):
         raise UsageTypeError(f"task={spec!r} names a {type(obj).__name__}, not a Task subclass "
                              "or a factory returning a Task")
+    if isinstance(obj, type):
+        defaults = getattr(obj, "knob_defaults", None)
+        unknown = sorted(set(knobs) - set(defaults)) if isinstance(defaults, dict) else []
+        if unknown and obj.__init__ is Task.__init__:  # an own __init__ may take other knobs
+            raise UsageError(f"task {spec!r} has no knob {unknown[0]!r}; valid knobs: "
+                             f"{sorted(defaults)}")
+        return
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: found out when called
+        return
+    try:
+        sig.bind(**knobs)
+    except TypeError as err:
+        raise UsageError(f"task={spec!r}: the factory cannot take the knobs {sorted(knobs)} "
+                         f"({err})") from None
+
+
+def _instantiate(obj: Any, knobs: dict[str, Any], spec: str) -> Task:
+    """A Task from a Task subclass, a factory, or (without knobs) a Task instance."""
+    _check_type(obj, knobs, spec)
+    if isinstance(obj, Task):
+        return obj
     task = obj(**knobs)
     if not isinstance(task, Task):
         raise UsageTypeError(f"task={spec!r}: the factory returned {type(task).__name__}, not a "
@@ -302,14 +328,8 @@ def get_task(spec: str, **knobs: Any) -> Task:
         return _instantiate(_REGISTRY[spec], knobs, spec)
     if is_reference(spec):
         return _instantiate(import_object(spec, what="task"), knobs, spec)
-    eps = _entry_points()
-    if spec in eps:
-        try:
-            obj = eps[spec].load()
-        except Exception as err:  # noqa: BLE001 - a broken plugin: name it, keep our traceback
-            raise UsageError(f"task={spec!r}: cannot load entry point {eps[spec].value!r} of "
-                             f"group {ENTRY_POINT_GROUP!r} ({err})") from err
-        return _instantiate(obj, knobs, spec)
+    if spec in _entry_points():
+        return _instantiate(_load_entry_point(spec), knobs, spec)
     from varbench.tasks.dataset import DatasetTask, looks_like_data
 
     if looks_like_data(spec):
@@ -317,6 +337,49 @@ def get_task(spec: str, **knobs: Any) -> Task:
     raise UsageError(f"task={spec!r} is not valid; choose one of {sorted(task_names())}, give "
                      "MODULE:ATTR (a Task subclass or factory), or a data file (.jsonl, .json, "
                      ".csv, .parquet) or a datasets directory")
+
+
+def check_task(spec: str, **knobs: Any) -> Task | None:
+    """Validate the task ``spec`` with ``knobs`` without calling a user's code.
+
+    varbench's own tasks (``sort``, ``arith``, ``toolsum``) and data files (a
+    :class:`~varbench.tasks.dataset.DatasetTask`; a ``MODULE:FUNCTION`` verifier knob is
+    imported, not called) are built and returned, so their knobs are checked now. Anything
+    else names user code: a ``MODULE:ATTR`` is imported, an entry point loaded, a
+    ``register_task`` entry looked up, and each is checked by type only (a Task subclass and
+    its knob names, a Task instance without knobs, or a callable whose signature takes the
+    knobs); it is never called, and None is returned. Errors are those of :func:`get_task`.
+    """
+    from varbench._util.imports import import_object, is_reference
+
+    if isinstance(spec, Task):
+        _check_type(spec, knobs, repr(spec))
+        return None
+    if not isinstance(spec, str) or not spec:
+        raise UsageTypeError(f"task must be a non-empty string, got {spec!r}")
+    if spec in _REGISTRY:
+        obj = _REGISTRY[spec]
+        if isinstance(obj, type) and issubclass(obj, Task) and obj.__module__.startswith(
+                "varbench."):
+            return _instantiate(obj, knobs, spec)
+        _check_type(obj, knobs, spec)
+        return None
+    if is_reference(spec):
+        _check_type(import_object(spec, what="task"), knobs, spec)
+        return None
+    if spec in _entry_points():
+        _check_type(_load_entry_point(spec), knobs, spec)
+        return None
+    return get_task(spec, **knobs)  # a data file (library code) or the error naming choices
+
+
+def _load_entry_point(spec: str) -> Any:
+    eps = _entry_points()
+    try:
+        return eps[spec].load()
+    except Exception as err:  # noqa: BLE001 - a broken plugin: name it, keep our traceback
+        raise UsageError(f"task={spec!r}: cannot load entry point {eps[spec].value!r} of "
+                         f"group {ENTRY_POINT_GROUP!r} ({err})") from err
 
 
 def _parse_int(text: str) -> int | None:

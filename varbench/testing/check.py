@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from varbench._util.guard import guarded
 from varbench.testing import bias as _bias
 from varbench.testing.adapt import load
 from varbench.testing.contract import contract_rows
@@ -132,7 +133,10 @@ def check_estimator(
 
     Raises :class:`~varbench.testing.adapt.EstimatorInputError` (a ValueError) for a module
     that cannot be imported, a missing function, a wrong signature or an option the estimator
-    cannot take; the estimator's own errors become failed rows.
+    cannot take; the estimator's own errors become failed rows, and so does an estimator that
+    tries to end the process (``exit()``, ``sys.exit()``, ``os._exit()``: see
+    :mod:`varbench._util.guard`). A ``KeyboardInterrupt`` propagates (no verdict: the caller
+    reports the check as not finished).
     """
     from varbench._util.checks import UsageError, check_finite_number, check_positive_int
 
@@ -150,7 +154,10 @@ def check_estimator(
     dev = torch.device("cpu") if device is None else torch.device(device)
     est = load(fn_or_name, estimator_options)
     base = {name: load(name) for name in baselines}
-    rows = [dict(r, required=True) for r in contract_rows(on_device(est.call, dev), seed)]
+    # the candidate runs in a guarded scope: exit() / os._exit() inside it is a failed row,
+    # never the end of the process with a status it chose
+    cand = guarded(est.call, f"estimator {est.name!r}")
+    rows = [dict(r, required=True) for r in contract_rows(on_device(cand, dev), seed)]
     if not require_all_agree_zero:
         for r in rows:
             if r["check"] == "all-agree groups":
@@ -159,7 +166,7 @@ def check_estimator(
     policy = ToyPolicy(task)
     g_star = policy.exact_gradient()
     calls = {n: on_device(c, dev)  # "": the candidate
-             for n, c in {"": est.call, **{n: b.call for n, b in base.items()}}.items()}
+             for n, c in {"": cand, **{n: b.call for n, b in base.items()}}.items()}
     xs, tokens = _bias.chunked_estimates(policy, calls, num_steps, G, seed + 1,
                                          groups_per_call=groups_per_call)
     x = xs.pop("")

@@ -26,6 +26,7 @@ from varbench._util.io import (
     atomic_write,
     verify_digest,
     write_digest,
+    writing,
 )
 
 _PREFIX = "step_"
@@ -53,7 +54,7 @@ def save_checkpoint(
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
-    with atomic_dir(final) as tmp:
+    with writing(final), atomic_dir(final) as tmp:  # a full disk: an OSError naming it
         save_model(model, str(tmp / "model.safetensors"))
         tensors, opt_json = _flatten_optimizer(optimizer.state_dict())
         for name, gen in generators.items():

@@ -193,7 +193,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(config.to_json())
         writer = RecordWriter(run_dir / "records.csv", resume_step=start if start > 0 else None,
-                              last_row=state.get("last_row") if start > 0 else None)
+                              last_row=state.get("last_row") if start > 0 else None,
+                              records_sha256=state.get("records_sha256") if start > 0 else None)
         if resume and start > 0:
             rows = read_records(run_dir / "records.csv").to_dict("records")
 
@@ -346,7 +347,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         if config.checkpoint_every and step % config.checkpoint_every == 0:
             save_checkpoint(run_dir, step, model, optimizer, {"train": train_gen},
                             {"counters": counters, "detector": detector.state_dict(),
-                             "config": config.to_dict(), "last_row": row},
+                             "config": config.to_dict(), "last_row": row,
+                             "records_sha256": writer.digest if writer else None},
                             keep=config.keep_checkpoints)
     bar.close()
     if config.token_budget and counters["tokens_sampled"] >= config.token_budget:

@@ -10,6 +10,7 @@ is whole and ends in the checkpoint's own last row. Keys are namespaced like cle
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import math
 import os
@@ -79,14 +80,18 @@ class RecordWriter:
     """Append-only CSV writer of per-step records (one row per call to :meth:`write`)."""
 
     def __init__(self, path: str | Path, *, resume_step: int | None = None,
-                 last_row: Mapping[str, object] | None = None) -> None:
+                 last_row: Mapping[str, object] | None = None,
+                 records_sha256: str | None = None) -> None:
         """Open ``path``; with ``resume_step`` keep only rows with ``step <= resume_step``.
 
         Without ``resume_step`` an existing file is replaced (a fresh run). With it, the kept
         history must be whole: steps 0..resume_step once each, and (when the checkpoint saved
         it) the last row equal to ``last_row``; otherwise UsageError naming the file and the
         gap, duplicate or differing value (a resumed run never continues a broken history).
+        ``records_sha256`` (the :attr:`digest` the checkpoint saved): the kept rows must hash
+        to it, so an edited row anywhere in the history is refused, not only the last.
         """
+        self._hash = hashlib.sha256()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
@@ -95,8 +100,15 @@ class RecordWriter:
                     f"cannot resume: records file {str(self.path)!r} is missing but the "
                     f"checkpoint is at step {resume_step} (the history would have a gap); "
                     "restore it or start the run afresh")
-            kept = [r for r in _read_rows(self.path) if int(r["step"]) <= resume_step]
+            kept = [r for r in _read_rows(self.path) if _step(self.path, r) <= resume_step]
             check_history(self.path, kept, resume_step, last_row)
+            for r in kept:
+                self._hash.update(_line(r).encode() + b"\n")
+            if records_sha256 is not None and self.digest != records_sha256:
+                raise UsageError(
+                    f"cannot resume: the rows 0..{resume_step} of {str(self.path)!r} differ from "
+                    "the ones the checkpoint recorded (their SHA-256 does not match): the file "
+                    "was edited or comes from another run; restore it or start the run afresh")
             buf = io.StringIO(newline="")
             w = csv.DictWriter(buf, fieldnames=FIELDS)
             w.writeheader()
@@ -111,10 +123,18 @@ class RecordWriter:
         unknown = set(row) - set(FIELDS)
         if unknown:
             raise ValueError(f"record keys {sorted(unknown)} are not valid; valid: {list(FIELDS)}")
+        line = _line({k: _fmt(row.get(k)) for k in FIELDS})
         with open(self.path, "a", newline="") as fh:
-            fh.write(",".join(_csv_cell(_fmt(row.get(k))) for k in FIELDS) + "\n")
+            fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+        self._hash.update(line.encode() + b"\n")
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of every row written (and kept on resume) so far, as the file holds them:
+        saved with each checkpoint, checked on resume."""
+        return self._hash.hexdigest()
 
 
 def check_history(path: Path, rows: list[dict[str, str]], step: int,
@@ -152,13 +172,39 @@ def _csv_cell(text: str) -> str:
     return f'"{text}"' if ("," in text or '"' in text) else text
 
 
+def _line(row: Mapping[str, str]) -> str:
+    """One record's CSV line (cells already formatted), exactly as :meth:`write` writes it."""
+    return ",".join(_csv_cell(row.get(k) or "") for k in FIELDS)
+
+
+def _step(path: Path, row: Mapping[str, str]) -> int:
+    text = row.get("step", "")
+    if not text.isdigit():
+        raise UsageError(f"cannot resume: records file {str(path)!r} has a row whose step is "
+                         f"{text!r}, not a step number; restore it or start the run afresh")
+    return int(text)
+
+
 def _read_rows(path: Path) -> list[dict[str, str]]:
+    """The finished rows of a records file; UsageError naming it for another header or a row
+    with more cells than columns."""
     text = path.read_text()
     # A row cut off by a kill mid-write lacks its newline: drop it, keep every finished row.
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
-    rows = list(csv.DictReader(io.StringIO(text)))
-    return [r for r in rows if r.get(FIELDS[-1]) is not None and r.get("step")]
+    reader = csv.DictReader(io.StringIO(text))
+    if reader.fieldnames is not None and tuple(reader.fieldnames) != FIELDS:
+        raise UsageError(f"cannot resume: records file {str(path)!r} does not have varbench's "
+                         "columns (its header was changed); restore it or start the run afresh")
+    rows = []
+    for r in reader:
+        if None in r:
+            raise UsageError(f"cannot resume: records file {str(path)!r} line "
+                             f"{reader.line_num} has more cells than columns; restore it or "
+                             "start the run afresh")
+        if r.get(FIELDS[-1]) is not None and r.get("step"):
+            rows.append(r)
+    return rows
 
 
 def read_records(path: str | Path) -> pd.DataFrame:

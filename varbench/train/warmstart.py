@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError, check_positive_int
-from varbench._util.io import atomic_dir, verify_digest, write_digest
+from varbench._util.io import atomic_dir, verify_digest, write_digest, writing
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.models.io import load_policy, save_policy
@@ -261,7 +261,8 @@ def _build(preset, task, cfg, entry, use_cache, is_dir, seed, tie_embeddings, th
                       stacklevel=2)
     if use_cache:
         info["cache"] = str(entry)
-        with atomic_dir(entry) as tmp:  # a crash mid-save never leaves a half-written entry
+        # a crash mid-save never leaves a half-written entry; a full disk names the entry
+        with writing(entry), atomic_dir(entry) as tmp:
             save_policy(policy, tmp)
             write_digest(tmp)  # checked on load: a flipped bit is rebuilt, never used
     return policy
