@@ -21,7 +21,6 @@ from transformers.utils import logging as hf_logging
 from varbench._util.checks import UsageError
 from varbench.models.presets import Policy, presets
 
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "spiece.model", "vocab.txt")
 
