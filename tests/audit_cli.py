@@ -436,7 +436,56 @@ def build_cases(root: Path) -> list[Case]:
         api("from varbench import TrainConfig, train", import_order, "",
             verdict=lambda got: got == "function"),
     ]
+    cases += _issue29_cases(root)
     return cases
+
+
+def _issue29_cases(root: Path) -> list[Case]:
+    """Issue 29: a user's own checkpoint and data (non-UTF-8 rows, empty answers, a model
+    vocabulary smaller than its tokenizer, a missing tokenizer, an existing run directory)."""
+    from varbench.models import build_policy, save_policy
+
+    d = root / "i29"
+    d.mkdir()
+    (d / "latin.jsonl").write_bytes(b'{"question": "a", "answer": "1"}\n'
+                                    b'{"question": "caf\xe9", "answer": "2"}\n')
+    (d / "latin.csv").write_bytes(b"question,answer\na,1\ncaf\xe9,2\n")
+    (d / "empty.csv").write_text("question,answer\na,1\nb,\nc,3\n")
+    (d / "blank.jsonl").write_text('{"question": "a", "answer": "1"}\n'
+                                   '{"question": "b", "answer": ""}\n')
+    (d / "ok.jsonl").write_text("".join(f'{{"question": "q{i}", "answer": "{i}"}}\n'
+                                        for i in range(4)))
+    small = save_policy(build_policy("micro", seed=0), d / "small")
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(small))
+    m.resize_token_embeddings(m.get_input_embeddings().num_embeddings - 3)
+    m.save_pretrained(small, safe_serialization=True)
+    notok = save_policy(build_policy("micro", seed=0), d / "notok")
+    for f in list(notok.glob("tokenizer*")) + list(notok.glob("special_tokens_map.json")):
+        f.unlink()
+    run = d / "run"
+    run.mkdir()
+    (run / "records.csv").write_text("step\n0\n")
+    (run / "config.json").write_text("{}")
+    return [
+        Case("sample: non-UTF-8 .jsonl", ["sample", "--task", str(d / "latin.jsonl")],
+             "line 2 is not UTF-8"),
+        Case("sample: non-UTF-8 .csv", ["sample", "--task", str(d / "latin.csv")],
+             "line 3 is not UTF-8"),
+        Case("sample: empty CSV answer cell", ["sample", "--task", str(d / "empty.csv")],
+             "row 2 has no answer"),
+        Case("sample: empty JSONL answer", ["sample", "--task", str(d / "blank.jsonl")],
+             "row 2 has no answer"),
+        Case("sample: model vocab < tokenizer", ["sample", "--policy", str(small), "--task",
+                                                 str(d / "ok.jsonl")], "vocabulary has"),
+        Case("sample: checkpoint without tokenizer", ["sample", "--policy", str(notok),
+                                                      "--task", str(d / "ok.jsonl")],
+             "has no tokenizer"),
+        Case("train: --out holds a run", ["train", "--out", str(run)], "already holds a run"),
+        Case("train: --resume --overwrite", ["train", "--resume", "--overwrite", "--out",
+                                             str(run)], "exclusive"),
+    ]
 
 
 def _train_config(**kw):

@@ -25,6 +25,19 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
         # --resume without flags continues with the run's own settings (here: 2 more steps)
         assert main(["train", "--resume", "--steps", "4", "--out", str(tmp_path / "run")]) == 0
         assert "(4 steps" in capsys.readouterr().out
+        # issue 29: a new run over an existing one is refused; --overwrite sets it aside
+        run = tmp_path / "run"
+        before = (run / "records.csv").read_bytes()
+        assert main(["train", "--no-warm-start", "--steps", "1", "--out", str(run)]) == 2
+        assert "already holds a run" in capsys.readouterr().err
+        assert (run / "records.csv").read_bytes() == before  # nothing replaced
+        assert main(["train", "--resume", "--overwrite", "--out", str(run)]) == 2
+        assert main(["train", "--no-warm-start", "--steps", "1", "--eval-every", "1",
+                     "--eval-prompts", "2", "-G", "2", "--prompts-per-step", "2",
+                     "--task-option", "n=2", "--overwrite", "--out", str(run)]) == 0
+        assert "moved to" in capsys.readouterr().out
+        assert (tmp_path / "run.replaced-1" / "records.csv").read_bytes() == before
+        assert (tmp_path / "run.replaced-1" / "checkpoints").is_dir()
         assert main(["train", "--scheme", "nope", "--out", str(tmp_path / "x")]) == 2
         assert "scheme='nope'" in capsys.readouterr().err
         out = tmp_path / "val"

@@ -69,3 +69,72 @@ def test_remote_code_never_runs_by_default(tmp_path):
     except ValueError:
         pass  # refusing is fine too; running the file is not
     assert not marker.exists()
+
+
+# ---- issue 29: checkpoint sanity before work, one read of the weights
+def _saved_tiny(tmp_path):
+    from varbench.models import build_policy, save_policy
+
+    return save_policy(build_policy("micro", seed=0), tmp_path / "ck")
+
+
+def test_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from varbench.models import load_policy
+
+    d = _saved_tiny(tmp_path)
+    m = AutoModelForCausalLM.from_pretrained(str(d))
+    m.resize_token_embeddings(m.get_input_embeddings().num_embeddings - 3)
+    m.save_pretrained(d, safe_serialization=True)
+    with pytest.raises(ValueError, match=r"vocabulary has \d+ rows but the tokenizer has"):
+        load_policy(d)
+
+
+def test_missing_tokenizer_is_one_line_without_sentencepiece(tmp_path):
+    from varbench.models import load_policy
+
+    d = _saved_tiny(tmp_path)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    for f in ("special_tokens_map.json", "vocab.json"):
+        (d / f).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no tokenizer") as err:
+        load_policy(d)
+    assert "\n" not in str(err.value) and "sentencepiece" not in str(err.value)
+
+
+def test_weights_are_validated_without_reading_them(tmp_path, monkeypatch):
+    import safetensors
+
+    from varbench.models import io as vio
+
+    d = _saved_tiny(tmp_path)
+    calls = []
+    real = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.h = real(*a, **k)
+
+        def __enter__(self):
+            self.h.__enter__()
+            return self
+
+        def __exit__(self, *a):
+            return self.h.__exit__(*a)
+
+        def keys(self):
+            return self.h.keys()
+
+        def get_tensor(self, k):
+            calls.append(k)
+            return self.h.get_tensor(k)
+
+    monkeypatch.setattr(vio, "safe_open", Spy)
+    vio._validate_weights(d)
+    assert calls == []  # the payload is left to transformers' one read
+    f = next(d.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes() + b"\0" * 8)  # padded: a layout the header does not describe
+    with pytest.raises(ValueError, match="corrupt or truncated checkpoint file"):
+        vio._validate_weights(d)

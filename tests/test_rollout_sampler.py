@@ -345,3 +345,65 @@ def test_differentiable_sampling_refuses_a_sliding_window_model():
     with pytest.raises(ValueError, match="differentiable=True.*'sliding'.*MistralForCausalLM"):
         sample(policy, task, task.prompts(2, seed=0), 2, differentiable=True)
     sample(policy, task, task.prompts(2, seed=0), 2)  # plain sampling still runs it
+
+
+# ---- issue 29: the stop set (tokenizer eos | generation_config eos | the stop knob)
+def _eot_setup(tmp_path, **kw):
+    import _fixtures_user as fu
+
+    from varbench.models import load_policy
+
+    pol = load_policy(fu.eot_checkpoint(tmp_path / "ck", **kw))
+    task = get_task(str(fu.word_jsonl(tmp_path / "w.jsonl")), max_new_tokens=24, chat="false")
+    task.bind(pol.tokenizer)
+    return pol, task, pol.tokenizer.convert_tokens_to_ids(fu.EOT)
+
+
+def test_generation_config_eot_stops_responses(tmp_path):
+    from varbench.rollout.sampler import stop_set
+
+    pol, task, eot = _eot_setup(tmp_path)
+    stops = stop_set(pol, task)[0]
+    assert eot in stops and pol.tokenizer.eos_token == "<|end_of_text|>"
+    b = sample(pol, task, task.prompts(2), 8, seed=0)
+    toks, mask = b.tokens.reshape(16, -1), b.mask.reshape(16, -1)
+    for row, m in zip(toks.tolist(), mask.tolist(), strict=True):
+        n = int(sum(m))
+        assert not set(row[:n - 1]) & set(stops)  # nothing scored after a stop token
+        assert row[n - 1] in stops or n == 24
+    assert b.meta["truncated"] == sum(1 for row, m in zip(toks.tolist(), mask.tolist(),
+                                                          strict=True)
+                                      if sum(m) == 24 and row[23] not in stops)
+
+
+def test_without_generation_config_eot_runs_past_and_the_stop_knob_restores_it(tmp_path):
+    pol, task, eot = _eot_setup(tmp_path, gen_eos=None)
+    b = sample(pol, task, task.prompts(2), 8, seed=0)
+    ran_past = sum(1 for row in b.tokens.reshape(16, -1).tolist() if eot in row[:-1])
+    assert ran_past > 0  # the bug of the report: responses go on after their turn ended
+    import _fixtures_user as fu
+
+    t2 = get_task(str(tmp_path / "w.jsonl"), max_new_tokens=24, chat="false", stop=fu.EOT)
+    t2.bind(pol.tokenizer)
+    b2 = sample(pol, t2, t2.prompts(2), 8, seed=0)
+    for row, n in zip(b2.tokens.reshape(16, -1).tolist(), b2.lengths.flatten().tolist(),
+                      strict=True):
+        assert eot not in row[:n - 1]
+
+
+def test_text_stop_string_ends_a_response(tmp_path):
+    pol, task, eot = _eot_setup(tmp_path, gen_eos=None, p_eot=0.01)
+    t2 = get_task(str(tmp_path / "w.jsonl"), max_new_tokens=24, chat="false", stop=["a"])
+    t2.bind(pol.tokenizer)
+    b = sample(pol, t2, t2.prompts(2), 8, seed=0)
+    for texts in b.texts:
+        for x in texts:
+            assert "a" not in x[:-1]
+    assert int(b.lengths.max()) <= 24
+
+
+def test_a_policy_with_no_stop_token_is_warned_and_truncation_counted(tmp_path):
+    pol, task, eot = _eot_setup(tmp_path, gen_eos=None, tok_eos=None, p_eot=0.01)
+    with pytest.warns(UserWarning, match="has no stop token"):
+        b = sample(pol, task, task.prompts(1), 4, seed=0)
+    assert b.meta["truncated"] == 4 and b.meta["stop_ids"] == []

@@ -49,7 +49,11 @@ def test_save_to_disk_directory_and_split_knob(tmp_path):
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
                                "test": datasets.Dataset.from_list(ROWS[30:])})
     dd.save_to_disk(str(tmp_path / "dict"))
-    assert len(get_task(str(tmp_path / "dict")).rows) == 40
+    # train from 'train', held out from 'test': the splits are honoured, never mixed
+    t = get_task(str(tmp_path / "dict"))
+    assert len(t.rows) == 40 and t.heldout_source == "test"
+    assert sorted(t._pools["train"]) == list(range(30))
+    assert sorted(t._pools["heldout"]) == list(range(30, 40))
     assert len(get_task(str(tmp_path / "dict"), split="test").rows) == 10
     with pytest.raises(UsageError, match=r"knob split='dev' is not valid; choose one of "
                                          r"\['test', 'train'\]"):
@@ -76,7 +80,7 @@ def test_splits_are_disjoint_seeded_and_stable_under_row_order(tmp_path):
 def test_knobs_prompt_answer_columns_limit_system(tmp_path):
     rows = [{"problem": f"q{i}", "gold": str(i), "x": 1} for i in range(10)]
     path = _jsonl(tmp_path / "p.jsonl", rows)
-    t = get_task(str(path), answer_key="gold", limit=5, system="Be brief.")
+    t = get_task(str(path), answer_key="gold", limit=5, system="Be brief.", verifier="exact")
     assert t.prompt_key == "problem" and len(t.rows) == 5
     p = t.prompts(1)[0]
     assert p.text == f"Be brief.\n\n{p.meta['question']}\n" and p.answer == p.meta["question"][1:]
@@ -162,7 +166,7 @@ def test_missing_file_is_file_not_found_and_bad_knobs_name_the_choices(tmp_path)
         get_task(str(tmp_path / "nope.csv"))
     path = str(_jsonl(tmp_path / "k.jsonl"))
     with pytest.raises(UsageError, match=r"verifier='fuzzy' is not valid; choose one of "
-                                         r"\['exact', 'number', 'math', 'choice'\]"):
+                                         r"\['auto', 'exact', 'number', 'math', 'choice'\]"):
         get_task(path, verifier="fuzzy")
     with pytest.raises(UsageError, match=r"knob heldout=1.5 is not valid"):
         get_task(path, heldout=1.5)
@@ -228,3 +232,87 @@ def test_the_task_written_in_docs_tasks_md_works(monkeypatch):
     assert {p.answer for p in train}.isdisjoint({p.answer for p in held})
     assert t.score(train[0], f" {train[0].answer} ") == 1.0 and t.score(train[0], "Rome") == 0.0
     assert t.demonstration(held[0]) == held[0].answer
+
+
+# ---- issue 29: one missing-value rule, encoding errors, DatasetDict splits
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+@pytest.mark.parametrize("bad", [None, "", "  "])
+def test_one_missing_value_rule_for_every_format(tmp_path, fmt, bad):
+    rows = [dict(r) for r in ROWS[:6]]
+    rows[3]["answer"] = bad
+    path = tmp_path / f"m.{fmt}"
+    if fmt == "jsonl":
+        _jsonl(path, rows)
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        with path.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows([{k: ("" if v is None else v) for k, v in r.items()} for r in rows])
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(UsageError, match=r"row 4 has no answer \(column 'answer'"):
+        get_task(str(path))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_non_utf8_bytes_are_one_line_errors_naming_the_line(tmp_path, fmt):
+    path = tmp_path / f"latin.{fmt}"
+    if fmt == "jsonl":
+        path.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", '
+                         b'"answer": "2"}\n')
+    else:
+        path.write_bytes(b"question,answer\na,1\ncaf\xe9,2\n")
+    line = 2 if fmt == "jsonl" else 3  # the CSV's header is line 1
+    with pytest.raises(UsageError, match=rf"line {line} is not UTF-8 \(byte 0xe9") as err:
+        get_task(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_csv_keeps_answers_as_text(tmp_path):
+    (tmp_path / "z.csv").write_text('question,answer\n"a, b",007\nc,8\n')
+    t = get_task(str(tmp_path / "z.csv"))
+    assert sorted(a for _, a, _ in t.rows) == ["007", "8"]
+
+
+def test_dataset_dict_test_rows_never_reach_training(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                               "validation": datasets.Dataset.from_list(ROWS[30:])})
+    dd.save_to_disk(str(tmp_path / "dv"))
+    t = get_task(str(tmp_path / "dv"))
+    held = {r["question"] for r in ROWS[30:]}
+    assert t.heldout_source == "validation"
+    assert {p.meta["question"] for p in t.prompts(60)} & held == set()
+    assert {p.meta["question"] for p in t.prompts(10, split="heldout")} <= held
+    odd = datasets.DatasetDict({"a": datasets.Dataset.from_list(ROWS[:20]),
+                                "b": datasets.Dataset.from_list(ROWS[20:])})
+    odd.save_to_disk(str(tmp_path / "odd"))
+    with pytest.raises(UsageError, match=r"splits \['a', 'b'\].*--knob split=NAME"):
+        get_task(str(tmp_path / "odd"))
+
+
+def test_default_verifier_auto_reads_gsm8k_answers(tmp_path):
+    rows = [{"question": f"q{i}", "answer": f"{i} + 1 = {i + 1}.\n#### {i + 1}"}
+            for i in range(6)]
+    t = get_task(str(_jsonl(tmp_path / "g.jsonl", rows)))
+    p = t.prompts(1)[0]
+    assert t.verifier == "number"
+    assert t.score(p, f"so #### {p.answer.split('#### ')[1]}") == 1.0
+
+
+def test_number_refuses_answers_it_cannot_read_before_work(tmp_path, monkeypatch):
+    from varbench.tasks import verifiers as vf
+
+    monkeypatch.setattr(vf, "has_math_verify", lambda: False)
+    import varbench.tasks.dataset as ds
+
+    monkeypatch.setattr(ds, "has_math_verify", lambda: False)
+    rows = [{"question": "q1", "answer": "7"}, {"question": "q2", "answer": "\\sqrt{2}"}]
+    with pytest.raises(UsageError, match=r"verifier=number cannot read a number in the answer "
+                                         r"of row 2"):
+        get_task(str(_jsonl(tmp_path / "l.jsonl", rows)), verifier="number")

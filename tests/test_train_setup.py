@@ -151,3 +151,16 @@ def test_train_never_changes_the_callers_policy_and_trains_bf16():
     assert res.records["grad/norm"].dropna().gt(0).any()  # a step with informative groups
     with pytest.raises(UsageError, match="float16.*loss scaling"):
         TrainConfig(dtype="float16")
+
+
+def test_dtype_auto_on_a_float16_checkpoint_is_refused_like_explicit_float16():
+    """issue 29: 'auto' trained a float16 checkpoint in float16, which explicit float16 refuses
+    (no loss scaling)."""
+    from varbench.train.config import TrainConfig
+
+    pol = build_preset("micro", seed=0)
+    pol.model.to(torch.float16)
+    with pytest.raises(UsageError, match=r"dtype='auto' on .*float16 checkpoint.*loss scaling"):
+        setup.own_policy(pol, TrainConfig(dtype="auto", task="sort"), SortTask())
+    with pytest.raises(UsageError, match="float16.*loss scaling"):
+        TrainConfig(dtype="float16")

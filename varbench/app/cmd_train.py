@@ -94,11 +94,38 @@ def _toml_sets_device(path: str) -> bool:
     return "device" in tomllib.loads(Path(path).read_text())
 
 
+_RUN_FILES = ("records.csv", "config.json", "checkpoints")
+
+
+def _refuse_existing_run(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """A run already in ``out`` is continued (``--resume``), set aside (``--overwrite``: moved
+    to ``OUT.replaced-N``, nothing deleted) or refused: a new run would replace its records."""
+    from varbench._util.checks import UsageError
+
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite are exclusive: continue the run in --out, "
+                         "or start a new one there")
+    found = [f for f in _RUN_FILES if (out / f).exists()] if out.is_dir() else []
+    if not found or resume:
+        return
+    if not overwrite:
+        raise UsageError(f"--out={str(out)!r} already holds a run ({', '.join(found)}); pass "
+                         "--resume to continue it or --overwrite to start anew (the old run is "
+                         "moved aside, not deleted)")
+    n = 1
+    while out.with_name(f"{out.name}.replaced-{n}").exists():
+        n += 1
+    aside = out.with_name(f"{out.name}.replaced-{n}")
+    out.rename(aside)
+    print(f"--overwrite: the previous run in {str(out)!r} was moved to {str(aside)!r}")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from varbench.train.loop import train
 
-    config = config_from_args(args)
     out = Path(args.out)
+    _refuse_existing_run(out, resume=args.resume, overwrite=getattr(args, "overwrite", False))
+    config = config_from_args(args)
     result = train(config, out, resume=args.resume)
     df = result.records
     ev = df.dropna(subset=["eval/acc_sampled"])
@@ -280,6 +307,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (records, ckpts)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --out that holds one (the old run is moved to "
+                        "OUT.replaced-N, not deleted)")
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
 

@@ -21,6 +21,9 @@ from transformers.utils import logging as hf_logging
 from varbench._util.checks import UsageError
 from varbench.models.presets import Policy, presets
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "spiece.model", "vocab.txt")
+
 
 def save_policy(policy: Policy, path: str | Path) -> Path:
     """Write ``policy`` (model config + safetensors weights + tokenizer) to directory ``path``."""
@@ -63,13 +66,49 @@ def _validate_weights(path: Path) -> None:
     for f in files:
         try:
             if f.suffix == ".safetensors":
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():  # reading each tensor catches truncated payloads
-                        h.get_tensor(k)
+                _check_safetensors(f)
             else:
-                torch.load(f, map_location="cpu", weights_only=True)
+                import zipfile
+
+                if zipfile.is_zipfile(f):  # the central directory sits at the end: truncation
+                    zipfile.ZipFile(f).close()
+                else:  # a legacy pickle: no layout to check without reading it
+                    torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure here means the file is bad
             raise UsageError(f"corrupt or truncated checkpoint file {str(f)!r}: {err}") from err
+
+
+def _check_safetensors(f: Path) -> None:
+    """The file's header parses and its tensors' byte ranges end exactly at the file's end: a
+    truncated or padded payload is caught without reading the weights (transformers reads
+    them once, afterwards)."""
+    size = f.stat().st_size
+    with f.open("rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = int.from_bytes(raw, "little")
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+        header = json.loads(fh.read(n))
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    if 8 + n + max(ends, default=0) != size:
+        raise ValueError(f"tensor data ends at byte {8 + n + max(ends, default=0)}, the file "
+                         f"has {size}")
+    with safe_open(str(f), framework="pt") as h:  # the header's dtypes and shapes agree
+        list(h.keys())
+
+
+def check_policy(model, tokenizer, name: str) -> None:
+    """Refuse a checkpoint whose embedding has fewer rows than the tokenizer has tokens (an
+    id past the table is an IndexError deep inside sampling)."""
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    if rows is not None and rows < len(tokenizer):
+        raise UsageError(
+            f"policy {name!r}: the model's vocabulary has {rows} rows but the tokenizer has "
+            f"{len(tokenizer)} tokens; ids >= {rows} would index past the embedding: resize "
+            "the embeddings (model.resize_token_embeddings(len(tokenizer))) and save again")
 
 
 def load_policy(
@@ -92,10 +131,15 @@ def load_policy(
         )
     _validate_weights(p)
     kwargs = dict(local_files_only=True, trust_remote_code=bool(trust_remote_code))
+    if not any((p / x).is_file() for x in _TOKENIZER_FILES):
+        raise UsageError(f"policy={str(path)!r} has no tokenizer (none of "
+                         f"{list(_TOKENIZER_FILES)}); save the tokenizer into the directory "
+                         "(tokenizer.save_pretrained(DIR))")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), **kwargs)
     except Exception as err:  # noqa: BLE001
-        raise UsageError(f"cannot load the tokenizer from {str(p)!r}: {err}") from err
+        first = " ".join(str(err).split())[:300]
+        raise UsageError(f"cannot load the tokenizer from {str(p)!r}: {first}") from err
     try:
         with _quiet_hf():
             model = AutoModelForCausalLM.from_pretrained(
@@ -103,6 +147,7 @@ def load_policy(
             )
     except Exception as err:  # noqa: BLE001
         raise UsageError(f"cannot load the model from {str(p)!r}: {err}") from err
+    check_policy(model, tokenizer, str(path))
     if tokenizer.pad_token_id is None:
         # Batched sampling needs a pad id; reusing eos (the usual convention) changes nothing
         # because padded positions are masked out.

@@ -3,7 +3,9 @@
     batch = sample(policy, task, task.prompts(4, seed=0), G=8, seed=0)
 
 All B = P * G rows advance in lock step, one token per model call after a prefill of the
-left-padded prompts. A row stops at EOS (variable-length tasks), after exactly
+left-padded prompts. A row stops at a stop token or stop string (variable-length tasks; the
+stop set, :func:`stop_set`, is the union of the tokenizer's eos, the checkpoint's
+``generation_config.eos_token_id`` and the task's ``stop`` strings), after exactly
 ``max_new_tokens`` tokens (fixed-length tasks: EOS is then an ordinary token), or when a
 multi-turn environment ends the episode. In multi-turn tasks, when the policy emits the task's
 ``turn_end`` symbol, ``task.env_step`` returns tool output whose tokens are fed to the model one
@@ -34,6 +36,7 @@ until that backward: memory grows with T (and the saved keys and values as T^2).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -53,6 +56,7 @@ from varbench.rollout.batch import RolloutBatch
 from varbench.rollout.kvcache import autograd_cache
 from varbench.rollout.kvcache import grow_cache as _grow_cache
 from varbench.tasks.base import Prompt, Task
+from varbench.tasks.verifiers import note_responses
 
 
 def _check_args(policy, task, prompts, G, temperature, top_k, top_p) -> None:
@@ -118,6 +122,48 @@ def encode_prompts(tokenizer, prompts: Sequence[Prompt], *,
             torch.tensor(real, dtype=torch.long, device=device))
 
 
+def stop_set(policy: Policy, task: Task) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``(token ids, text strings)`` that end a response of a variable-length task.
+
+    The ids are the union of the tokenizer's ``eos_token_id``, the checkpoint's
+    ``generation_config.eos_token_id`` (an int or a list: a Llama-3-Instruct checkpoint ends
+    its turns with ``<|eot_id|>``, not the tokenizer's ``<|end_of_text|>``) and each of the
+    task's ``stop_strings`` that is one token of the vocabulary; the other stop strings are
+    matched in the decoded text. Fixed-length tasks ignore the set (EOS is an ordinary token).
+    """
+    tok = policy.tokenizer
+    ids: list[int] = []
+    if tok.eos_token_id is not None:
+        ids.append(int(tok.eos_token_id))
+    gen = getattr(policy.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    for x in (extra if isinstance(extra, (list, tuple)) else [extra]):
+        if isinstance(x, int) and not isinstance(x, bool):
+            ids.append(int(x))
+    texts: list[str] = []
+    vocab = tok.get_vocab()
+    for s in task.stop_strings:
+        if s in vocab:
+            ids.append(int(vocab[s]))
+        else:
+            texts.append(s)
+    return tuple(dict.fromkeys(ids)), tuple(dict.fromkeys(texts))
+
+
+def truncated_rows(tokens: torch.Tensor, stop: torch.Tensor, T: int,
+                   stop_ids: Sequence[int]) -> torch.Tensor:
+    """[B] bool: rows that took all ``T`` steps without ending on a stop token (cut off at
+    ``max_new_tokens``); ``tokens`` [B, >=T], ``stop`` [B] steps each row took."""
+    ran = stop >= T
+    if T == 0 or not bool(ran.any()):
+        return ran
+    if stop_ids:
+        last = tokens[:, T - 1]
+        ran = ran & ~torch.isin(last, torch.tensor(list(stop_ids), dtype=last.dtype,
+                                                   device=last.device))
+    return ran
+
+
 @torch.no_grad()  # model calls run in inference_mode inside; the outputs stay ordinary tensors
 def sample(
     policy: Policy,
@@ -164,7 +210,13 @@ def sample(
             f"prompt of {longest} tokens + max_new_tokens={T} exceeds the context of "
             f"{policy.context_length} tokens of policy {policy.name!r}"
         )
-    eos = tok.eos_token_id
+    stop_ids, stop_texts = stop_set(policy, task)
+    if not task.fixed_length and not stop_ids and not stop_texts:
+        warnings.warn(
+            f"policy {policy.name!r} has no stop token (no tokenizer eos, no "
+            f"generation_config.eos_token_id) and task {task.name!r} no stop strings: every "
+            f"response runs to max_new_tokens={T}; set the task's stop knob (e.g. --knob "
+            "stop='<|im_end|>')", UserWarning, stacklevel=2)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     turn_ids = (tok(task.turn_end, add_special_tokens=False)["input_ids"]
                 if task.multi_turn else [])
@@ -207,7 +259,8 @@ def sample(
         attn_all = torch.ones((B, Lp + T), dtype=pmask.dtype, device=dev)
         attn_all[:, :Lp] = pmask.repeat_interleave(G, 0)
         pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
-        loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=eos, turn_ids=turn_ids,
+        loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=stop_ids,
+                     stop_texts=stop_texts, turn_ids=turn_ids,
                      gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                      stat_dtype=sdt, differentiable=differentiable,
                      out=(tokens, mask, env, lp_out, spsq_out, ent_out, stop))
@@ -227,6 +280,10 @@ def sample(
                              skip_special_tokens=True)
     scores = [task.score(prompts[b // G], texts[b], reward) for b in range(B)]
     rewards = torch.tensor(scores, dtype=torch.float32, device=dev).reshape(P, G)
+    n_cut = (0 if task.fixed_length or used < T else
+             int(truncated_rows(res[0], stop, T, stop_ids).sum()))
+    note_responses(task, n=B, n_zero=sum(1 for x in scores if x == 0), n_truncated=n_cut,
+                   max_new_tokens=T)
     shape = (P, G, used)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(out_dev),
@@ -248,6 +305,8 @@ def sample(
             "top_p": top_p, "greedy": bool(greedy),
             "on_policy": _plain(temperature, top_k, top_p) and not greedy,
             "prompt_objects": list(prompts),
+            "stop_ids": list(stop_ids), "stop_strings": list(stop_texts),
+            "truncated": n_cut,
         },
     )
 
@@ -271,9 +330,18 @@ class _Loop:
     """
 
     def __init__(self, *, task, prompts, G, tok, T, eos, turn_ids, gen, greedy, temperature,
-                 top_k, top_p, stat_dtype, out, differentiable=False):
+                 top_k, top_p, stat_dtype, out, differentiable=False, stop_texts=()):
         self.task, self.prompts, self.G, self.tok, self.T = task, prompts, G, tok, T
-        self.eos, self.turn_ids, self.gen, self.greedy = eos, turn_ids, gen, greedy
+        # eos: the stop token ids (a tuple, see stop_set); stop_texts: strings matched in text
+        self.eos, self.turn_ids, self.gen, self.greedy = tuple(eos), turn_ids, gen, greedy
+        self.eos_set = frozenset(self.eos)
+        self.stop_texts = tuple(stop_texts)
+        # decoded tail long enough to hold any stop string (in tokens), plus a margin
+        self.tail = max((len(tok(x, add_special_tokens=False)["input_ids"])
+                         for x in self.stop_texts), default=0) + 2
+        dev = out[0].device
+        self.eos_ids = (torch.tensor(self.eos, dtype=torch.long, device=dev) if self.eos
+                        else None)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.plain = _plain(temperature, top_k, top_p)
         self.stat_dtype = stat_dtype
@@ -328,6 +396,8 @@ class _Loop:
                         self.act_host = [self.act_host[s] for s in keep_host]
                     else:
                         keep = (~finished).nonzero().flatten()
+                        if self.stop_texts:
+                            self.act_host = [self.act_host[s] for s in keep.tolist()]
                     act, cur = act[keep], cur[keep]
                     attn_all, pos_all = attn_all[keep], pos_all[keep]
                     cache.batch_select_indices(keep)
@@ -407,11 +477,22 @@ class _Loop:
         pending.difference_update(b for b in rows if not queues[b])
 
     def _finished(self, cur, is_pol) -> torch.Tensor:
-        """[A] bool, single-turn: rows that stop after this step (EOS of a variable-length task)."""
+        """[A] bool, single-turn: rows that stop after this step (a stop token or, with stop
+        strings, a decoded tail holding one; variable-length tasks only)."""
         pol = is_pol if is_pol is not None else torch.ones_like(cur, dtype=torch.bool)
         finished = torch.zeros_like(pol)
-        if not self.task.fixed_length and self.eos is not None:
-            finished |= pol & (cur == self.eos)
+        if self.task.fixed_length:
+            return finished
+        if self.eos_ids is not None:
+            finished |= pol & (torch.isin(cur, self.eos_ids) if len(self.eos) > 1
+                               else cur == self.eos[0])
+        if self.stop_texts:  # one host transfer of the step's tokens
+            hit = []
+            for b, y in zip(self.act_host, cur.tolist(), strict=True):
+                self.history[b].append(y)
+                tail = self.tok.decode(self.history[b][-self.tail:], skip_special_tokens=False)
+                hit.append(any(x in tail for x in self.stop_texts))
+            finished |= torch.tensor(hit, dtype=torch.bool, device=cur.device)
         return finished
 
     def _finished_host(self, cur, t) -> tuple[torch.Tensor, list[int]]:
@@ -425,14 +506,14 @@ class _Loop:
         task, tok, T = self.task, self.tok, self.T
         toks = cur.tolist()  # the one host sync of a multi-turn step
         env_slots, self.env_slots = self.env_slots, set()
-        eos = self.eos if not task.fixed_length else None
+        eos = self.eos_set if not task.fixed_length else frozenset()
         one_id = self.turn_ids[0] if len(self.turn_ids) == 1 else None
         done = [False] * len(toks)
         for s, (b, y) in enumerate(zip(self.act_host, toks, strict=True)):
             self.history[b].append(y)
             if s in env_slots:  # an environment token: neither EOS nor a turn end
                 continue
-            if eos is not None and y == eos:
+            if y in eos:
                 done[s] = True
                 continue
             if one_id is not None and y != one_id:

@@ -108,6 +108,18 @@ class Task:
         called once the policy is built. Toy tasks need nothing."""
 
     @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Strings (or single tokens) that end a response besides the policy's eos tokens (the
+        sampler's stop set, :func:`varbench.rollout.sampler.stop_set`); a dataset task's
+        ``stop`` knob. Default: none."""
+        return ()
+
+    def scoring_hint(self) -> str:
+        """What a user should check when every reward is 0 (a dataset task names its verifier
+        and prompt format); ``""``: say nothing (a toy task at random init scores 0)."""
+        return ""
+
+    @property
     def has_demonstrations(self) -> bool:
         """Whether :meth:`demonstration` gives a correct response (warm start needs it)."""
         return True

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import random
 from pathlib import Path
@@ -41,11 +42,20 @@ from varbench._util.checks import (
     check_positive_int,
 )
 from varbench.tasks.base import SPLITS, Prompt, Task
-from varbench.tasks.verifiers import resolve_verifier, safe_score
+from varbench.tasks.verifiers import (
+    UnreadableNumber,
+    final_number,
+    has_math_verify,
+    pick_verifier,
+    resolve_verifier,
+    safe_score,
+)
 
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 PROMPT_KEYS = ("prompt", "question", "problem")
 CHAT = ("auto", "true", "false")
+# held-out split of a DatasetDict read without the split knob, first present wins
+HELDOUT_SPLITS = ("test", "validation")
 # (resolved path, size, mtime ns, split) -> rows: a suite validates a task and then runs it
 _ROWS_CACHE: dict[tuple, list[dict[str, Any]]] = {}
 
@@ -69,7 +79,19 @@ def _fingerprint_files(path: Path) -> str:
 
 
 def read_rows(path: str | Path, *, split: str = "") -> list[dict[str, Any]]:
-    """The rows (dicts) of a data file or ``save_to_disk`` directory; UsageError on bad input."""
+    """The rows (dicts) of a data file or ``save_to_disk`` directory; UsageError on bad input.
+
+    A DatasetDict directory read without ``split`` gives its ``train`` split followed by its
+    held-out split (:data:`HELDOUT_SPLITS`); :func:`read_split_rows` says which row is which.
+    """
+    return read_split_rows(path, split=split)[0]
+
+
+def read_split_rows(path: str | Path, *, split: str = ""
+                    ) -> tuple[list[dict[str, Any]], tuple[str, int] | None]:
+    """``(rows, held)``: the rows of :func:`read_rows`, and when they come from a
+    DatasetDict's ``train`` and held-out split, ``held = (held-out split name, number of train
+    rows)`` (the train rows come first), else None."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UsageFileNotFoundError(
@@ -82,7 +104,46 @@ def read_rows(path: str | Path, *, split: str = "") -> list[dict[str, Any]]:
     return _ROWS_CACHE[key]
 
 
-def _read(p: Path, split: str) -> list[dict[str, Any]]:
+def _text(p: Path) -> str:
+    """The file decoded as UTF-8; a byte that is not UTF-8 is a one-line error naming its line."""
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # a UTF-8 byte-order mark (Excel's CSV) is dropped
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise UsageError(
+            f"task={str(p)!r}: line {line} is not UTF-8 (byte {data[err.start]:#04x} at offset "
+            f"{err.start}); save the file as UTF-8") from None
+
+
+def _read_csv(p: Path, text: str) -> list[dict[str, Any]]:
+    """A CSV with a header row read by pyarrow: every column as text (``007`` stays ``007``),
+    an empty cell as null (the missing-value rule refuses it where it matters)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+    except ImportError:
+        raise UsageError(f"task={str(p)!r}: reading .csv needs pyarrow; pip install "
+                         "'varbench[data]'") from None
+    header = next(csv.reader(io.StringIO(text)), [])
+    if not header:
+        return []
+    if len(set(header)) != len(header):
+        raise UsageError(f"task={str(p)!r}: the header row repeats a column name: {header}")
+    try:
+        table = pcsv.read_csv(
+            pa.BufferReader(text.encode("utf-8")),
+            parse_options=pcsv.ParseOptions(newlines_in_values=True),
+            convert_options=pcsv.ConvertOptions(
+                column_types={c: pa.string() for c in header}, strings_can_be_null=True,
+                quoted_strings_can_be_null=False))
+    except Exception as err:  # noqa: BLE001 - pyarrow's message names the row: one line
+        msg = " ".join(str(err).split())
+        raise UsageError(f"task={str(p)!r}: cannot read the CSV ({msg})") from None
+    return table.to_pylist()
+
+
+def _read(p: Path, split: str) -> tuple[list[dict[str, Any]], tuple[str, int] | None]:
     if p.is_dir():
         return _read_saved(p, split)
     ext = p.suffix.lower()
@@ -91,22 +152,21 @@ def _read(p: Path, split: str) -> list[dict[str, Any]]:
                          "a file (its held-out rows come from the heldout fraction)")
     if ext == ".jsonl":
         rows = []
-        with p.open(encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UsageError(f"task={str(p)!r}: line {i} is not valid JSON ({err})"
-                                     ) from None
-                if not isinstance(row, dict):
-                    raise UsageError(f"task={str(p)!r}: line {i} is not a JSON object")
-                rows.append(row)
-        return rows
+        for i, line in enumerate(_text(p).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UsageError(f"task={str(p)!r}: line {i} is not valid JSON ({err})"
+                                 ) from None
+            if not isinstance(row, dict):
+                raise UsageError(f"task={str(p)!r}: line {i} is not a JSON object")
+            rows.append(row)
+        return rows, None
     if ext == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(_text(p))
         except json.JSONDecodeError as err:
             raise UsageError(f"task={str(p)!r}: not valid JSON ({err})") from None
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())),
@@ -114,10 +174,9 @@ def _read(p: Path, split: str) -> list[dict[str, Any]]:
             data = next(iter(data.values()))  # {"data": [...]}
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise UsageError(f"task={str(p)!r}: expected a JSON list of objects")
-        return data
+        return data, None
     if ext == ".csv":
-        with p.open(encoding="utf-8", newline="") as fh:
-            return list(csv.DictReader(fh))
+        return _read_csv(p, _text(p)), None
     if ext == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -125,14 +184,14 @@ def _read(p: Path, split: str) -> list[dict[str, Any]]:
             raise UsageError(f"task={str(p)!r}: reading .parquet needs pyarrow; pip install "
                              "'varbench[data]'") from None
         try:
-            return pq.read_table(p).to_pylist()
+            return pq.read_table(p).to_pylist(), None
         except Exception as err:  # noqa: BLE001 - a corrupt file: name it
             raise UsageError(f"task={str(p)!r}: cannot read parquet file ({err})") from None
     raise UsageError(f"task={str(p)!r}: unknown data file extension {p.suffix!r}; choose one "
                      f"of {list(EXTENSIONS)} or a datasets save_to_disk directory")
 
 
-def _read_saved(p: Path, split: str) -> list[dict[str, Any]]:
+def _read_saved(p: Path, split: str) -> tuple[list[dict[str, Any]], tuple[str, int] | None]:
     try:
         import datasets
     except ImportError:
@@ -147,12 +206,31 @@ def _read_saved(p: Path, split: str) -> list[dict[str, Any]]:
         names = list(ds)
         if split:
             check_choice("knob split", split, names)
-            return ds[split].to_list()
-        return [row for n in names for row in ds[n].to_list()]
+            return ds[split].to_list(), None
+        held = next((n for n in HELDOUT_SPLITS if n in names), None)
+        if "train" in names and held is not None:
+            train = ds["train"].to_list()
+            return train + ds[held].to_list(), (held, len(train))
+        if names == ["train"]:
+            return ds["train"].to_list(), None
+        # splits of unknown roles are never mixed: a test row must not reach training
+        raise UsageError(f"task={str(p)!r} is a DatasetDict with splits {names}, not 'train' "
+                         f"and one of {list(HELDOUT_SPLITS)}; choose one with --knob split=NAME "
+                         "(its held-out rows then come from the heldout fraction)")
     if split:
         raise UsageError(f"knob split={split!r}: {str(p)!r} holds one Dataset, not a "
                          "DatasetDict with splits; drop the split knob")
-    return ds.to_list()
+    return ds.to_list(), None
+
+
+def _missing(value: Any) -> bool:
+    """The one missing-value rule of every format: absent, null (JSON null, Parquet null, an
+    empty CSV cell, NaN) or text that is empty after stripping."""
+    if value is None:
+        return True
+    if isinstance(value, float) and value != value:  # NaN: pandas' missing value
+        return True
+    return isinstance(value, str) and not value.strip()
 
 
 class DatasetTask(Task):
@@ -161,22 +239,26 @@ class DatasetTask(Task):
     name = "dataset"
     rewards = ("exact",)
     knob_defaults = {
-        "prompt_key": "", "answer_key": "answer", "solution_key": "", "verifier": "exact",
+        "prompt_key": "", "answer_key": "answer", "solution_key": "", "verifier": "auto",
         "system": "", "chat": "auto", "max_new_tokens": 64, "heldout": 0.2, "split_seed": 0,
-        "split": "", "limit": 0,
+        "split": "", "limit": 0, "stop": [],
     }
     knob_help = {
         "prompt_key": "column of the question (default: first of prompt, question, problem)",
         "answer_key": "column of the answer (default answer)",
         "solution_key": "column of a correct response (demonstrations for warm start)",
-        "verifier": "exact, number, math, choice or MODULE:FUNCTION(question, response, answer)",
+        "verifier": "auto (chosen from the answers), exact, number, math, choice or "
+                    "MODULE:FUNCTION(question, response, answer)",
         "system": "system message",
         "chat": "auto (use the tokenizer's chat template if any), true, false",
         "max_new_tokens": "response budget in tokens (default 64)",
         "heldout": "held-out fraction (default 0.2)",
         "split_seed": "seed of the hash that splits train / heldout",
-        "split": "a DatasetDict split to read (default: all splits)",
+        "split": "a DatasetDict split to read (default: train, held out from test or "
+                 "validation)",
         "limit": "use the first N rows only (0: all)",
+        "stop": "strings (or tokens) that end a response, besides the tokenizer's and the "
+                "checkpoint's eos (a string or a list)",
     }
 
     def __init__(self, path: str | Path, **knobs: Any) -> None:
@@ -203,17 +285,26 @@ class DatasetTask(Task):
         check_positive_int(f"task {self.spec!r} knob max_new_tokens", k["max_new_tokens"])
         check_positive_int(f"task {self.spec!r} knob limit", k["limit"], minimum=0)
         check_positive_int(f"task {self.spec!r} knob split_seed", k["split_seed"], minimum=0)
+        stop = [k["stop"]] if isinstance(k["stop"], str) else k["stop"]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x
+                                                          for x in stop):
+            raise UsageError(f"task {self.spec!r} knob stop={k['stop']!r} is not valid; "
+                             "expected a non-empty string or a list of them")
+        k["stop"] = list(stop)
         h = k["heldout"]
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < 1:
             raise UsageError(f"task {self.spec!r} knob heldout={h!r} is not valid; expected a "
                              "fraction strictly between 0 and 1")
-        self._verify = resolve_verifier(k["verifier"])
+        self._verify = None if k["verifier"] == "auto" else resolve_verifier(k["verifier"])
+        self.verifier = k["verifier"]  # the verifier used: 'auto' resolves in _load
 
     def _load(self) -> None:
         k = self.knobs
-        rows = read_rows(self.path, split=k["split"])
+        rows, dict_split = read_split_rows(self.path, split=k["split"])
         if not rows:
             raise UsageError(f"task={self.spec!r}: the data set is empty (no rows)")
+        # DatasetDict: rows of 'train' first, then those of its held-out split
+        held_split, n_train = dict_split if dict_split is not None else (None, None)
         if k["limit"]:
             rows = rows[: k["limit"]]
         columns = list(dict.fromkeys(c for r in rows[:100] for c in r))
@@ -229,22 +320,43 @@ class DatasetTask(Task):
                                  f"columns found: {columns}; set --knob {knob}=COLUMN")
         self.prompt_key = pkey
         self.rows: list[tuple[str, str, str | None]] = []
+        cols = [(pkey, "prompt"), (k["answer_key"], "answer")]
+        if k["solution_key"]:
+            cols.append((k["solution_key"], "solution"))
         for i, r in enumerate(rows):
-            q, a = r.get(pkey), r.get(k["answer_key"])
-            if q is None or a is None or str(q) == "":
-                raise UsageError(f"task={self.spec!r}: row {i} has no value for "
-                                 f"{pkey if q is None or str(q) == '' else k['answer_key']!r}")
+            for col, role in cols:
+                if _missing(r.get(col)):
+                    raise UsageError(
+                        f"task={self.spec!r}: row {i + 1} has no {role} (column {col!r} is "
+                        f"{'missing' if col not in r else repr(r.get(col))}); every row needs a "
+                        "non-empty prompt and answer: fill it or drop the row")
             sol = r.get(k["solution_key"]) if k["solution_key"] else None
-            self.rows.append((str(q), str(a), None if sol is None else str(sol)))
+            self.rows.append((str(r[pkey]), str(r[k["answer_key"]]),
+                              None if sol is None else str(sol)))
+        if self._verify is None:  # auto: chosen from the answer column
+            self.verifier = pick_verifier([a for _, a, _ in self.rows])
+            self._verify = resolve_verifier(self.verifier)
+        if self.verifier == "number":
+            self._check_numbers()
         texts = sorted({q for q, _, _ in self.rows},
                        key=lambda t: hashlib.sha256(f"{k['split_seed']}:{t}".encode()).digest())
         if len(texts) < 2:
             raise UsageError(f"task={self.spec!r} has {len(texts)} distinct prompt(s); need at "
                              "least 2 for disjoint train / heldout splits")
-        n_held = min(len(texts) - 1, max(1, round(len(texts) * k["heldout"])))
-        held = set(texts[:n_held])
+        if n_train is not None and n_train < len(self.rows):
+            # a DatasetDict's own split: train rows from 'train', held-out from its test split;
+            # a problem in both is held out (train and held-out never share a problem)
+            held = {r[0] for r in self.rows[n_train:]}
+            self.heldout_source = held_split
+        else:
+            n_held = min(len(texts) - 1, max(1, round(len(texts) * k["heldout"])))
+            held = set(texts[:n_held])
+            self.heldout_source = None
         self._pools = {"heldout": [i for i, r in enumerate(self.rows) if r[0] in held],
                        "train": [i for i, r in enumerate(self.rows) if r[0] not in held]}
+        if not self._pools["train"]:
+            raise UsageError(f"task={self.spec!r}: every 'train' problem is also in the "
+                             f"held-out split {held_split!r}; nothing is left to train on")
         self._fingerprint = _fingerprint_files(self.path)
 
     def bind(self, tokenizer) -> None:
@@ -280,6 +392,31 @@ class DatasetTask(Task):
             if ids and ids[0] == tok.bos_token_id:
                 text = text[len(bos):]  # the tokenizer adds BOS itself when encoding
         return text
+
+    def _check_numbers(self) -> None:
+        """verifier=number: every answer must have a final number it reads (else say so now,
+        not as a 0 on every response)."""
+        for i, (_, a, _) in enumerate(self.rows):
+            try:
+                ok = final_number(a) is not None
+            except UnreadableNumber:
+                ok = has_math_verify()
+            if not ok:
+                raise UsageError(
+                    f"task={self.spec!r}: verifier=number cannot read a number in the answer "
+                    f"of row {i + 1} ({a[-60:]!r}); choose verifier=math, exact or choice")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.knobs["stop"])
+
+    def scoring_hint(self) -> str:
+        """What to check when every reward is 0: the verifier and the prompt format."""
+        fmt = ("the tokenizer's chat template" if self._tokenizer is not None else
+               "plain text (no chat template)")
+        return (f"verifier {self.verifier!r} (--knob verifier=number|math|exact|choice) on "
+                f"answers like {self.rows[0][1][:40]!r}, or the prompts' format ({fmt}; "
+                "--knob chat=...)")
 
     # ---- the Task protocol -------------------------------------------------------------------
     def _make_prompt(self, data: tuple[int, ...]) -> Prompt:
@@ -332,7 +469,7 @@ class DatasetTask(Task):
         """The verifier's score; 0 (and one more ``verifier_errors``) when it fails."""
         self.check_reward(reward)
         question = prompt.meta.get("question", prompt.text)
-        value, err = safe_score(self._verify, self.knobs["verifier"], question, str(response),
+        value, err = safe_score(self._verify, self.verifier, question, str(response),
                                 prompt.answer)
         if err is not None:
             self.verifier_errors += 1
@@ -347,4 +484,6 @@ class DatasetTask(Task):
     def describe(self) -> str:
         return (f"{self.spec} (dataset, {len(self.rows)} rows: {self.split_size('train')} train"
                 f" / {self.split_size('heldout')} heldout; prompt column {self.prompt_key!r}) "
-                f"verifier={self.knobs['verifier']}")
+                f"verifier={self.verifier}"
+                f"{' (auto)' if self.knobs['verifier'] == 'auto' else ''}"
+                f"{f'; held out: split {self.heldout_source!r}' if self.heldout_source else ''}")

@@ -61,6 +61,12 @@ def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
     from varbench.train.policies import check_dtype_on_device, prepare_for_task
 
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    if dtype is None and next(policy.model.parameters()).dtype == torch.float16:
+        from varbench._util.checks import UsageError
+
+        raise UsageError(f"dtype='auto' on {policy.name!r}, a float16 checkpoint, would train "
+                         "in float16, which needs loss scaling; choose dtype='bfloat16' or "
+                         "'float32'")
     check_dtype_on_device(dtype, config.device)
     model = copy.deepcopy(policy.model).to(device=config.device, dtype=dtype)
     own = Policy(model=model, tokenizer=copy.deepcopy(policy.tokenizer), name=policy.name,
