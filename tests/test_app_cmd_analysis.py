@@ -18,19 +18,24 @@ PROXY = ["--preset", "micro", "--states", "random", "--task", "sort", "--knob", 
 def test_cancellation_applies_its_knobs(tmp_path, monkeypatch):
     """Regression: `varbench cancellation --knob ...` used to be accepted and ignored."""
     seen = []
-    real = specs.resolve_task
 
-    def spy(spec, knobs=None):
-        seen.append((spec, dict(knobs or {})))
-        return real(spec, knobs)
+    def spying(name):
+        real = getattr(specs, name)
 
-    monkeypatch.setattr(specs, "resolve_task", spy)
+        def spy(spec, knobs=None):
+            seen.append((name, spec, dict(knobs or {})))
+            return real(spec, knobs)
+        monkeypatch.setattr(specs, name, spy)
+
+    spying("check_task_spec")
+    spying("resolve_task")
     code = main(["cancellation", "--preset", "micro", "--states", "random", "--tasks", "arith",
                  "--knob", "digits=2", "--prompts", "1", "-G", "2", "--inner-steps", "0",
                  "--sketch-dim", "0", "--no-progress", "--out", str(tmp_path / "c")])
     assert code == 0
-    # resolved twice with the knobs: validated when the case is parsed, then built to run
-    assert seen == [("arith", {"digits": 2})] * 2
+    # with the knobs twice: validated when the case is parsed, then built to run
+    assert seen == [("check_task_spec", "arith", {"digits": 2}),
+                    ("resolve_task", "arith", {"digits": 2})]
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert summary["analyses"][0]["provenance"]["config"]["knobs"] == {"digits": 2}
 
