@@ -427,6 +427,12 @@ def test_to_flat_reads_verl_config_and_keywords_and_refuses_the_rest():
     with pytest.raises(TypeError, match="unknown option 'gamma'"):
         E.to_flat("rloo")(tok, mask, ids, gamma=0.9)
     E.to_flat("rloo", ignore=("gamma",))(tok, mask, ids, gamma=0.9)
+    # options given at construction are checked there, before any rollout
+    with pytest.raises(TypeError, match="unknown option 'foo'"):
+        E.to_flat("rloo", foo=1)
+    with pytest.raises(TypeError, match="epsilon=0.5 has no meaning"):
+        E.to_flat("rloo", epsilon=0.5)
+    E.to_flat("rloo", foo=1, ignore=("foo",))
     with pytest.raises(ValueError, match="index=None"):
         E.to_flat("rloo")(tok, mask, None)
 

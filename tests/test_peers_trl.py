@@ -1,8 +1,11 @@
-"""varbench against the real TRL 1.16.0: a real GRPOTrainer run on CPU with varbench's callback
-(records rendered by the report writer), TRL's group-scaled advantages from that run against
-varbench's schemes, and the subclass hook that puts varbench's advantages into TRL."""
+"""varbench against the real TRL 1.16.0: real GRPOTrainer runs on the CPU with varbench's
+callback (fp32, bf16, LoRA; the variance record against an offline measurement of the same
+batch and weights; TensorBoard), TRL's group-scaled advantages against varbench's schemes, and
+the subclass hook that puts varbench's advantages (OTB included) into TRL."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -12,49 +15,222 @@ trl = require("trl")
 datasets = require("datasets")
 
 import varbench.estimators as E  # noqa: E402
+from varbench._util.checks import UsageError  # noqa: E402
+from varbench.grads.stats import forward_stats  # noqa: E402
 from varbench.integrations.trl import VarbenchCallback, with_varbench_advantages  # noqa: E402
 from varbench.models import build_policy  # noqa: E402
+from varbench.models.logits import token_logprobs  # noqa: E402
 from varbench.report import write_report  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reward(completions, **kwargs):
-    return [float(c.count("1")) - 0.5 * float(c.count("2")) for c in completions]
+    return [float(c.count("1")) - 0.5 * float(c.count("2")) + 0.1 * len(c)
+            for c in completions]
 
 
-def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, **config):
+def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, model=None, reward=_reward,
+             **config):
     policy = build_policy("micro", seed=0)
     tok = policy.tokenizer
     ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2=", "<sort>2,2,1",
                                                 "<sum>4:"] * 4})
+    config = {"per_device_train_batch_size": 8, "report_to": [], **config}
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=6, max_steps=steps, learning_rate=1e-3, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0, scale_rewards=scale_rewards,
-        temperature=1.0, dataloader_num_workers=0, **config,
+        output_dir=str(tmp_path / "out"), num_generations=4, max_completion_length=6,
+        max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        use_cpu=True, seed=0, scale_rewards=scale_rewards, temperature=1.0,
+        dataloader_num_workers=0, **config,
     )
     cls = cls or trl.GRPOTrainer
-    return cls(model=policy.model, reward_funcs=_reward, args=args, train_dataset=ds,
-               processing_class=tok)
+    return cls(model=model if model is not None else policy.model, reward_funcs=reward,
+               args=args, train_dataset=ds, processing_class=tok)
+
+
+class _Keep:
+    """Wraps the callback's measurement to keep, for the first measured batch, TRL's batch
+    dict and a copy of the trainable weights at that moment (for the offline reference)."""
+
+    def __init__(self, cb):
+        self.out, self.weights = None, None
+        real = cb._measure
+
+        def measure(out):
+            if self.out is None:
+                self.out = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in out.items()}
+                self.weights = {n: p.detach().clone()
+                                for n, p in cb._trainer.model.named_parameters()}
+            real(out)
+        cb._measure = measure
+
+
+def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
+    """Split-half variance of the batch gradient by varbench's own formulas on a model with
+    the measured weights: ``||w_1 g_1 - w_2 g_2||^2`` with TRL's documented normalisers
+    (grpo: mean over rows of the row's token mean; bnpo/dapo: token sum over the batch's
+    tokens; dr_grpo: token sum over rows x max_completion_length); ratio 1, no KL."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    m = out["completion_mask"].double()
+    A = out["advantages"].double()
+    B, T = m.shape
+    Lp = out["prompt_ids"].shape[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = B // 2
+    grads = []
+    for rows in (slice(0, n), slice(n, B)):
+        logits = model(input_ids=ids[rows], attention_mask=attn[rows]).logits.double()
+        logp = token_logprobs(logits, ids[rows])[:, Lp:]
+        term = -A[rows, None] * logp * m[rows]
+        if loss_type == "grpo":
+            loss = (term.sum(1) / m[rows].sum(1).clamp(min=1)).sum() / B  # w = 1/2 of a mean
+        elif loss_type in ("bnpo", "dapo"):
+            loss = term.sum() / m.sum()
+        else:  # dr_grpo
+            loss = term.sum() / (B * max_len)
+        grads.append(torch.autograd.grad(loss, params))
+    return sum(float((a - b).double().pow(2).sum()) for a, b in zip(*grads, strict=True))
 
 
 def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
     trainer = _trainer(tmp_path)
-    cb = VarbenchCallback(every=1, sketch_dim=8, proxy_rows=3).attach(trainer)
+    cb = VarbenchCallback(every=1, proxy_rows=3).attach(trainer)
     trainer.train()
     metrics = {r["metric"] for r in cb.records}
     assert {"groups", "all_agree_groups", "nonzero_raw", "nonzero_centered",
-            "grad_var_split", "proxy_exact_corr"} <= metrics, metrics
-    steps = {r["step"] for r in cb.records}
-    assert steps == {1, 2}
-    by = {(r["step"], r["metric"]): r["value"] for r in cb.records}
-    assert by[(1, "groups")] == 2 and by[(1, "responses")] == 8
-    assert by[(1, "grad_var_split")] >= 0
-    assert -1 <= by[(1, "proxy_exact_corr")] <= 1
-    logged = [h for h in trainer.state.log_history if "varbench/groups" in h]
-    assert len(logged) == 2  # beside TRL's own logs
+            "grad_var_split", "grad_sq_batch", "proxy_exact_corr"} <= metrics, metrics
+    assert {r["step"] for r in cb.records} == {1, 2}
+    assert {r["generation"] for r in cb.records} == {1, 2}
+    by = {(r["step"], r["metric"]): r for r in cb.records}
+    assert by[(1, "groups")]["value"] == 2 and by[(1, "responses")]["value"] == 8
+    assert by[(1, "grad_var_split")]["value"] > 0  # was 0.0 in fp32 (a copy without grads)
+    assert by[(1, "grad_var_split")]["params"] == sum(p.numel()
+                                                      for p in trainer.model.parameters())
+    assert -1 <= by[(1, "proxy_exact_corr")]["value"] <= 1
+    logged = [h for h in trainer.state.log_history if "varbench/grad_var_split" in h]
+    assert len(logged) == 2  # through trainer.log, beside TRL's own metrics
+    assert all(p.grad is None or True for p in trainer.model.parameters())
     out = write_report([cb.result()], tmp_path / "report")
     text = (out / "report.md").read_text()
     assert "grad_var_split" in text and "trl run" in text
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_callback_variance_equals_an_offline_measurement_fp32(tmp_path, loss_type):
+    """The record of the first batch = the split-half variance computed offline, by varbench's
+    formulas in float64, on the same batch and the weights that generated it."""
+    trainer = _trainer(tmp_path, steps=1, bf16=False, loss_type=loss_type)
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert rec["dtype"] == "torch.float32" and rec["loss_type"] == loss_type
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, loss_type)
+    assert want > 0
+    assert abs(rec["value"] - want) <= 1e-5 * want  # float32 arithmetic against float64
+
+
+def test_callback_variance_in_bf16_tracks_the_fp32_measurement(tmp_path):
+    """bf16=True: measured in what TRL trains in (its autocast forward), near the float64
+    offline value within bf16's rounding (unit roundoff 2^-8 = 3.9e-3; measured 3.0e-3)."""
+    trainer = _trainer(tmp_path, steps=1, bf16=True, loss_type="grpo")
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, "grpo")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 1e-2 * want
+
+
+def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
+    peft = require("peft")
+    base = build_policy("micro", seed=0).model
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # B != 0, so the A factors get gradients too
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    trainer = _trainer(tmp_path, steps=1, bf16=True, model=model, loss_type="grpo")
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    lora = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    assert rec["params"] == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    ref = peft.get_peft_model(build_policy("micro", seed=0).model,
+                              peft.LoraConfig(r=4, lora_alpha=8,
+                                              target_modules=["q_proj", "v_proj"]))
+    ref.load_state_dict(keep.weights, strict=True)
+    ref = ref.double()
+    want = _offline_variance(ref, keep.out, "grpo")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 1e-2 * want
+
+
+def test_callback_counts_each_generation_batch_once(tmp_path):
+    """steps_per_generation=2: one batch feeds two optimizer steps; one record set per batch,
+    tagged with its generation and the first step that uses it."""
+    trainer = _trainer(tmp_path, steps=4, per_device_train_batch_size=4, steps_per_generation=2)
+    cb = VarbenchCallback(every=1, measures=("counts", "variance")).attach(trainer)
+    trainer.train()
+    var = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert [r["generation"] for r in var] == [1, 2] and [r["step"] for r in var] == [1, 3]
+    cb2 = VarbenchCallback(every=2, measures=("counts",))
+    trainer = _trainer(tmp_path / "b", steps=4, per_device_train_batch_size=4,
+                       steps_per_generation=2)
+    cb2.attach(trainer)
+    trainer.train()
+    assert {r["generation"] for r in cb2.records} == {1} and cb2.generations == 2
+
+
+def test_callback_metrics_reach_a_tensorboard_event_file(tmp_path, monkeypatch):
+    require("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    trainer = _trainer(tmp_path, steps=2, report_to=["tensorboard"])
+    cb = VarbenchCallback(every=1, measures=("counts", "variance")).attach(trainer)
+    trainer.train()
+    files = list(logdir.rglob("events.out.tfevents.*"))
+    assert files
+    tags = set()
+    for f in files:
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "train/varbench/grad_var_split" in tags and "train/varbench/groups" in tags, tags
+    values = []
+    for f in files:
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if "train/varbench/grad_var_split" in acc.Tags()["scalars"]:
+            values += [e.value for e in acc.Scalars("train/varbench/grad_var_split")]
+    recs = [r["value"] for r in cb.records if r["metric"] == "grad_var_split"]
+    assert values == pytest.approx(recs, rel=1e-6)  # TensorBoard stores float32
+
+
+def test_callback_refuses_what_it_cannot_measure():
+    for bad in ({"every": 0}, {"every": True}, {"measures": ("nope",)}, {"measures": "counts"},
+                {"proxy_rows": 0}):
+        with pytest.raises(UsageError, match=next(iter(bad))):
+            VarbenchCallback(**bad)
+    fake = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=2),
+                                 loss_type="grpo")
+    with pytest.raises(UsageError, match="one process"):
+        VarbenchCallback().attach(fake)
+    fake.accelerator.num_processes, fake.loss_type = 1, "mystery"
+    with pytest.raises(UsageError, match="loss_type='mystery'"):
+        VarbenchCallback().attach(fake)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -86,6 +262,66 @@ def test_subclass_hook_puts_varbench_advantages_into_trl(tmp_path):
     want = E.advantages("rloo", b["rewards"].reshape(2, 4).float(), mask)
     assert b["advantages"].shape == mask.reshape(8, -1).shape
     torch.testing.assert_close(b["advantages"].float(), want.reshape(8, -1), rtol=0, atol=0)
+
+
+class _Spy(trl.GRPOTrainer):
+    def _generate_and_score_completions(self, *args, **kwargs):
+        out = super()._generate_and_score_completions(*args, **kwargs)
+        self.trl_advantages = out["advantages"].clone()
+        return out
+
+
+def _some_unscorable(completions, **kwargs):
+    return [None if i % 3 == 0 else v for i, v in enumerate(_reward(completions))]
+
+
+def test_hook_treats_unscorable_completions_as_trl_does(tmp_path):
+    """Every reward function returned None for rows 0, 3, 6: TRL leaves them out of the group
+    baseline and gives them advantage 0; the hook with normalized(eps=1e-4) gives TRL's
+    own group-scaled advantages on every row."""
+    cls = with_varbench_advantages(_Spy, "normalized", eps=1e-4)
+    trainer = _trainer(tmp_path, cls=cls, steps=1, reward=_some_unscorable)
+    cb = VarbenchCallback(every=1, measures=("counts",)).attach(trainer)
+    trainer.train()
+    got = cb._last["advantages"]
+    assert got.dim() == 2 and torch.isnan(cb._last["rewards"]).sum() == 3
+    assert (got[[0, 3, 6]] == 0).all()
+    want = trainer.trl_advantages
+    assert (got[:, 0].double() - want.double()).abs().max() <= 1e-6
+
+
+def test_hook_runs_otb_with_token_statistics_from_the_model(tmp_path):
+    cls = with_varbench_advantages(trl.GRPOTrainer, "otb")
+    trainer = _trainer(tmp_path, cls=cls, steps=1)
+    cb = VarbenchCallback(every=1, measures=("counts",)).attach(trainer)
+    trainer.train()
+    b = cb._last
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    cm = b["completion_mask"]
+    resp = torch.cat([torch.zeros_like(b["prompt_mask"]), cm], 1)
+    st = forward_stats(build_policy("micro", seed=0, dtype=torch.float64).model, ids, resp,
+                       torch.cat([b["prompt_mask"], cm], 1))
+    Lp = b["prompt_ids"].shape[1]
+    m = cm.reshape(2, 4, -1) != 0
+    want = E.advantages("otb", b["rewards"].reshape(2, 4).double(), m,
+                        logprobs=st.logp[:, Lp:].reshape(2, 4, -1),
+                        sum_pi_sq=st.sum_pi_sq[:, Lp:].reshape(2, 4, -1)).reshape(8, -1)
+    got = b["advantages"].double()
+    assert got.abs().max() > 0
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_hook_refuses_up_front(tmp_path):
+    with pytest.raises(UsageError, match="foo"):
+        with_varbench_advantages(trl.GRPOTrainer, "rloo", foo=1)
+    cls = with_varbench_advantages(trl.GRPOTrainer, "otb")
+    with pytest.raises(UsageError, match="temperature=0.7"):
+        policy = build_policy("micro", seed=0)
+        args = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=4, use_cpu=True,
+                              per_device_train_batch_size=8, temperature=0.7, report_to=[],
+                              max_steps=1)
+        cls(model=policy.model, reward_funcs=_reward, args=args, processing_class=policy.tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2"] * 8}))
 
 
 @pytest.mark.parametrize("loss_type", list(TRL_LOSSES))

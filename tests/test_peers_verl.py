@@ -282,7 +282,7 @@ def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
                                               b["mask"].long()], 1)
     batch = {**{k: data.batch[k] for k in data.batch.keys()}, "uid": data.non_tensor_batch["uid"]}
     records = batch_records(batch, step=3, model=build_policy("micro", seed=0).model,
-                            sketch_dim=8, proxy_rows=4)
+                            proxy_rows=4)
     by = {r["metric"]: r for r in records}
     assert by["all_agree_groups"]["value"] == 2  # the all-equal group and the G = 1 group
     assert by["groups"]["value"] == 7 and all(r["step"] == 3 for r in records)

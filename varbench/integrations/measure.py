@@ -6,10 +6,10 @@ statistics. Records (one dict per measured quantity, tidy: ``step, metric, value
 
 - builder-test counts: groups whose rewards all agree, responses whose raw advantage (R) is
   non-zero and whose centred advantage (R - mean) is non-zero;
-- ``grad_var_split``: the variance of the gradient estimate, sketched: the groups are split in
-  two halves, the GRPO surrogate gradient of each half is projected on ``k`` Gaussian
-  directions, and ``||s_1 - s_2||^2 / 4`` estimates tr Cov of the full-batch estimate (the
-  halves are independent given the policy; a sketch of k directions keeps the trace unbiased);
+- ``grad_var_split``: the variance of the gradient estimate: the groups are split in two
+  halves, and ``||g_1 - g_2||^2 / 4`` of the halves' token-mean surrogate gradients estimates
+  tr Cov of the full-batch estimate without bias (the halves are independent given the
+  policy); the two gradients are formed exactly, nothing is projected;
 - ``proxy_exact_corr``: Pearson correlation of the logit proxy ``1 - 2 pi + sum pi^2`` with
   the exact per-token gradient norm ``||grad log pi(y_t)||^2`` on a subsample of responses;
 - ``cancellation_residual``: the mean relative residual ``|sum c_i A_i| / sum |c_i A_i|`` at
@@ -29,7 +29,7 @@ from varbench.analysis.trie import shared_steps
 from varbench.estimators import aggregation_weights, outcome_rewards
 from varbench.grads.exact import token_grad_norms
 from varbench.grads.stats import forward_stats
-from varbench.models.logits import token_logprobs
+from varbench.models.logits import stat_dtype, token_logprobs
 from varbench.report.result import AnalysisResult, Headline
 
 __all__ = ["measure_groups", "records_result", "METRICS"]
@@ -71,41 +71,34 @@ def cancellation_record(tokens: torch.Tensor, adv: torch.Tensor, mask: torch.Ten
     return [_row(step, "cancellation_residual", rel.mean(), len(rel))]
 
 
-def surrogate_grad(model, ids, attn, start, comp_mask, adv) -> torch.Tensor:
-    """Flat float64 gradient of ``sum_i A_i sum_t m log pi(y_t) / sum m`` (token-mean)."""
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    logp = token_logprobs(logits, ids)[:, start:]  # the completion's tokens
+def _half_grads(model, ids, attn, start, comp_mask, adv) -> tuple[torch.Tensor | None, ...]:
+    """Gradients (trainable parameters) of ``sum_i A_i sum_t m log pi(y_t) / sum m``."""
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    logp = token_logprobs(logits.to(stat_dtype(logits.dtype)), ids)[:, start:]  # completion
     m = comp_mask.to(logp.dtype)
     loss = (adv.to(logp.dtype)[:, None] * logp * m).sum() / m.sum().clamp(min=1)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for g, p in zip(grads, params, strict=True)])
+    return torch.autograd.grad(loss, params, allow_unused=True)
 
 
-def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int,
-                    *, k: int, seed: int) -> list[dict[str, Any]]:
-    """``||s_1 - s_2||^2 / 4`` of the sketched surrogate gradients of two halves of the groups."""
+def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int
+                    ) -> list[dict[str, Any]]:
+    """``||g_1 - g_2||^2 / 4`` of the token-mean surrogate gradients of two halves of the groups
+    (exact: the two gradients are in hand, summed per tensor in float64; no probes)."""
     B = comp_ids.shape[0]
     P = B // G
     if P < 2:
         return []
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    gen = torch.Generator().manual_seed(seed)
-    probes = torch.randn(k, n_params, generator=gen, dtype=torch.float64).to(comp_ids.device)
     ids = torch.cat([prompt_ids, comp_ids], 1)
     attn = torch.cat([prompt_mask, comp_mask], 1)
     start = prompt_ids.shape[1]
     half = (P // 2) * G
-    halves = [slice(0, half), slice(half, 2 * half)]
     with torch.enable_grad():
-        s = [probes @ surrogate_grad(model, ids[h], attn[h], start, comp_mask[h], adv[h])
-             for h in halves]
-    model.zero_grad(set_to_none=True)
-    # E (z . d)^2 = ||d||^2 for z ~ N(0, I): the mean over the k probes estimates ||g_1 - g_2||^2
-    value = float(((s[0] - s[1]) ** 2).mean() / 4)
-    return [_row(step, "grad_var_split", value, P, sketch_dim=k)]
+        g = [_half_grads(model, ids[h], attn[h], start, comp_mask[h], adv[h])
+             for h in (slice(0, half), slice(half, 2 * half))]
+    value = sum(float((a.double() - b.double()).pow(2).sum())
+                for a, b in zip(*g, strict=True) if a is not None and b is not None)
+    return [_row(step, "grad_var_split", value / 4, 2 * (P // 2))]
 
 
 def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int, *,
@@ -140,7 +133,6 @@ def measure_groups(
     prompt_ids: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
     G: int,
-    sketch_dim: int = 16,
     proxy_rows: int = 4,
     seed: int = 0,
     measures: Sequence[str] = ("counts", "cancellation", "variance", "proxy"),
@@ -173,7 +165,7 @@ def measure_groups(
         adv_row = adv if adv.dim() == 1 else adv3.reshape(B, T)[:, 0]
         if "variance" in measures:
             out += variance_record(model, prompt_ids, prompt_mask, completion_ids,
-                                   completion_mask, adv_row, G, step, k=sketch_dim, seed=seed)
+                                   completion_mask, adv_row, G, step)
         if "proxy" in measures:
             out += proxy_record(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                 step, n_sub=proxy_rows, seed=seed)

@@ -26,7 +26,7 @@ __all__ = ["batch_records", "records_result"]
 
 def batch_records(
     batch: Mapping[str, Any], *, step: int, model: torch.nn.Module | None = None,
-    sketch_dim: int = 16, proxy_rows: int = 4, seed: int = 0,
+    proxy_rows: int = 4, seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Builder-test counts and (with ``responses``) the cancellation residual of a verl batch;
     with ``model`` also ``grad_var_split`` and ``proxy_exact_corr``.
@@ -63,7 +63,7 @@ def batch_records(
             Lp = batch["prompts"].shape[1]
             extra = {"model": model, "prompt_ids": batch["prompts"][rows],
                      "prompt_mask": batch["attention_mask"][rows, :Lp],
-                     "sketch_dim": sketch_dim, "proxy_rows": proxy_rows, "seed": seed}
+                     "proxy_rows": proxy_rows, "seed": seed}
             measures = (*measures, "variance", "proxy")
         for r in measure_groups(step=step, rewards=R[rows], completion_ids=toks,
                                 completion_mask=mask[rows], G=int(size), measures=measures,
