@@ -82,3 +82,32 @@ def test_proxy_correlation_and_report(tmp_path):
     res = records_result(recs, name="unit run", source="test")
     out = write_report([res], tmp_path)
     assert "proxy_exact_corr" in (out / "report.md").read_text()
+
+
+def test_proxy_sequence_record_against_a_per_row_autograd_loop():
+    """proxy_seq_scale and proxy_seq_spearman from exact per-sequence norms equal those from
+    a Python loop of one autograd backward per row (float64 model)."""
+    from scipy.stats import spearmanr
+
+    from varbench.grads.stats import forward_stats
+
+    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    prompt, pmask, comp, cmask, R = _batch(3)
+    recs = measure_groups(step=2, rewards=R, completion_ids=comp, completion_mask=cmask,
+                          model=model, prompt_ids=prompt, prompt_mask=pmask, G=3,
+                          measures=("proxy_seq",))
+    by = {r["metric"]: r for r in recs}
+    ids = torch.cat([prompt, comp], 1)
+    attn = torch.cat([pmask, cmask], 1)
+    exact = []
+    for b in range(ids.shape[0]):
+        logp = token_logprobs(model(input_ids=ids[b:b + 1], attention_mask=attn[b:b + 1])
+                              .logits, ids[b:b + 1])[:, 3:]
+        g = torch.autograd.grad((logp * cmask[b:b + 1]).sum(), list(model.parameters()))
+        exact.append(float(sum((x ** 2).sum() for x in g)))
+    resp = torch.cat([torch.zeros_like(pmask), cmask], 1)
+    proxy = forward_stats(model, ids, resp, attn).proxy.sum(1).numpy()
+    exact = torch.tensor(exact).numpy()
+    assert by["proxy_seq_scale"]["value"] == pytest.approx(exact.mean() / proxy.mean(), rel=1e-9)
+    assert by["proxy_seq_spearman"]["value"] == pytest.approx(spearmanr(proxy, exact).statistic)
+    assert by["proxy_seq_spearman"]["n"] == 12

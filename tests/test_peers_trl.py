@@ -96,11 +96,14 @@ def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
 
 def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
     trainer = _trainer(tmp_path)
-    cb = VarbenchCallback(every=1, proxy_rows=3).attach(trainer)
+    cb = VarbenchCallback(every=1, proxy_rows=3,
+                          measures=("counts", "cancellation", "variance", "proxy_seq", "proxy"))
+    cb.attach(trainer)
     trainer.train()
     metrics = {r["metric"] for r in cb.records}
-    assert {"groups", "all_agree_groups", "nonzero_raw", "nonzero_centered",
-            "grad_var_split", "grad_sq_batch", "proxy_exact_corr"} <= metrics, metrics
+    assert {"groups", "all_agree_groups", "nonzero_raw", "nonzero_centered", "grad_var_split",
+            "grad_sq_batch", "proxy_exact_corr", "proxy_seq_spearman",
+            "proxy_seq_scale"} <= metrics, metrics
     assert {r["step"] for r in cb.records} == {1, 2}
     assert {r["generation"] for r in cb.records} == {1, 2}
     by = {(r["step"], r["metric"]): r for r in cb.records}
@@ -159,10 +162,11 @@ def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
             if "lora_B" in name:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
     trainer = _trainer(tmp_path, steps=1, bf16=True, model=model, loss_type="grpo")
-    cb = VarbenchCallback(every=1, measures=("variance",))
+    cb = VarbenchCallback(every=1, measures=("variance", "proxy_seq"))
     keep = _Keep(cb.attach(trainer))
     trainer.train()
     (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert {"proxy_seq_spearman", "proxy_seq_scale"} <= {r["metric"] for r in cb.records}
     lora = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
     assert rec["params"] == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)

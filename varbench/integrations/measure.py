@@ -12,6 +12,9 @@ statistics. Records (one dict per measured quantity, tidy: ``step, metric, value
   policy); the two gradients are formed exactly, nothing is projected;
 - ``proxy_exact_corr``: Pearson correlation of the logit proxy ``1 - 2 pi + sum pi^2`` with
   the exact per-token gradient norm ``||grad log pi(y_t)||^2`` on a subsample of responses;
+- ``proxy_seq_spearman`` / ``proxy_seq_scale``: the proxy summed over each response against
+  the exact per-sequence norm ``||grad log pi(y)||^2`` (ghost norms, one backward) on every
+  row: rank correlation and ``mean exact / mean proxy``;
 - ``cancellation_residual``: the mean relative residual ``|sum c_i A_i| / sum |c_i A_i|`` at
   steps shared by >= 2 responses of a group (token-mean weights), from the prefix trie.
 """
@@ -28,6 +31,7 @@ import torch
 from varbench.analysis.trie import shared_steps
 from varbench.estimators import aggregation_weights, outcome_rewards
 from varbench.grads.exact import token_grad_norms
+from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.stats import forward_stats
 from varbench.models.logits import stat_dtype, token_logprobs
 from varbench.report.result import AnalysisResult, Headline
@@ -35,7 +39,8 @@ from varbench.report.result import AnalysisResult, Headline
 __all__ = ["measure_groups", "records_result", "METRICS"]
 
 METRICS = ("groups", "all_agree_groups", "nonzero_raw", "nonzero_centered", "responses",
-           "cancellation_residual", "grad_var_split", "proxy_exact_corr")
+           "cancellation_residual", "grad_var_split", "proxy_exact_corr", "proxy_seq_spearman",
+           "proxy_seq_scale")
 
 
 def _row(step: int, metric: str, value: float, n: int, **extra: Any) -> dict[str, Any]:
@@ -122,6 +127,32 @@ def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
     return [_row(step, "proxy_exact_corr", np.corrcoef(x, y)[0, 1], x.size, rows=len(rows))]
 
 
+def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int
+                          ) -> list[dict[str, Any]]:
+    """The per-sequence proxy against exact per-sequence norms on every row: Spearman rank
+    correlation of ``sum_t w_t`` (the proxy summed over the response; cross terms ignored)
+    with ``||grad sum_t log pi(y_t)||^2`` (ghost norms: one backward), and their scale
+    ``mean exact / mean proxy`` (``proxy_seq_scale``)."""
+    from scipy.stats import spearmanr
+
+    ids = torch.cat([prompt_ids, comp_ids], 1)
+    attn = torch.cat([prompt_mask, comp_mask], 1)
+    resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)
+    keep = resp.sum(1) > 0
+    if int(keep.sum()) < 3:
+        return []
+    ids, attn, resp = ids[keep], attn[keep], resp[keep]
+    exact = sequence_grad_norms(model, ids, resp, attn).double().cpu().numpy()  # [B]
+    proxy = forward_stats(model, ids, resp, attn).proxy.sum(1).double().cpu().numpy()
+    n = int(keep.sum())
+    out = []
+    if np.std(exact) > 0 and np.std(proxy) > 0:
+        out.append(_row(step, "proxy_seq_spearman", spearmanr(proxy, exact).statistic, n))
+    if proxy.mean() > 0:
+        out.append(_row(step, "proxy_seq_scale", exact.mean() / proxy.mean(), n))
+    return out
+
+
 def measure_groups(
     *,
     step: int,
@@ -166,6 +197,9 @@ def measure_groups(
         if "variance" in measures:
             out += variance_record(model, prompt_ids, prompt_mask, completion_ids,
                                    completion_mask, adv_row, G, step)
+        if "proxy_seq" in measures:
+            out += proxy_sequence_record(model, prompt_ids, prompt_mask, completion_ids,
+                                         completion_mask, step)
         if "proxy" in measures:
             out += proxy_record(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                 step, n_sub=proxy_rows, seed=seed)

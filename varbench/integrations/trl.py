@@ -35,18 +35,25 @@ from varbench._util.checks import UsageError
 from varbench.estimators import advantages as scheme_advantages
 from varbench.estimators import to_flat
 from varbench.estimators.adapters import outcome_to_token_rewards
-from varbench.integrations.measure import measure_groups, proxy_record, records_result
+from varbench.integrations.measure import (
+    measure_groups,
+    proxy_record,
+    proxy_sequence_record,
+    records_result,
+)
 
 __all__ = ["VarbenchCallback", "with_varbench_advantages", "trl_rewards", "split_variance",
-           "MEASURES"]
+           "MEASURES", "DEFAULT_MEASURES"]
 
 try:  # TRL's callbacks derive from transformers' TrainerCallback (transformers is a dependency)
     from transformers import TrainerCallback
 except ImportError:  # pragma: no cover - transformers is always installed with varbench
     TrainerCallback = object
 
-MEASURES = ("counts", "cancellation", "variance", "proxy")
-"""What the callback can measure (``measures=``)."""
+MEASURES = ("counts", "cancellation", "variance", "proxy_seq", "proxy")
+"""What the callback can measure (``measures=``); the default leaves out ``proxy`` (exact
+per-token norms: about one backward per completion token, too dear to leave on)."""
+DEFAULT_MEASURES = ("counts", "cancellation", "variance", "proxy_seq")
 
 # How TRL 1.16.0's _compute_loss normalises one micro-batch, per loss_type: "mean" divides by
 # a per-row count of the slice (so the batch loss is the mean of two halves' losses), "tokens"
@@ -164,15 +171,15 @@ class VarbenchCallback(TrainerCallback):
     """Records varbench measurements of every ``every``-th generation batch of a
     ``GRPOTrainer`` run (the first included).
 
-    ``measures``: a subset of :data:`MEASURES`; ``proxy_rows`` completions for the
-    proxy-vs-exact correlation; ``log``: also put each value into TRL's metrics as
+    ``measures``: a subset of :data:`MEASURES` (default :data:`DEFAULT_MEASURES`);
+    ``proxy_rows`` completions for the per-token proxy-vs-exact correlation (``"proxy"``); ``log``: also put each value into TRL's metrics as
     ``varbench/<metric>`` (averaged over the logging window like TRL's own). ``records``:
     the list of record dicts (``step`` is the first optimizer step that uses the batch).
     Single process only: under several processes each rank holds a slice of the groups and
     the callback refuses at :meth:`attach`.
     """
 
-    def __init__(self, every: int = 10, *, measures: tuple[str, ...] = MEASURES,
+    def __init__(self, every: int = 10, *, measures: tuple[str, ...] = DEFAULT_MEASURES,
                  proxy_rows: int = 4, seed: int = 0, log: bool = True):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UsageError(f"every={every!r} is not valid; expected an integer >= 1")
@@ -252,8 +259,11 @@ class VarbenchCallback(TrainerCallback):
                           "n": v["groups"], **extra},
                          {"step": step, "metric": "grad_sq_batch", "value": v["sq"],
                           "n": v["groups"], **extra}]
-        if "proxy" in self.measures:
-            with _class_forward(tr.model):
+        with _class_forward(tr.model):
+            if "proxy_seq" in self.measures:
+                recs += proxy_sequence_record(tr.model, b["prompt_ids"], b["prompt_mask"],
+                                              b["completion_ids"], b["completion_mask"], step)
+            if "proxy" in self.measures:
                 recs += proxy_record(tr.model, b["prompt_ids"], b["prompt_mask"],
                                      b["completion_ids"], b["completion_mask"], step,
                                      n_sub=self.proxy_rows, seed=self.seed + self.generations)
