@@ -3,9 +3,10 @@
     python benchmarks/bench_callback.py [--rounds 3] [--steps 20] [--threads 1]
 
 For the ``tiny`` (98k parameters) and ``small`` (1.78M) presets, runs GRPOTrainer on the
-``sort`` task's prompts (completions up to ``--length`` tokens) with no callback, with ``VarbenchCallback()`` at its default cadence
-(every 10th generation batch) and with ``every=1``, the arms alternating within each round in
-one process (same prompts, seed, settings; fp32, one torch thread). Prints per model and arm
+``sort`` task's prompts (completions up to ``--length`` tokens) with no callback, with
+``VarbenchCallback()`` at its default cadence (every 10th generation batch) and with
+``every=1``, the arms alternating within each round in one process (same prompts, seed,
+settings; fp32, one torch thread). Prints per model and arm
 the median ``train_runtime`` (TRL's own clock) and process CPU time over the rounds, and the
 ratio to the no-callback arm. Memory: the callback holds two gradients of the trainable
 parameters (printed as bytes); it makes no float64 copy of the model.

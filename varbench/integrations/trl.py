@@ -172,8 +172,9 @@ class VarbenchCallback(TrainerCallback):
     ``GRPOTrainer`` run (the first included).
 
     ``measures``: a subset of :data:`MEASURES` (default :data:`DEFAULT_MEASURES`);
-    ``proxy_rows`` completions for the per-token proxy-vs-exact correlation (``"proxy"``); ``log``: also put each value into TRL's metrics as
-    ``varbench/<metric>`` (averaged over the logging window like TRL's own). ``records``:
+    ``proxy_rows`` completions for the per-token proxy-vs-exact correlation (``"proxy"``);
+    ``log``: also put each value into TRL's metrics as ``varbench/<metric>`` (averaged over
+    the logging window like TRL's own). ``records``:
     the list of record dicts (``step`` is the first optimizer step that uses the batch).
     Single process only: under several processes each rank holds a slice of the groups and
     the callback refuses at :meth:`attach`.
