@@ -84,6 +84,45 @@ def test_otb_matches_verl(seed, dtype, hzt, rho):
     assert rel_diff(ret, want_ret) <= TOL[dtype]  # verl's second value: the reward-to-go
 
 
+def _multi_turn(seed, dtype):
+    """A verl batch whose responses have holes (tool tokens under mask 0), reward on the last
+    valid token: ``(tok, mask, index, stats)``."""
+    b = verl_batch(seed, torch.float64, empty=False)
+    B, T = b["mask"].shape
+    gen = torch.Generator().manual_seed(100 + seed)
+    mask = b["mask"] * (torch.rand(B, T, generator=gen) >= 0.3)
+    mask[:, 0] = b["mask"][:, 0]
+    last = T - 1 - mask.flip(-1).argmax(-1)
+    tok = torch.zeros(B, T, dtype=torch.float64).scatter_(1, last[:, None], b["R"][:, None])
+    stats = {"old_log_probs": b["logp"].to(dtype), "sum_pi_squared": b["sum_pi_sq"].to(dtype)}
+    return tok.to(dtype), mask.to(dtype), b["index"], stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("hzt", [True, False])
+def test_otb_on_multi_turn_masks_matches_both_verl_variants(seed, dtype, hzt):
+    """Holes in the masks: to_flat("otb") (conventions "verl") = verl's optimal_token_baseline
+    (columns aligned, its zero tail from the second-longest count); conventions "varbench"
+    (responses compacted to their generated tokens) = verl's tir_optimal_token_baseline, the
+    group of one response apart (varbench's G = 1 convention gives it 0, verl R)."""
+    tok, mask, index, stats = _multi_turn(seed, dtype)
+    plain, _ = core.compute_optimal_token_baseline_advantage(tok, mask, index, **stats,
+                                                             handle_zero_tail=hzt)
+    tir, _ = core.compute_multi_turn_optimal_token_baseline_advantage(tok, mask, index, **stats,
+                                                                      handle_zero_tail=hzt)
+    assert rel_diff(plain, tir) > 0.1  # the two verl estimators differ on these masks
+    got, _ = E.to_flat("otb")(tok, mask, index, **stats, handle_zero_tail=hzt)
+    assert rel_diff(got, plain) <= TOL_SUMS[dtype]
+    ours, _ = E.to_flat("otb", conventions="varbench")(tok, mask, index, **stats,
+                                                        handle_zero_tail=hzt)
+    ids = np.asarray(index)
+    multi = torch.as_tensor([int((ids == g).sum()) > 1 for g in ids])
+    # verl's tir sums W over up to G*T compacted terms in another order than varbench
+    assert rel_diff(ours[multi], tir[multi]) <= (1e-8 if dtype == torch.float64 else 4.8e-7)
+    assert rel_diff(ours[multi], plain[multi]) > 0.1
+
+
 def test_options_verl_passes_are_read_not_dropped():
     """The two options the issue saw silently dropped now change the result as in verl."""
     b, args = _case(0, torch.float64)
