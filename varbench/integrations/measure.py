@@ -77,25 +77,28 @@ def cancellation_record(tokens: torch.Tensor, adv: torch.Tensor, mask: torch.Ten
 
 
 def _half_grads(model, ids, attn, start, comp_mask, adv) -> tuple[torch.Tensor | None, ...]:
-    """Gradients (trainable parameters) of ``sum_i A_i sum_t m log pi(y_t) / sum m``."""
+    """Gradients (trainable parameters) of ``sum_{i,t} A_{i,t} m log pi(y_t) / sum m``;
+    ``adv`` ``[n, T]``."""
     logits = model(input_ids=ids, attention_mask=attn).logits
     logp = token_logprobs(logits.to(stat_dtype(logits.dtype)), ids)[:, start:]  # completion
     m = comp_mask.to(logp.dtype)
-    loss = (adv.to(logp.dtype)[:, None] * logp * m).sum() / m.sum().clamp(min=1)
+    loss = (adv.to(logp.dtype) * logp * m).sum() / m.sum().clamp(min=1)
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.autograd.grad(loss, params, allow_unused=True)
 
 
-def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int
-                    ) -> list[dict[str, Any]]:
+def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G: int, step: int,
+                    comp_attn: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """``||g_1 - g_2||^2 / 4`` of the token-mean surrogate gradients of two halves of the groups
-    (exact: the two gradients are in hand, summed per tensor in float64; no probes)."""
+    (exact: the two gradients are in hand, summed per tensor in float64; no probes).
+    ``adv`` ``[B, T]``; ``comp_attn``: the completion's attention (default ``comp_mask``; a
+    multi-turn batch attends to tool tokens that its loss mask leaves out)."""
     B = comp_ids.shape[0]
     P = B // G
     if P < 2:
         return []
     ids = torch.cat([prompt_ids, comp_ids], 1)
-    attn = torch.cat([prompt_mask, comp_mask], 1)
+    attn = torch.cat([prompt_mask, comp_mask if comp_attn is None else comp_attn], 1)
     start = prompt_ids.shape[1]
     half = (P // 2) * G
     with torch.enable_grad():
@@ -107,13 +110,14 @@ def variance_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, adv, G:
 
 
 def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int, *,
-                 n_sub: int, seed: int) -> list[dict[str, Any]]:
+                 n_sub: int, seed: int, comp_attn: torch.Tensor | None = None
+                 ) -> list[dict[str, Any]]:
     """Pearson correlation of the logit proxy with exact per-token norms on ``n_sub`` rows."""
     B = comp_ids.shape[0]
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randperm(B, generator=gen)[: min(n_sub, B)].to(comp_ids.device)
     ids = torch.cat([prompt_ids, comp_ids], 1)[rows]
-    attn = torch.cat([prompt_mask, comp_mask], 1)[rows]
+    attn = torch.cat([prompt_mask, comp_mask if comp_attn is None else comp_attn], 1)[rows]
     resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)[rows]
     if int(resp.sum()) < 3:
         return []
@@ -127,8 +131,8 @@ def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
     return [_row(step, "proxy_exact_corr", np.corrcoef(x, y)[0, 1], x.size, rows=len(rows))]
 
 
-def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int
-                          ) -> list[dict[str, Any]]:
+def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
+                          comp_attn: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """The per-sequence proxy against exact per-sequence norms on every row: Spearman rank
     correlation of ``sum_t w_t`` (the proxy summed over the response; cross terms ignored)
     with ``||grad sum_t log pi(y_t)||^2`` (ghost norms: one backward), and their scale
@@ -136,7 +140,7 @@ def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, s
     from scipy.stats import spearmanr
 
     ids = torch.cat([prompt_ids, comp_ids], 1)
-    attn = torch.cat([prompt_mask, comp_mask], 1)
+    attn = torch.cat([prompt_mask, comp_mask if comp_attn is None else comp_attn], 1)
     resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)
     keep = resp.sum(1) > 0
     if int(keep.sum()) < 3:
@@ -163,6 +167,7 @@ def measure_groups(
     model: torch.nn.Module | None = None,
     prompt_ids: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
+    completion_attention: torch.Tensor | None = None,
     G: int,
     proxy_rows: int = 4,
     seed: int = 0,
@@ -172,7 +177,9 @@ def measure_groups(
 
     ``rewards`` ``[B]``; ``completion_ids``/``completion_mask`` ``[B, T]``; ``advantages``
     ``[B]`` or ``[B, T]`` (default: centred rewards); ``model`` with ``prompt_ids``/
-    ``prompt_mask`` ``[B, Lp]`` enables the variance and proxy measures (skipped otherwise).
+    ``prompt_mask`` ``[B, Lp]`` enables the variance and proxy measures (skipped otherwise);
+    ``completion_attention`` ``[B, T]``: what the model attends to in the completion (default
+    ``completion_mask``; in multi-turn batches the tool tokens are attended, not trained).
     Caveat: ``grad_var_split`` is one two-half split (an unbiased but noisy estimate); average
     it over steps.
     """
@@ -193,16 +200,16 @@ def measure_groups(
     if "cancellation" in measures:
         out += cancellation_record(completion_ids.reshape(P, G, T), adv3, mask3, step)
     if model is not None and prompt_ids is not None and prompt_mask is not None:
-        adv_row = adv if adv.dim() == 1 else adv3.reshape(B, T)[:, 0]
+        ca = completion_attention
         if "variance" in measures:
             out += variance_record(model, prompt_ids, prompt_mask, completion_ids,
-                                   completion_mask, adv_row, G, step)
+                                   completion_mask, adv3.reshape(B, T), G, step, comp_attn=ca)
         if "proxy_seq" in measures:
             out += proxy_sequence_record(model, prompt_ids, prompt_mask, completion_ids,
-                                         completion_mask, step)
+                                         completion_mask, step, comp_attn=ca)
         if "proxy" in measures:
             out += proxy_record(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                step, n_sub=proxy_rows, seed=seed)
+                                step, n_sub=proxy_rows, seed=seed, comp_attn=ca)
     return out
 
 
