@@ -66,11 +66,13 @@ class _Keep:
         cb._measure = measure
 
 
-def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
-    """Split-half variance of the batch gradient by varbench's own formulas on a model with
-    the measured weights: ``||w_1 g_1 - w_2 g_2||^2`` with TRL's documented normalisers
-    (grpo: mean over rows of the row's token mean; bnpo/dapo: token sum over the batch's
-    tokens; dr_grpo: token sum over rows x max_completion_length); ratio 1, no KL."""
+def _offline_diff(model, out, loss_type: str, *, max_len: int = 6, items: float | None = None,
+                  K: int = 1) -> list[torch.Tensor]:
+    """``w_1 g_1 - w_2 g_2`` of one process's batch by varbench's own formulas on a model with
+    the measured weights (float64): TRL's documented normalisers (grpo: mean over rows of the
+    row's token mean; bnpo/dapo: token sum over ``items``, the used tokens of every process;
+    dr_grpo: token sum over rows x max_completion_length), ratio 1, no KL, averaged over ``K``
+    processes as DDP averages."""
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     m = out["completion_mask"].double()
@@ -79,6 +81,7 @@ def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
     Lp = out["prompt_ids"].shape[1]
     params = [p for p in model.parameters() if p.requires_grad]
     n = B // 2
+    N = float(m.sum()) if items is None else items
     grads = []
     for rows in (slice(0, n), slice(n, B)):
         logits = model(input_ids=ids[rows], attention_mask=attn[rows]).logits.double()
@@ -86,12 +89,20 @@ def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
         term = -A[rows, None] * logp * m[rows]
         if loss_type == "grpo":
             loss = (term.sum(1) / m[rows].sum(1).clamp(min=1)).sum() / B  # w = 1/2 of a mean
-        elif loss_type in ("bnpo", "dapo"):
+        elif loss_type == "bnpo":
             loss = term.sum() / m.sum()
+        elif loss_type == "dapo":
+            loss = term.sum() / (N / K)
         else:  # dr_grpo
             loss = term.sum() / (B * max_len)
-        grads.append(torch.autograd.grad(loss, params))
-    return sum(float((a - b).double().pow(2).sum()) for a, b in zip(*grads, strict=True))
+        grads.append(torch.autograd.grad(loss / K, params))
+    return [a - b for a, b in zip(*grads, strict=True)]
+
+
+def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
+    """Split-half variance ``||w_1 g_1 - w_2 g_2||^2`` of one process's batch, offline."""
+    return sum(float(d.pow(2).sum()) for d in _offline_diff(model, out, loss_type,
+                                                            max_len=max_len))
 
 
 def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
@@ -223,14 +234,78 @@ def test_callback_metrics_reach_a_tensorboard_event_file(tmp_path, monkeypatch):
     assert values == pytest.approx(recs, rel=1e-6)  # TensorBoard stores float32
 
 
+_TWO_RANKS = r"""
+import pickle, sys
+from pathlib import Path
+import torch
+import test_peers_trl as t
+from varbench.integrations.trl import VarbenchCallback
+
+out = Path(sys.argv[1])
+trainer = t._trainer(out, steps=1, bf16=False, loss_type=sys.argv[2])
+cb = VarbenchCallback(every=1, measures=("counts", "cancellation", "variance", "proxy_seq"))
+keep = t._Keep(cb.attach(trainer))
+trainer.train()
+rank = trainer.accelerator.process_index
+(out / f"rank{rank}.pkl").write_bytes(pickle.dumps(
+    {"records": cb.records, "out": keep.out, "weights": keep.weights,
+     "last": cb._last, "world": trainer.accelerator.num_processes}))
+"""
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_callback_under_two_processes_measures_the_global_batch(tmp_path, loss_type):
+    """torchrun, 2 gloo ranks, 2 groups each: every rank uses its own rewards (TRL's
+    advantages of its rows follow from them), and every rank records the same split variance,
+    equal to the offline global one (the ranks' half differences averaged as DDP averages)."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    tests = str(Path(__file__).resolve().parent)
+    root = str(Path(tests).parent)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{root}:{tests}"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(script), str(tmp_path), loss_type],
+                         env=env, text=True, capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    for k, r in enumerate(ranks):  # rank k's rewards give TRL's advantages of its rows
+        R = r["last"]["rewards"]  # every process's, as TRL gathers them
+        B = r["out"]["completion_mask"].shape[0]
+        want = E.advantages("normalized", R[k * B:(k + 1) * B].reshape(2, 4).double(),
+                            torch.ones(2, 4, 1, dtype=torch.bool), eps=1e-4)[..., 0]
+        assert (r["out"]["advantages"].double() - want.reshape(-1)).abs().max() <= 1e-6
+    recs = [{(x["metric"]): x["value"] for x in r["records"]} for r in ranks]
+    assert recs[0] == recs[1]
+    assert recs[0]["groups"] == 4 and recs[0]["responses"] == 16
+    # counts summed over ranks, each from its own slice (rank 1 once counted rank 0's)
+    assert recs[0]["nonzero_raw"] == int((ranks[0]["last"]["rewards"] != 0).sum())
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in ranks[0]["weights"].items()})
+    items = sum(float(r["out"]["completion_mask"].sum()) for r in ranks)
+    diffs = [_offline_diff(ref, r["out"], loss_type, items=items, K=2) for r in ranks]
+    want = sum(float((a + b).pow(2).sum()) for a, b in zip(*diffs, strict=True))
+    assert want > 0
+    print(f"2 ranks {loss_type}: rel err {abs(recs[0]['grad_var_split'] - want) / want:.2e}")
+    assert abs(recs[0]["grad_var_split"] - want) <= 1e-5 * want
+    assert "proxy_seq_spearman" in recs[0]
+
+
 def test_callback_refuses_what_it_cannot_measure():
     for bad in ({"every": 0}, {"every": True}, {"measures": ("nope",)}, {"measures": "counts"},
                 {"proxy_rows": 0}):
         with pytest.raises(UsageError, match=next(iter(bad))):
             VarbenchCallback(**bad)
-    fake = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=2),
-                                 loss_type="grpo")
-    with pytest.raises(UsageError, match="one process"):
+    fake = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(num_processes=2), loss_type="grpo", num_generations=4,
+        args=types.SimpleNamespace(per_device_train_batch_size=6, steps_per_generation=1))
+    with pytest.raises(UsageError, match="whole groups.*6 is not a multiple of num_generations"):
         VarbenchCallback().attach(fake)
     fake.accelerator.num_processes, fake.loss_type = 1, "mystery"
     with pytest.raises(UsageError, match="loss_type='mystery'"):

@@ -131,30 +131,53 @@ def proxy_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
     return [_row(step, "proxy_exact_corr", np.corrcoef(x, y)[0, 1], x.size, rows=len(rows))]
 
 
-def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
-                          comp_attn: torch.Tensor | None = None) -> list[dict[str, Any]]:
-    """The per-sequence proxy against exact per-sequence norms on every row: Spearman rank
-    correlation of ``sum_t w_t`` (the proxy summed over the response; cross terms ignored)
-    with ``||grad sum_t log pi(y_t)||^2`` (ghost norms: one backward), and their scale
-    ``mean exact / mean proxy`` (``proxy_seq_scale``)."""
-    from scipy.stats import spearmanr
-
+def proxy_sequence_rows(model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                        comp_attn: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row ``(proxy, exact)`` ``[B]`` float64 on the CPU: ``sum_t w_t`` (the proxy summed
+    over the response; cross terms ignored) and ``||grad sum_t log pi(y_t)||^2`` (ghost norms:
+    one backward); NaN for a row without response tokens."""
     ids = torch.cat([prompt_ids, comp_ids], 1)
     attn = torch.cat([prompt_mask, comp_mask if comp_attn is None else comp_attn], 1)
     resp = torch.cat([torch.zeros_like(prompt_mask), comp_mask], 1)
     keep = resp.sum(1) > 0
-    if int(keep.sum()) < 3:
+    B = ids.shape[0]
+    proxy = torch.full((B,), float("nan"), dtype=torch.float64)
+    exact = proxy.clone()
+    if bool(keep.any()):
+        ids, attn, resp = ids[keep], attn[keep], resp[keep]
+        rows = keep.cpu()
+        exact[rows] = sequence_grad_norms(model, ids, resp, attn).double().cpu()
+        proxy[rows] = forward_stats(model, ids, resp, attn).proxy.sum(1).double().cpu()
+    return proxy, exact
+
+
+def sequence_records(proxy: torch.Tensor, exact: torch.Tensor, step: int
+                     ) -> list[dict[str, Any]]:
+    """``proxy_seq_spearman`` (rank correlation) and ``proxy_seq_scale`` (``mean exact / mean
+    proxy``) of per-row values (NaN rows left out); none below 3 rows."""
+    from scipy.stats import spearmanr
+
+    ok = ~(torch.isnan(proxy) | torch.isnan(exact))
+    p, e = proxy[ok].numpy(), exact[ok].numpy()
+    n = int(ok.sum())
+    if n < 3:
         return []
-    ids, attn, resp = ids[keep], attn[keep], resp[keep]
-    exact = sequence_grad_norms(model, ids, resp, attn).double().cpu().numpy()  # [B]
-    proxy = forward_stats(model, ids, resp, attn).proxy.sum(1).double().cpu().numpy()
-    n = int(keep.sum())
     out = []
-    if np.std(exact) > 0 and np.std(proxy) > 0:
-        out.append(_row(step, "proxy_seq_spearman", spearmanr(proxy, exact).statistic, n))
-    if proxy.mean() > 0:
-        out.append(_row(step, "proxy_seq_scale", exact.mean() / proxy.mean(), n))
+    if np.std(e) > 0 and np.std(p) > 0:
+        out.append(_row(step, "proxy_seq_spearman", spearmanr(p, e).statistic, n))
+    if p.mean() > 0:
+        out.append(_row(step, "proxy_seq_scale", e.mean() / p.mean(), n))
     return out
+
+
+def proxy_sequence_record(model, prompt_ids, prompt_mask, comp_ids, comp_mask, step: int,
+                          comp_attn: torch.Tensor | None = None) -> list[dict[str, Any]]:
+    """The per-sequence proxy against exact per-sequence norms on every row
+    (:func:`proxy_sequence_rows`) as :func:`sequence_records`."""
+    proxy, exact = proxy_sequence_rows(model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                       comp_attn)
+    return sequence_records(proxy, exact, step)
 
 
 def measure_groups(

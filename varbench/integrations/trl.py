@@ -38,8 +38,9 @@ from varbench.estimators.adapters import outcome_to_token_rewards
 from varbench.integrations.measure import (
     measure_groups,
     proxy_record,
-    proxy_sequence_record,
+    proxy_sequence_rows,
     records_result,
+    sequence_records,
 )
 
 __all__ = ["VarbenchCallback", "with_varbench_advantages", "trl_rewards", "split_variance",
@@ -108,29 +109,44 @@ def _trl_loss(trainer: Any, inputs: dict[str, Any]) -> torch.Tensor:
             setattr(trainer, k, v)
 
 
+def _all_reduce_(tensors: list[torch.Tensor], accelerator: Any) -> None:
+    """Sum ``tensors`` in place over the trainer's processes (no-op in one process)."""
+    if accelerator.num_processes > 1:
+        for t in tensors:
+            torch.distributed.all_reduce(t)
+
+
 def split_variance(trainer: Any, inputs: dict[str, Any], G: int) -> dict[str, float] | None:
     """Split-half variance of the gradient of TRL's loss on one generation batch.
 
-    ``inputs``: the dict ``_generate_and_score_completions`` returned, ``B = P * G`` rows with
-    groups contiguous. The first ``2 * (P // 2)`` groups are split in two halves of whole
-    groups; ``g_h`` is the gradient (trainable parameters) of TRL's loss on half ``h``, undone
-    of gradient accumulation, so that the batch's gradient is ``g = w_1 g_1 + w_2 g_2`` (``w``
-    = 1/2 for per-row normalisers, token shares for bnpo, 1 for the num_items_in_batch ones).
-    The halves are independent given the weights, so ``||w_1 g_1 - w_2 g_2||^2`` estimates
-    ``tr Cov(g)`` without bias (bnpo: up to its random token shares). Returns ``{"var", "sq",
-    "groups", "params"}`` (``sq`` = ``||g||^2``) or None with fewer than 2 groups. Memory: two
-    gradients of the trainable parameters in their own dtype; sums in float64.
+    ``inputs``: the dict ``_generate_and_score_completions`` returned on this process, ``B =
+    P * G`` rows with groups contiguous. The first ``2 * (P // 2)`` groups are split in two
+    halves of whole groups; ``g_h`` is the gradient (trainable parameters) of TRL's loss on
+    half ``h``, undone of gradient accumulation, so that the batch's gradient is ``g = w_1 g_1 +
+    w_2 g_2`` (``w`` = 1/2 for per-row normalisers, token shares for bnpo, 1 for the
+    num_items_in_batch ones). The halves are independent given the weights, so ``||w_1 g_1 -
+    w_2 g_2||^2`` estimates ``tr Cov(g)`` without bias (bnpo: up to its random token shares).
+    Under several processes each rank splits its own groups and the two halves' gradients are
+    averaged over ranks as DDP averages the training gradient (one all-reduce of a gradient),
+    so the estimate is that of the global batch. Returns ``{"var", "sq", "groups",
+    "params"}`` (``sq`` = ``||g||^2``; ``groups`` over all ranks) or None with fewer than 2
+    groups on a rank. Memory: two gradients of the trainable parameters in their own dtype;
+    sums in float64.
     """
+    acc = trainer.accelerator
     mask = inputs["completion_mask"]
     B = mask.shape[0]
     P = B // G
+    K = acc.num_processes
     if P < 2:
         return None
     kind = _NORMALISER[trainer.loss_type]
     n = (P // 2) * G
     used = _slice(inputs, slice(0, 2 * n), B)
     lm = _loss_mask(used)
-    used["num_items_in_batch"] = lm.sum() * trainer.accelerator.num_processes
+    items = lm.sum().reshape(1).to(torch.float64)
+    _all_reduce_([items], acc)
+    used["num_items_in_batch"] = items[0].to(lm.dtype)  # the used rows of every rank
     k_acc = getattr(trainer, "current_gradient_accumulation_steps",
                     trainer.args.gradient_accumulation_steps)
     # TRL divides a micro-batch's loss by k_acc ("mean"/"tokens") or by num_items * k_acc / spg
@@ -142,16 +158,46 @@ def split_variance(trainer: Any, inputs: dict[str, Any], G: int) -> dict[str, fl
     grads = []
     with torch.enable_grad():
         for h, rows in enumerate((slice(0, n), slice(n, 2 * n))):
-            loss = _trl_loss(trainer, _slice(used, rows, 2 * n)) * (undo * weights[h])
-            grads.append(torch.autograd.grad(loss, params, allow_unused=True))
-    var = sq = 0.0
-    for a, b, p in zip(*grads, params, strict=True):
-        a = torch.zeros_like(p) if a is None else a
-        b = torch.zeros_like(p) if b is None else b
-        var += float((a.double() - b.double()).pow(2).sum())
-        sq += float((a.double() + b.double()).pow(2).sum())
-    return {"var": var, "sq": sq, "groups": 2 * (P // 2),
+            loss = _trl_loss(trainer, _slice(used, rows, 2 * n)) * (undo * weights[h] / K)
+            grads.append([torch.zeros_like(p) if g is None else g for g, p in
+                          zip(torch.autograd.grad(loss, params, allow_unused=True), params,
+                              strict=True)])
+    diff = [a - b for a, b in zip(*grads, strict=True)]
+    total = [a + b for a, b in zip(*grads, strict=True)]
+    del grads
+    _all_reduce_(diff + total, acc)  # DDP's average: the 1/K is in the loss above
+    var = sum(float(d.double().pow(2).sum()) for d in diff)
+    sq = sum(float(t.double().pow(2).sum()) for t in total)
+    return {"var": var, "sq": sq, "groups": 2 * (P // 2) * K,
             "params": sum(p.numel() for p in params)}
+
+
+_SUMMED = ("groups", "responses", "all_agree_groups", "nonzero_raw", "nonzero_centered")
+_AVERAGED = ("cancellation_residual", "proxy_exact_corr")
+
+
+def _reduce_records(recs: list[dict[str, Any]], accelerator: Any, step: int
+                    ) -> list[dict[str, Any]]:
+    """The rank-local count and average records combined over processes: counts summed,
+    averages weighted by their ``n`` (every rank reduces the same fixed list, in step)."""
+    if accelerator.num_processes == 1:
+        return recs
+    by = {r["metric"]: r for r in recs}
+    names = _SUMMED + _AVERAGED
+    dev = accelerator.device
+    t = torch.zeros(len(names), 2, dtype=torch.float64, device=dev)
+    for i, name in enumerate(names):
+        if name in by:
+            v, n = float(by[name]["value"]), float(by[name]["n"])
+            t[i] = torch.tensor([v if name in _SUMMED else v * n, n], dtype=torch.float64)
+    _all_reduce_([t], accelerator)
+    out = []
+    for i, name in enumerate(names):
+        v, n = float(t[i, 0]), float(t[i, 1])
+        if n > 0:
+            out.append({"step": step, "metric": name,
+                        "value": v if name in _SUMMED else v / n, "n": int(n)})
+    return out + [r for r in recs if r["metric"] not in names]
 
 
 @contextlib.contextmanager
@@ -176,8 +222,10 @@ class VarbenchCallback(TrainerCallback):
     ``log``: also put each value into TRL's metrics as ``varbench/<metric>`` (averaged over
     the logging window like TRL's own). ``records``:
     the list of record dicts (``step`` is the first optimizer step that uses the batch).
-    Single process only: under several processes each rank holds a slice of the groups and
-    the callback refuses at :meth:`attach`.
+    Under several processes (torchrun / accelerate) each rank measures its own groups with its
+    own rewards and the records are combined over ranks (counts summed, the variance that of
+    the global batch, the per-sequence proxy over every row); each rank must hold whole groups
+    (refused at :meth:`attach` otherwise).
     """
 
     def __init__(self, every: int = 10, *, measures: tuple[str, ...] = DEFAULT_MEASURES,
@@ -199,11 +247,13 @@ class VarbenchCallback(TrainerCallback):
 
     def attach(self, trainer: Any) -> VarbenchCallback:
         """Wrap ``trainer``'s generation and reward steps to measure each batch; returns self."""
-        if trainer.accelerator.num_processes != 1:
+        local = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+        if trainer.accelerator.num_processes > 1 and local % trainer.num_generations:
             raise UsageError(
-                f"VarbenchCallback runs in one process; this trainer has "
-                f"{trainer.accelerator.num_processes} (each rank holds only its slice of the "
-                "groups, and the split-half variance needs whole groups)")
+                f"VarbenchCallback needs whole groups on each of the "
+                f"{trainer.accelerator.num_processes} processes: per_device_train_batch_size x "
+                f"steps_per_generation = {local} is not a multiple of num_generations = "
+                f"{trainer.num_generations} (TRL then splits a group across ranks)")
         if "variance" in self.measures and trainer.loss_type not in _NORMALISER:
             raise UsageError(f"loss_type={trainer.loss_type!r} is not one VarbenchCallback "
                              f"knows how TRL normalises; known: {sorted(_NORMALISER)}")
@@ -245,12 +295,14 @@ class VarbenchCallback(TrainerCallback):
         G = tr.num_generations
         B = b["completion_ids"].shape[0]
         step = tr.state.global_step + 1
-        rewards = b["rewards"][:B]  # one process: the local slice is the whole batch
+        k = tr.accelerator.process_index
+        rewards = b["rewards"][k * B:(k + 1) * B]  # TRL gathers every process's rewards
         scored = torch.nan_to_num(rewards, nan=0.0)
         recs = measure_groups(
             step=step, rewards=scored, completion_ids=b["completion_ids"],
             completion_mask=b["completion_mask"], advantages=b["advantages"], G=G,
             measures=[m for m in self.measures if m in ("counts", "cancellation")])
+        recs = _reduce_records(recs, tr.accelerator, step)
         dtype = str(next(p for p in tr.model.parameters() if p.requires_grad).dtype)
         if "variance" in self.measures:
             v = split_variance(tr, out, G)
@@ -262,18 +314,28 @@ class VarbenchCallback(TrainerCallback):
                           "n": v["groups"], **extra}]
         with _class_forward(tr.model):
             if "proxy_seq" in self.measures:
-                recs += proxy_sequence_record(tr.model, b["prompt_ids"], b["prompt_mask"],
-                                              b["completion_ids"], b["completion_mask"], step)
+                recs += self._proxy_seq(tr, b, step)
             if "proxy" in self.measures:
-                recs += proxy_record(tr.model, b["prompt_ids"], b["prompt_mask"],
+                local = proxy_record(tr.model, b["prompt_ids"], b["prompt_mask"],
                                      b["completion_ids"], b["completion_mask"], step,
                                      n_sub=self.proxy_rows, seed=self.seed + self.generations)
+                recs += _reduce_records(local, tr.accelerator, step)
         for r in recs:
             r["generation"] = self.generations
         self.records += recs
         if self.log:
             for r in recs:
                 tr._metrics["train"][f"varbench/{r['metric']}"].append(float(r["value"]))
+
+    @staticmethod
+    def _proxy_seq(tr: Any, b: dict[str, Any], step: int) -> list[dict[str, Any]]:
+        """proxy_seq records over the rows of every process (gathered, NaN for empty rows)."""
+        proxy, exact = proxy_sequence_rows(tr.model, b["prompt_ids"], b["prompt_mask"],
+                                           b["completion_ids"], b["completion_mask"])
+        if tr.accelerator.num_processes > 1:
+            both = tr.accelerator.gather(torch.stack([proxy, exact], 1).to(tr.accelerator.device))
+            proxy, exact = both[:, 0].cpu(), both[:, 1].cpu()
+        return sequence_records(proxy, exact, step)
 
     def result(self, name: str = "trl run"):
         """The records as an AnalysisResult for :func:`varbench.report.write_report`."""
