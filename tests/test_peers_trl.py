@@ -126,9 +126,13 @@ def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
     logged = [h for h in trainer.state.log_history if "varbench/grad_var_split" in h]
     assert len(logged) == 2  # through trainer.log, beside TRL's own metrics
     assert all(p.grad is None or True for p in trainer.model.parameters())
-    out = write_report([cb.result()], tmp_path / "report")
+    res = cb.result()
+    assert res.config["loss_type"] == trainer.loss_type and res.config["generations"] == 2
+    out = write_report([res], tmp_path / "report")
     text = (out / "report.md").read_text()
     assert "grad_var_split" in text and "trl run" in text
+    (fig,) = (out / "figures").glob("*in_run.png")
+    assert fig.name in text and fig.stat().st_size > 0
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])

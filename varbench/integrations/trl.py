@@ -339,9 +339,24 @@ class VarbenchCallback(TrainerCallback):
 
     def result(self, name: str = "trl run"):
         """The records as an AnalysisResult for :func:`varbench.report.write_report`."""
-        return records_result(self.records, name=name, source="trl.GRPOTrainer",
-                              config={"every": self.every, "measures": list(self.measures),
-                                      "proxy_rows": self.proxy_rows})
+        config = {"every": self.every, "measures": list(self.measures),
+                  "proxy_rows": self.proxy_rows, "generations": self.generations}
+        tr = self._trainer
+        if tr is not None:
+            import trl
+
+            model = tr.accelerator.unwrap_model(tr.model)
+            config.update({
+                "trl": trl.__version__, "loss_type": tr.loss_type,
+                "num_generations": tr.num_generations, "temperature": tr.temperature,
+                "beta": tr.beta, "processes": tr.accelerator.num_processes,
+                "model": type(model).__name__,
+                "name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None),
+                "trainable_params": sum(p.numel() for p in tr.model.parameters()
+                                        if p.requires_grad),
+                "bf16": bool(tr.args.bf16), "fp16": bool(tr.args.fp16),
+            })
+        return records_result(self.records, name=name, source="trl.GRPOTrainer", config=config)
 
 
 def _needs_token_stats(scheme: str, options: dict[str, Any]) -> bool:
