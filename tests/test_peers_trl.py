@@ -167,6 +167,25 @@ def test_callback_variance_in_bf16_tracks_the_fp32_measurement(tmp_path):
     assert abs(rec["value"] - want) <= 1e-2 * want
 
 
+def test_callback_variance_in_fp16_tracks_the_fp32_measurement(tmp_path):
+    """fp16=True: within fp16's rounding of the float64 offline value (unit roundoff 2^-11).
+    On the CPU accelerate sets no loss scaler and its forward stays float32 (measured 1.1e-7),
+    so this checks the callback under TRL's fp16 setting; fp16 arithmetic and the scaler's
+    scale (split_variance multiplies by it) are exercised only on a GPU."""
+    trainer = _trainer(tmp_path, steps=1, bf16=False, fp16=True, loss_type="grpo")
+    assert trainer.accelerator.mixed_precision == "fp16"
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, "grpo")
+    print(f"fp16 rel err {abs(rec['value'] - want) / want:.2e}")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 5e-3 * want
+
+
 def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
     peft = require("peft")
     base = build_policy("micro", seed=0).model

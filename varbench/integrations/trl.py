@@ -27,6 +27,8 @@ advantages (TRL's loss accepts ``[B, T]`` advantages).
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from typing import Any
 
 import torch
@@ -155,19 +157,26 @@ def split_variance(trainer: Any, inputs: dict[str, Any], G: int) -> dict[str, fl
     tokens = [float(lm[:n].sum()), float(lm[n:].sum())]
     weights = {"mean": [0.5, 0.5], "sum": [1.0, 1.0],
                "tokens": [t / max(sum(tokens), 1.0) for t in tokens]}[kind]
+    # fp16 on an accelerator: the loss scale TRL's backward uses, so small gradients survive
+    scaler = getattr(acc, "scaler", None)
+    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
     grads = []
     with torch.enable_grad():
         for h, rows in enumerate((slice(0, n), slice(n, 2 * n))):
             loss = _trl_loss(trainer, _slice(used, rows, 2 * n)) * (undo * weights[h] / K)
-            grads.append([torch.zeros_like(p) if g is None else g for g, p in
-                          zip(torch.autograd.grad(loss, params, allow_unused=True), params,
-                              strict=True)])
+            grads.append([torch.zeros_like(p) if g is None else g / scale for g, p in
+                          zip(torch.autograd.grad(loss * scale, params, allow_unused=True),
+                              params, strict=True)])
     diff = [a - b for a, b in zip(*grads, strict=True)]
     total = [a + b for a, b in zip(*grads, strict=True)]
     del grads
     _all_reduce_(diff + total, acc)  # DDP's average: the 1/K is in the loss above
     var = sum(float(d.double().pow(2).sum()) for d in diff)
     sq = sum(float(t.double().pow(2).sum()) for t in total)
+    if not (math.isfinite(var) and math.isfinite(sq)):
+        warnings.warn(f"VarbenchCallback: the split-half gradients are not finite (loss scale "
+                      f"{scale:g}); no variance recorded for this batch", stacklevel=2)
+        return None
     return {"var": var, "sq": sq, "groups": 2 * (P // 2) * K,
             "params": sum(p.numel() for p in params)}
 
