@@ -228,6 +228,15 @@ def test_callback_counts_each_generation_batch_once(tmp_path):
     cb2.attach(trainer)
     trainer.train()
     assert {r["generation"] for r in cb2.records} == {1} and cb2.generations == 2
+    # num_iterations=2: each batch feeds two optimizer steps (TRL computes its old log-probs
+    # at generation, so the measured ratio is exactly 1): one record set per batch
+    cb3 = VarbenchCallback(every=1, measures=("counts", "variance"))
+    trainer = _trainer(tmp_path / "c", steps=4, num_iterations=2)
+    cb3.attach(trainer)
+    trainer.train()
+    var = [r for r in cb3.records if r["metric"] == "grad_var_split"]
+    assert [r["generation"] for r in var] == [1, 2] and [r["step"] for r in var] == [1, 3]
+    assert all(r["value"] > 0 for r in var)
 
 
 def test_callback_metrics_reach_a_tensorboard_event_file(tmp_path, monkeypatch):
