@@ -289,7 +289,9 @@ def test_from_flat_registers_verl_function():
 def test_to_flat_round_trip(scheme):
     rewards, mask, opts = random_case(3, 4, 5, 1, multi_turn=True)
     kw = {"token_weights": opts["token_weights"]} if scheme == "otb" else {}
-    flat = E.to_flat(scheme)
+    # varbench's own conventions: with "verl" (to_flat's default) otb on these multi-turn
+    # masks is verl's optimal_token_baseline by design (tests/test_peers_verl.py)
+    flat = E.to_flat(scheme, conventions="varbench")
     name = E.from_flat(flat, f"test_rt_{scheme}", pass_options={"token_weights": "token_weights"})
     try:
         torch.testing.assert_close(
@@ -427,6 +429,12 @@ def test_to_flat_reads_verl_config_and_keywords_and_refuses_the_rest():
     with pytest.raises(TypeError, match="unknown option 'gamma'"):
         E.to_flat("rloo")(tok, mask, ids, gamma=0.9)
     E.to_flat("rloo", ignore=("gamma",))(tok, mask, ids, gamma=0.9)
+    # options given at construction are checked there, before any rollout
+    with pytest.raises(TypeError, match="unknown option 'foo'"):
+        E.to_flat("rloo", foo=1)
+    with pytest.raises(TypeError, match="epsilon=0.5 has no meaning"):
+        E.to_flat("rloo", epsilon=0.5)
+    E.to_flat("rloo", foo=1, ignore=("foo",))
     with pytest.raises(ValueError, match="index=None"):
         E.to_flat("rloo")(tok, mask, None)
 

@@ -1,8 +1,11 @@
-"""varbench against the real TRL 1.16.0: a real GRPOTrainer run on CPU with varbench's callback
-(records rendered by the report writer), TRL's group-scaled advantages from that run against
-varbench's schemes, and the subclass hook that puts varbench's advantages into TRL."""
+"""varbench against the real TRL 1.16.0: real GRPOTrainer runs on the CPU with varbench's
+callback (fp32, bf16, LoRA; the variance record against an offline measurement of the same
+batch and weights; TensorBoard), TRL's group-scaled advantages against varbench's schemes, and
+the subclass hook that puts varbench's advantages (OTB included) into TRL."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -12,49 +15,333 @@ trl = require("trl")
 datasets = require("datasets")
 
 import varbench.estimators as E  # noqa: E402
+from varbench._util.checks import UsageError  # noqa: E402
+from varbench.grads.stats import forward_stats  # noqa: E402
 from varbench.integrations.trl import VarbenchCallback, with_varbench_advantages  # noqa: E402
 from varbench.models import build_policy  # noqa: E402
+from varbench.models.logits import token_logprobs  # noqa: E402
 from varbench.report import write_report  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reward(completions, **kwargs):
-    return [float(c.count("1")) - 0.5 * float(c.count("2")) for c in completions]
+    return [float(c.count("1")) - 0.5 * float(c.count("2")) + 0.1 * len(c)
+            for c in completions]
 
 
-def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, **config):
+def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, model=None, reward=_reward,
+             **config):
     policy = build_policy("micro", seed=0)
     tok = policy.tokenizer
     ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2=", "<sort>2,2,1",
                                                 "<sum>4:"] * 4})
+    config = {"per_device_train_batch_size": 8, "report_to": [], **config}
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=6, max_steps=steps, learning_rate=1e-3, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0, scale_rewards=scale_rewards,
-        temperature=1.0, dataloader_num_workers=0, **config,
+        output_dir=str(tmp_path / "out"), num_generations=4, max_completion_length=6,
+        max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        use_cpu=True, seed=0, scale_rewards=scale_rewards, temperature=1.0,
+        dataloader_num_workers=0, **config,
     )
     cls = cls or trl.GRPOTrainer
-    return cls(model=policy.model, reward_funcs=_reward, args=args, train_dataset=ds,
-               processing_class=tok)
+    return cls(model=model if model is not None else policy.model, reward_funcs=reward,
+               args=args, train_dataset=ds, processing_class=tok)
+
+
+class _Keep:
+    """Wraps the callback's measurement to keep, for the first measured batch, TRL's batch
+    dict and a copy of the trainable weights at that moment (for the offline reference)."""
+
+    def __init__(self, cb):
+        self.out, self.weights = None, None
+        real = cb._measure
+
+        def measure(out):
+            if self.out is None:
+                self.out = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in out.items()}
+                self.weights = {n: p.detach().clone()
+                                for n, p in cb._trainer.model.named_parameters()}
+            real(out)
+        cb._measure = measure
+
+
+def _offline_diff(model, out, loss_type: str, *, max_len: int = 6, items: float | None = None,
+                  K: int = 1) -> list[torch.Tensor]:
+    """``w_1 g_1 - w_2 g_2`` of one process's batch by varbench's own formulas on a model with
+    the measured weights (float64): TRL's documented normalisers (grpo: mean over rows of the
+    row's token mean; bnpo/dapo: token sum over ``items``, the used tokens of every process;
+    dr_grpo: token sum over rows x max_completion_length), ratio 1, no KL, averaged over ``K``
+    processes as DDP averages."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    m = out["completion_mask"].double()
+    A = out["advantages"].double()
+    B, T = m.shape
+    Lp = out["prompt_ids"].shape[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = B // 2
+    N = float(m.sum()) if items is None else items
+    grads = []
+    for rows in (slice(0, n), slice(n, B)):
+        logits = model(input_ids=ids[rows], attention_mask=attn[rows]).logits.double()
+        logp = token_logprobs(logits, ids[rows])[:, Lp:]
+        term = -A[rows, None] * logp * m[rows]
+        if loss_type == "grpo":
+            loss = (term.sum(1) / m[rows].sum(1).clamp(min=1)).sum() / B  # w = 1/2 of a mean
+        elif loss_type == "bnpo":
+            loss = term.sum() / m.sum()
+        elif loss_type == "dapo":
+            loss = term.sum() / (N / K)
+        else:  # dr_grpo
+            loss = term.sum() / (B * max_len)
+        grads.append(torch.autograd.grad(loss / K, params))
+    return [a - b for a, b in zip(*grads, strict=True)]
+
+
+def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
+    """Split-half variance ``||w_1 g_1 - w_2 g_2||^2`` of one process's batch, offline."""
+    return sum(float(d.pow(2).sum()) for d in _offline_diff(model, out, loss_type,
+                                                            max_len=max_len))
 
 
 def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
     trainer = _trainer(tmp_path)
-    cb = VarbenchCallback(every=1, sketch_dim=8, proxy_rows=3).attach(trainer)
+    cb = VarbenchCallback(every=1, proxy_rows=3,
+                          measures=("counts", "cancellation", "variance", "proxy_seq", "proxy"))
+    cb.attach(trainer)
     trainer.train()
     metrics = {r["metric"] for r in cb.records}
-    assert {"groups", "all_agree_groups", "nonzero_raw", "nonzero_centered",
-            "grad_var_split", "proxy_exact_corr"} <= metrics, metrics
-    steps = {r["step"] for r in cb.records}
-    assert steps == {1, 2}
-    by = {(r["step"], r["metric"]): r["value"] for r in cb.records}
-    assert by[(1, "groups")] == 2 and by[(1, "responses")] == 8
-    assert by[(1, "grad_var_split")] >= 0
-    assert -1 <= by[(1, "proxy_exact_corr")] <= 1
-    logged = [h for h in trainer.state.log_history if "varbench/groups" in h]
-    assert len(logged) == 2  # beside TRL's own logs
-    out = write_report([cb.result()], tmp_path / "report")
+    assert {"groups", "all_agree_groups", "nonzero_raw", "nonzero_centered", "grad_var_split",
+            "grad_sq_batch", "proxy_exact_corr", "proxy_seq_spearman",
+            "proxy_seq_scale"} <= metrics, metrics
+    assert {r["step"] for r in cb.records} == {1, 2}
+    assert {r["generation"] for r in cb.records} == {1, 2}
+    by = {(r["step"], r["metric"]): r for r in cb.records}
+    assert by[(1, "groups")]["value"] == 2 and by[(1, "responses")]["value"] == 8
+    assert by[(1, "grad_var_split")]["value"] > 0  # was 0.0 in fp32 (a copy without grads)
+    assert by[(1, "grad_var_split")]["params"] == sum(p.numel()
+                                                      for p in trainer.model.parameters())
+    assert -1 <= by[(1, "proxy_exact_corr")]["value"] <= 1
+    logged = [h for h in trainer.state.log_history if "varbench/grad_var_split" in h]
+    assert len(logged) == 2  # through trainer.log, beside TRL's own metrics
+    assert all(p.grad is None or True for p in trainer.model.parameters())
+    res = cb.result()
+    assert res.config["loss_type"] == trainer.loss_type and res.config["generations"] == 2
+    out = write_report([res], tmp_path / "report")
     text = (out / "report.md").read_text()
     assert "grad_var_split" in text and "trl run" in text
+    (fig,) = (out / "figures").glob("*in_run.png")
+    assert fig.name in text and fig.stat().st_size > 0
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_callback_variance_equals_an_offline_measurement_fp32(tmp_path, loss_type):
+    """The record of the first batch = the split-half variance computed offline, by varbench's
+    formulas in float64, on the same batch and the weights that generated it."""
+    trainer = _trainer(tmp_path, steps=1, bf16=False, loss_type=loss_type)
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert rec["dtype"] == "torch.float32" and rec["loss_type"] == loss_type
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, loss_type)
+    assert want > 0
+    assert abs(rec["value"] - want) <= 1e-5 * want  # float32 arithmetic against float64
+
+
+def test_callback_variance_in_bf16_tracks_the_fp32_measurement(tmp_path):
+    """bf16=True: measured in what TRL trains in (its autocast forward), near the float64
+    offline value within bf16's rounding (unit roundoff 2^-8 = 3.9e-3; measured 3.0e-3)."""
+    trainer = _trainer(tmp_path, steps=1, bf16=True, loss_type="grpo")
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, "grpo")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 1e-2 * want
+
+
+def test_callback_variance_in_fp16_tracks_the_fp32_measurement(tmp_path):
+    """fp16=True: within fp16's rounding of the float64 offline value (unit roundoff 2^-11).
+    On the CPU accelerate sets no loss scaler and its forward stays float32 (measured 1.1e-7),
+    so this checks the callback under TRL's fp16 setting; fp16 arithmetic and the scaler's
+    scale (split_variance multiplies by it) are exercised only on a GPU."""
+    trainer = _trainer(tmp_path, steps=1, bf16=False, fp16=True, loss_type="grpo")
+    assert trainer.accelerator.mixed_precision == "fp16"
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    want = _offline_variance(ref, keep.out, "grpo")
+    print(f"fp16 rel err {abs(rec['value'] - want) / want:.2e}")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 5e-3 * want
+
+
+def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
+    peft = require("peft")
+    base = build_policy("micro", seed=0).model
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # B != 0, so the A factors get gradients too
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    trainer = _trainer(tmp_path, steps=1, bf16=True, model=model, loss_type="grpo")
+    cb = VarbenchCallback(every=1, measures=("variance", "proxy_seq"))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert {"proxy_seq_spearman", "proxy_seq_scale"} <= {r["metric"] for r in cb.records}
+    lora = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    assert rec["params"] == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    ref = peft.get_peft_model(build_policy("micro", seed=0).model,
+                              peft.LoraConfig(r=4, lora_alpha=8,
+                                              target_modules=["q_proj", "v_proj"]))
+    ref.load_state_dict(keep.weights, strict=True)
+    ref = ref.double()
+    want = _offline_variance(ref, keep.out, "grpo")
+    assert rec["value"] > 0
+    assert abs(rec["value"] - want) <= 1e-2 * want
+
+
+def test_callback_counts_each_generation_batch_once(tmp_path):
+    """steps_per_generation=2: one batch feeds two optimizer steps; one record set per batch,
+    tagged with its generation and the first step that uses it."""
+    trainer = _trainer(tmp_path, steps=4, per_device_train_batch_size=4, steps_per_generation=2)
+    cb = VarbenchCallback(every=1, measures=("counts", "variance")).attach(trainer)
+    trainer.train()
+    var = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    assert [r["generation"] for r in var] == [1, 2] and [r["step"] for r in var] == [1, 3]
+    cb2 = VarbenchCallback(every=2, measures=("counts",))
+    trainer = _trainer(tmp_path / "b", steps=4, per_device_train_batch_size=4,
+                       steps_per_generation=2)
+    cb2.attach(trainer)
+    trainer.train()
+    assert {r["generation"] for r in cb2.records} == {1} and cb2.generations == 2
+    # num_iterations=2: each batch feeds two optimizer steps (TRL computes its old log-probs
+    # at generation, so the measured ratio is exactly 1): one record set per batch
+    cb3 = VarbenchCallback(every=1, measures=("counts", "variance"))
+    trainer = _trainer(tmp_path / "c", steps=4, num_iterations=2)
+    cb3.attach(trainer)
+    trainer.train()
+    var = [r for r in cb3.records if r["metric"] == "grad_var_split"]
+    assert [r["generation"] for r in var] == [1, 2] and [r["step"] for r in var] == [1, 3]
+    assert all(r["value"] > 0 for r in var)
+
+
+def test_callback_metrics_reach_a_tensorboard_event_file(tmp_path, monkeypatch):
+    require("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    trainer = _trainer(tmp_path, steps=2, report_to=["tensorboard"])
+    cb = VarbenchCallback(every=1, measures=("counts", "variance")).attach(trainer)
+    trainer.train()
+    files = list(logdir.rglob("events.out.tfevents.*"))
+    assert files
+    tags = set()
+    for f in files:
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "train/varbench/grad_var_split" in tags and "train/varbench/groups" in tags, tags
+    values = []
+    for f in files:
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if "train/varbench/grad_var_split" in acc.Tags()["scalars"]:
+            values += [e.value for e in acc.Scalars("train/varbench/grad_var_split")]
+    recs = [r["value"] for r in cb.records if r["metric"] == "grad_var_split"]
+    assert values == pytest.approx(recs, rel=1e-6)  # TensorBoard stores float32
+
+
+_TWO_RANKS = r"""
+import pickle, sys
+from pathlib import Path
+import torch
+import test_peers_trl as t
+from varbench.integrations.trl import VarbenchCallback
+
+out = Path(sys.argv[1])
+trainer = t._trainer(out, steps=1, bf16=False, loss_type=sys.argv[2])
+cb = VarbenchCallback(every=1, measures=("counts", "cancellation", "variance", "proxy_seq"))
+keep = t._Keep(cb.attach(trainer))
+trainer.train()
+rank = trainer.accelerator.process_index
+(out / f"rank{rank}.pkl").write_bytes(pickle.dumps(
+    {"records": cb.records, "out": keep.out, "weights": keep.weights,
+     "last": cb._last, "world": trainer.accelerator.num_processes}))
+"""
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_callback_under_two_processes_measures_the_global_batch(tmp_path, loss_type):
+    """torchrun, 2 gloo ranks, 2 groups each: every rank uses its own rewards (TRL's
+    advantages of its rows follow from them), and every rank records the same split variance,
+    equal to the offline global one (the ranks' half differences averaged as DDP averages)."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    tests = str(Path(__file__).resolve().parent)
+    root = str(Path(tests).parent)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{root}:{tests}"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(script), str(tmp_path), loss_type],
+                         env=env, text=True, capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    for k, r in enumerate(ranks):  # rank k's rewards give TRL's advantages of its rows
+        R = r["last"]["rewards"]  # every process's, as TRL gathers them
+        B = r["out"]["completion_mask"].shape[0]
+        want = E.advantages("normalized", R[k * B:(k + 1) * B].reshape(2, 4).double(),
+                            torch.ones(2, 4, 1, dtype=torch.bool), eps=1e-4)[..., 0]
+        assert (r["out"]["advantages"].double() - want.reshape(-1)).abs().max() <= 1e-6
+    recs = [{(x["metric"]): x["value"] for x in r["records"]} for r in ranks]
+    assert recs[0] == recs[1]
+    assert recs[0]["groups"] == 4 and recs[0]["responses"] == 16
+    # counts summed over ranks, each from its own slice (rank 1 once counted rank 0's)
+    assert recs[0]["nonzero_raw"] == int((ranks[0]["last"]["rewards"] != 0).sum())
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in ranks[0]["weights"].items()})
+    items = sum(float(r["out"]["completion_mask"].sum()) for r in ranks)
+    diffs = [_offline_diff(ref, r["out"], loss_type, items=items, K=2) for r in ranks]
+    want = sum(float((a + b).pow(2).sum()) for a, b in zip(*diffs, strict=True))
+    assert want > 0
+    print(f"2 ranks {loss_type}: rel err {abs(recs[0]['grad_var_split'] - want) / want:.2e}")
+    assert abs(recs[0]["grad_var_split"] - want) <= 1e-5 * want
+    assert "proxy_seq_spearman" in recs[0]
+
+
+def test_callback_refuses_what_it_cannot_measure():
+    for bad in ({"every": 0}, {"every": True}, {"measures": ("nope",)}, {"measures": "counts"},
+                {"proxy_rows": 0}):
+        with pytest.raises(UsageError, match=next(iter(bad))):
+            VarbenchCallback(**bad)
+    fake = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(num_processes=2), loss_type="grpo", num_generations=4,
+        args=types.SimpleNamespace(per_device_train_batch_size=6, steps_per_generation=1))
+    with pytest.raises(UsageError, match="whole groups.*6 is not a multiple of num_generations"):
+        VarbenchCallback().attach(fake)
+    fake.accelerator.num_processes, fake.loss_type = 1, "mystery"
+    with pytest.raises(UsageError, match="loss_type='mystery'"):
+        VarbenchCallback().attach(fake)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -86,6 +373,66 @@ def test_subclass_hook_puts_varbench_advantages_into_trl(tmp_path):
     want = E.advantages("rloo", b["rewards"].reshape(2, 4).float(), mask)
     assert b["advantages"].shape == mask.reshape(8, -1).shape
     torch.testing.assert_close(b["advantages"].float(), want.reshape(8, -1), rtol=0, atol=0)
+
+
+class _Spy(trl.GRPOTrainer):
+    def _generate_and_score_completions(self, *args, **kwargs):
+        out = super()._generate_and_score_completions(*args, **kwargs)
+        self.trl_advantages = out["advantages"].clone()
+        return out
+
+
+def _some_unscorable(completions, **kwargs):
+    return [None if i % 3 == 0 else v for i, v in enumerate(_reward(completions))]
+
+
+def test_hook_treats_unscorable_completions_as_trl_does(tmp_path):
+    """Every reward function returned None for rows 0, 3, 6: TRL leaves them out of the group
+    baseline and gives them advantage 0; the hook with normalized(eps=1e-4) gives TRL's
+    own group-scaled advantages on every row."""
+    cls = with_varbench_advantages(_Spy, "normalized", eps=1e-4)
+    trainer = _trainer(tmp_path, cls=cls, steps=1, reward=_some_unscorable)
+    cb = VarbenchCallback(every=1, measures=("counts",)).attach(trainer)
+    trainer.train()
+    got = cb._last["advantages"]
+    assert got.dim() == 2 and torch.isnan(cb._last["rewards"]).sum() == 3
+    assert (got[[0, 3, 6]] == 0).all()
+    want = trainer.trl_advantages
+    assert (got[:, 0].double() - want.double()).abs().max() <= 1e-6
+
+
+def test_hook_runs_otb_with_token_statistics_from_the_model(tmp_path):
+    cls = with_varbench_advantages(trl.GRPOTrainer, "otb")
+    trainer = _trainer(tmp_path, cls=cls, steps=1)
+    cb = VarbenchCallback(every=1, measures=("counts",)).attach(trainer)
+    trainer.train()
+    b = cb._last
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    cm = b["completion_mask"]
+    resp = torch.cat([torch.zeros_like(b["prompt_mask"]), cm], 1)
+    st = forward_stats(build_policy("micro", seed=0, dtype=torch.float64).model, ids, resp,
+                       torch.cat([b["prompt_mask"], cm], 1))
+    Lp = b["prompt_ids"].shape[1]
+    m = cm.reshape(2, 4, -1) != 0
+    want = E.advantages("otb", b["rewards"].reshape(2, 4).double(), m,
+                        logprobs=st.logp[:, Lp:].reshape(2, 4, -1),
+                        sum_pi_sq=st.sum_pi_sq[:, Lp:].reshape(2, 4, -1)).reshape(8, -1)
+    got = b["advantages"].double()
+    assert got.abs().max() > 0
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_hook_refuses_up_front(tmp_path):
+    with pytest.raises(UsageError, match="foo"):
+        with_varbench_advantages(trl.GRPOTrainer, "rloo", foo=1)
+    cls = with_varbench_advantages(trl.GRPOTrainer, "otb")
+    with pytest.raises(UsageError, match="temperature=0.7"):
+        policy = build_policy("micro", seed=0)
+        args = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=4, use_cpu=True,
+                              per_device_train_batch_size=8, temperature=0.7, report_to=[],
+                              max_steps=1)
+        cls(model=policy.model, reward_funcs=_reward, args=args, processing_class=policy.tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2"] * 8}))
 
 
 @pytest.mark.parametrize("loss_type", list(TRL_LOSSES))

@@ -13,6 +13,7 @@ import torch
 from _fixtures_peers import TOL, TOL_SUMS, rel_diff, require, verl_batch
 
 import varbench.estimators as E
+from varbench._util.checks import UsageError
 
 core = require("verl.trainer.ppo.core_algos")
 from verl.trainer.config import AlgoConfig  # noqa: E402
@@ -82,6 +83,45 @@ def test_otb_matches_verl(seed, dtype, hzt, rho):
                                 handle_zero_tail=hzt)
     assert rel_diff(got, want) <= TOL_SUMS[dtype]
     assert rel_diff(ret, want_ret) <= TOL[dtype]  # verl's second value: the reward-to-go
+
+
+def _multi_turn(seed, dtype):
+    """A verl batch whose responses have holes (tool tokens under mask 0), reward on the last
+    valid token: ``(tok, mask, index, stats)``."""
+    b = verl_batch(seed, torch.float64, empty=False)
+    B, T = b["mask"].shape
+    gen = torch.Generator().manual_seed(100 + seed)
+    mask = b["mask"] * (torch.rand(B, T, generator=gen) >= 0.3)
+    mask[:, 0] = b["mask"][:, 0]
+    last = T - 1 - mask.flip(-1).argmax(-1)
+    tok = torch.zeros(B, T, dtype=torch.float64).scatter_(1, last[:, None], b["R"][:, None])
+    stats = {"old_log_probs": b["logp"].to(dtype), "sum_pi_squared": b["sum_pi_sq"].to(dtype)}
+    return tok.to(dtype), mask.to(dtype), b["index"], stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("hzt", [True, False])
+def test_otb_on_multi_turn_masks_matches_both_verl_variants(seed, dtype, hzt):
+    """Holes in the masks: to_flat("otb") (conventions "verl") = verl's optimal_token_baseline
+    (columns aligned, its zero tail from the second-longest count); conventions "varbench"
+    (responses compacted to their generated tokens) = verl's tir_optimal_token_baseline, the
+    group of one response apart (varbench's G = 1 convention gives it 0, verl R)."""
+    tok, mask, index, stats = _multi_turn(seed, dtype)
+    plain, _ = core.compute_optimal_token_baseline_advantage(tok, mask, index, **stats,
+                                                             handle_zero_tail=hzt)
+    tir, _ = core.compute_multi_turn_optimal_token_baseline_advantage(tok, mask, index, **stats,
+                                                                      handle_zero_tail=hzt)
+    assert rel_diff(plain, tir) > 0.1  # the two verl estimators differ on these masks
+    got, _ = E.to_flat("otb")(tok, mask, index, **stats, handle_zero_tail=hzt)
+    assert rel_diff(got, plain) <= TOL_SUMS[dtype]
+    ours, _ = E.to_flat("otb", conventions="varbench")(tok, mask, index, **stats,
+                                                        handle_zero_tail=hzt)
+    ids = np.asarray(index)
+    multi = torch.as_tensor([int((ids == g).sum()) > 1 for g in ids])
+    # verl's tir sums W over up to G*T compacted terms in another order than varbench
+    assert rel_diff(ours[multi], tir[multi]) <= (1e-8 if dtype == torch.float64 else 4.8e-7)
+    assert rel_diff(ours[multi], plain[multi]) > 0.1
 
 
 def test_options_verl_passes_are_read_not_dropped():
@@ -264,9 +304,87 @@ def test_kl_penalty_matches_verl(kind, dtype):
         assert rel_diff(E.kl_penalty(logp, ref, kind), want) > 1
 
 
+def _actor_batch(seed: int = 0, relabel=None):
+    """A DataProto as verl's trainer holds it after compute_advantage: 4 groups of 4 rows
+    shuffled, multi-turn response masks (tool tokens attended, not trained), GRPO advantages
+    computed by verl itself; ``relabel`` maps each uid string to another."""
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    gen = torch.Generator().manual_seed(seed)
+    B, Lp, T = 16, 3, 6
+    uid = np.array([f"u{g}" for g in np.repeat(np.arange(4), 4)], dtype=object)
+    uid = uid[torch.randperm(B, generator=gen).numpy()]
+    if relabel is not None:
+        uid = np.array([relabel(u) for u in uid], dtype=object)
+    lengths = torch.randint(2, T + 1, (B,), generator=gen)
+    attn_resp = (torch.arange(T) < lengths[:, None]).long()
+    mask = attn_resp.clone()
+    mask[:, 1] = 0  # a tool token in every response: attended, not trained
+    R = torch.randint(0, 3, (B,), generator=gen).float()
+    last = T - 1 - mask.flip(-1).argmax(-1)
+    tok = torch.zeros(B, T).scatter_(1, last[:, None], R[:, None])
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": tok, "response_mask": mask.float(),
+                 "prompts": torch.randint(4, 30, (B, Lp), generator=gen),
+                 "responses": torch.randint(4, 30, (B, T), generator=gen),
+                 "attention_mask": torch.cat([torch.ones(B, Lp, dtype=torch.long), attn_resp],
+                                             1)},
+        non_tensors={"uid": uid})
+    return compute_advantage(data, "grpo", config=AlgoConfig(adv_estimator="grpo"))
+
+
+def _split_variance_by_hand(model, data) -> float:
+    """||g_1 - g_2||^2 / 4 with the batch's own advantages, halves = the first / last two
+    groups by first appearance of their uid, attention as the batch gives it (float64)."""
+    from varbench.models.logits import token_logprobs
+
+    uid = list(data.non_tensor_batch["uid"])
+    seen = list(dict.fromkeys(uid))
+    t = data.batch
+    ids = torch.cat([t["prompts"], t["responses"]], 1)
+    Lp = t["prompts"].shape[1]
+    grads = []
+    for half in (seen[:2], seen[2:]):
+        rows = torch.tensor([i for i, u in enumerate(uid) if u in half])
+        logp = token_logprobs(model(input_ids=ids[rows],
+                                    attention_mask=t["attention_mask"][rows]).logits,
+                              ids[rows])[:, Lp:]
+        m = t["response_mask"][rows].double()
+        loss = (t["advantages"][rows].double() * logp * m).sum() / m.sum()
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    return sum(float(((a - b) ** 2).sum()) for a, b in zip(*grads, strict=True)) / 4
+
+
+def test_batch_records_measure_the_dataproto_verl_holds(tmp_path):
+    """A DataProto straight from verl's compute_advantage: its advantages, its attention mask
+    (tool tokens attended) and its uids in order of first appearance; the split variance
+    equals a by-hand float64 computation, relabelled uids change nothing, and advantages
+    scaled by 3 scale the variance by 9."""
+    from varbench.grads import exact_float64
+    from varbench.integrations.verl import batch_records, records_result
+    from varbench.models import build_policy
+    from varbench.report import write_report
+
+    model = exact_float64(build_policy("micro", seed=0).model)  # float64 norms too
+    data = _actor_batch()
+    recs = batch_records(data, step=3, model=model, proxy_rows=4)
+    by = {r["metric"]: r["value"] for r in recs}
+    assert by["groups"] == 4 and by["responses"] == 16
+    assert by["grad_var_split"] == pytest.approx(_split_variance_by_hand(model, data), rel=1e-10)
+    assert {"proxy_seq_spearman", "proxy_seq_scale", "proxy_exact_corr"} <= set(by)
+    flipped = _actor_batch(relabel=lambda u: "z" + str(9 - int(u[1:])))
+    assert batch_records(flipped, step=3, model=model, proxy_rows=4) == recs
+    data.batch["advantages"] = data.batch["advantages"].double() * 3  # exact in float64
+    by3 = {r["metric"]: r["value"] for r in batch_records(data, step=3, model=model)}
+    assert by3["grad_var_split"] == pytest.approx(9 * by["grad_var_split"], rel=1e-10)
+    out = write_report([records_result(recs, name="verl batch", source="verl")], tmp_path)
+    assert "grad_var_split" in (out / "report.md").read_text()
+
+
 def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
-    """varbench.integrations.verl measures a real verl DataProto's batch (with the actor model
-    for the variance and proxy measures) and the records render in a report."""
+    """The mixed-size batch (groups of 1 to 5, empty responses) as a mapping of DataProto's
+    keys: counts and records that render."""
     from varbench.integrations.verl import batch_records, records_result
     from varbench.models import build_policy
     from varbench.report import write_report
@@ -282,10 +400,48 @@ def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
                                               b["mask"].long()], 1)
     batch = {**{k: data.batch[k] for k in data.batch.keys()}, "uid": data.non_tensor_batch["uid"]}
     records = batch_records(batch, step=3, model=build_policy("micro", seed=0).model,
-                            sketch_dim=8, proxy_rows=4)
+                            proxy_rows=4)
+    assert records == batch_records(data, step=3, model=build_policy("micro", seed=0).model,
+                                    proxy_rows=4)
     by = {r["metric"]: r for r in records}
     assert by["all_agree_groups"]["value"] == 2  # the all-equal group and the G = 1 group
     assert by["groups"]["value"] == 7 and all(r["step"] == 3 for r in records)
     assert by["grad_var_split"]["value"] >= 0 and -1 <= by["proxy_exact_corr"]["value"] <= 1
     out = write_report([records_result(records, name="verl batch", source="verl")], tmp_path)
     assert "all_agree_groups" in (out / "report.md").read_text()
+    with pytest.raises(UsageError, match="no 'uid'"):
+        batch_records({k: v for k, v in batch.items() if k != "uid"}, step=0)
+
+
+def test_verl_variance_proxy_against_exact_norms():
+    """verl's own variance_proxy/proxy2_total_power of a batch beside the exact total power
+    mean_b ||sum_t A grad log pi||^2 (a per-row autograd loop here), their scale and rank."""
+    from varbench.grads.stats import forward_stats
+    from varbench.integrations.verl import verl_proxy_records
+    from varbench.models import build_policy
+    from varbench.models.logits import token_logprobs
+
+    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    data = _actor_batch(1)
+    t = data.batch
+    ids = torch.cat([t["prompts"], t["responses"]], 1)
+    Lp = t["prompts"].shape[1]
+    resp = torch.cat([torch.zeros_like(t["prompts"]), t["response_mask"].long()], 1)
+    st = forward_stats(model, ids, resp, t["attention_mask"])
+    t["old_log_probs"], t["sum_pi_squared"] = st.logp[:, Lp:].float(), st.sum_pi_sq[:, Lp:].float()
+    recs = {r["metric"]: r["value"] for r in verl_proxy_records(data, model, step=0)}
+    exact = []
+    for b in range(ids.shape[0]):
+        logp = token_logprobs(model(input_ids=ids[b:b + 1],
+                                    attention_mask=t["attention_mask"][b:b + 1]).logits,
+                              ids[b:b + 1])[:, Lp:]
+        g = torch.autograd.grad((t["advantages"][b:b + 1].double() * logp
+                                 * t["response_mask"][b:b + 1]).sum(), list(model.parameters()))
+        exact.append(float(sum((x ** 2).sum() for x in g)))
+    assert recs["exact_total_power"] == pytest.approx(float(np.mean(exact)), rel=1e-9)
+    assert recs["verl_proxy_scale"] == pytest.approx(
+        recs["exact_total_power"] / recs["verl_total_power"], rel=1e-12)
+    assert -1 <= recs["verl_proxy_spearman"] <= 1
+    with pytest.raises(UsageError, match="sum_pi_squared"):
+        del t["sum_pi_squared"]
+        verl_proxy_records(data, model, step=0)

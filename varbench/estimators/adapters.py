@@ -441,8 +441,9 @@ def to_flat(
     (:data:`VERL_KEYWORDS`: ``epsilon``, ``norm_adv_by_std_in_grpo``; ``handle_zero_tail`` is
     the same name). ``config`` (verl's AlgoConfig, a dict or None) is read for what verl reads
     from it for this estimator: ``norm_adv_by_std_in_grpo`` (normalized). Any other option
-    raises :class:`~varbench._util.checks.UsageTypeError` naming it, unless listed in
-    ``ignore`` (then dropped); ``ignore_unknown=True`` drops every unknown one (not advised).
+    raises :class:`~varbench._util.checks.UsageTypeError` naming it (``defaults`` already at
+    construction, before any rollout), unless listed in ``ignore`` (then dropped);
+    ``ignore_unknown=True`` drops every unknown one (not advised).
 
     ``conventions`` (default ``"verl"``): the G = 1 convention passed to schemes that take it
     (:class:`SchemeOptions`); with ``"verl"`` the outcome of a non-OTB scheme is
@@ -456,6 +457,7 @@ def to_flat(
     # scheme-shaped functions read opts.conventions; an adapted one only by its own keyword
     takes_conventions = not isinstance(fn_scheme, _Adapted) or "conventions" in fn_scheme.keywords
     ragged_ok = scheme in _RAGGED
+    _options(scheme, known, ignored, ignore_unknown, defaults, None)  # refuse unknown ones now
 
     def fn(
         token_level_rewards: torch.Tensor,

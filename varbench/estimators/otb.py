@@ -178,7 +178,12 @@ def _otb_parts(
     L = _prefix_lengths(mask)
     prefix = L is not None
     direct = opts.cumulative_weights is not None
-    idx = None if prefix or not opts.compact else _buckets(mask)  # None: positions aligned
+    # verl 0.9.1's optimal_token_baseline aligns multi-turn responses by column, with its
+    # zero tail from the second-longest *count* (its tir_ variant compacts, as varbench does)
+    verl_columns = (opts.conventions == "verl" and not prefix and not leave_one_out
+                    and "compact" not in opts.given)
+    compact = opts.compact and not verl_columns
+    idx = None if prefix or not compact else _buckets(mask)  # None: positions aligned
     if rewards.dim() == 2 and prefix and not direct:
         aligned = _aligned_outcome_loo_baseline if leave_one_out else _aligned_outcome_baseline
         Gt = rewards.unsqueeze(-1)
@@ -201,9 +206,25 @@ def _otb_parts(
         B = torch.where(cnt > 0, num / (den + opts.baseline_eps), 0)
     else:
         B = num / (den + opts.baseline_eps)
-        if opts.handle_zero_tail:
+        if verl_columns and mask.shape[1] == 1:  # verl: a group of one has no baseline
+            B = torch.zeros_like(B)
+        elif opts.handle_zero_tail and verl_columns:
+            B = torch.where(_verl_zero_tail(mask), 0, B)
+        elif opts.handle_zero_tail:
             B = torch.where(cnt == 1, 0, B)
     return Gt, _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out)
+
+
+def _verl_zero_tail(mask: torch.Tensor) -> torch.Tensor:
+    """Bool ``[P, G, T]``: verl's zero-tail cells, columns ``t >= L_(2)`` of a group's unique
+    longest response by token count ``L`` (``L_(2)`` the second-largest count)."""
+    P, G, T = mask.shape
+    L = mask.sum(-1)  # [P, G]
+    top = L.topk(2, dim=1).values  # [P, 2]
+    longest = L == top[:, :1]
+    unique = (longest.sum(1) == 1) & (top[:, 0] > top[:, 1])  # [P]
+    cols = torch.arange(T, device=mask.device) >= top[:, 1:2]  # [P, T]
+    return (longest & unique[:, None]).unsqueeze(-1) & cols.unsqueeze(1)
 
 
 def _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out):

@@ -89,7 +89,10 @@ class SchemeOptions:
     """Edge cases where the libraries disagree (:data:`CONVENTIONS`): a group of one response
     (G = 1). ``"varbench"``: normalized/rloo return A = R, centered/opo return 0; ``"verl"``
     (verl 0.9.1's loop estimators): no baseline, A = R (normalized: R / (1 + eps)),
-    reinforce_pp_baseline centres a lone response at 0 baseline; ``"trl"`` (TRL 1.16.0): A = 0."""
+    reinforce_pp_baseline centres a lone response at 0 baseline; ``"trl"`` (TRL 1.16.0): A = 0.
+    On multi-turn masks ``"verl"`` also makes ``otb`` verl's ``optimal_token_baseline``
+    (positions aligned by column, its zero tail from the second-longest token count) unless
+    ``compact`` is given; ``"varbench"`` is verl's ``tir_optimal_token_baseline``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Options a user scheme declared with ``register_scheme(name, extra_options=...)``."""
     given: frozenset[str] | None = field(default=None, repr=False, compare=False)

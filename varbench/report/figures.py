@@ -209,7 +209,41 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
         name = f"{prefix}grad_norm_traces.png"
         _save(fig, fig_dir / name)
         out.append((name, "Gradient-norm traces per run (a collapse shows as a surge)."))
+    out += _in_run_figures(result.records.get("steps"), fig_dir, prefix)
     return out
+
+
+_VARIANCE_METRICS = ("grad_var_split", "grad_sq_batch")
+_FIDELITY_METRICS = ("proxy_seq_spearman", "proxy_exact_corr", "verl_proxy_spearman")
+
+
+def _in_run_figures(steps, fig_dir: Path, prefix: str) -> list[tuple[str, str]]:
+    """In-run records (the TRL callback, verl batches): the gradient variance and the proxy's
+    fidelity against the optimizer step."""
+    if steps is None or not len(steps) or "metric" not in steps:
+        return []
+    have = set(steps["metric"])
+    panels = [m for m in (_VARIANCE_METRICS, _FIDELITY_METRICS) if have & set(m)]
+    if not panels:
+        return []
+    fig, axes = subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, metrics in zip(axes[0], panels, strict=True):
+        for metric in metrics:
+            d = steps[steps["metric"] == metric].sort_values("step")
+            if len(d):
+                ax.plot(d["step"], d["value"], marker=".", label=metric)
+        if metrics is _VARIANCE_METRICS:
+            ax.set_yscale("log")
+            ax.set_ylabel("split-half tr Cov(g) and ||g||^2")
+        else:
+            ax.set_ylim(-1.05, 1.05)
+            ax.set_ylabel("correlation of the proxy with exact norms")
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=7)
+    name = f"{prefix}in_run.png"
+    _save(fig, fig_dir / name)
+    return [(name, "Measured in the run: the gradient estimate's variance (split-half) and the "
+                   "proxy's fidelity, per measured batch.")]
 
 
 FIGURES: dict[str, Callable[..., list[Figure]]] = {
