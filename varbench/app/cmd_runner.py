@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="let the suite name code: MODULE:ATTR tasks, schemes, estimators and "
                    "verifiers, trust_remote_code = true (without it such a suite is refused, "
                    "with the list of entries)")
+    p.add_argument("--plan", action="store_true",
+                   help="print what each analysis case would spend (responses, forward+backward "
+                   "passes) and exit: nothing runs")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("merge", help="combine shard outputs into one report")
@@ -77,9 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from varbench.app.runner import parse_shard, run_suite
+    from varbench.app.runner import parse_shard, plan_suite, run_suite
 
     shard = parse_shard(args.shard) if args.shard else None
+    if args.plan:
+        for line in plan_suite(args.suite, device=args.device, allow_code=args.allow_code):
+            print(line)
+        return 0
     summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True),
                         device=args.device, allow_code=args.allow_code)
     print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
