@@ -55,7 +55,9 @@ from varbench.analysis.oracle import (
 )
 from varbench.analysis.plan import Plan
 from varbench.analysis.variance_report import (
+    MIN_DISTINCT_GROUPS,
     PROXY_MIN_RESPONSES,
+    distinct_estimates,
     reads_proxy_weights,
     variance_headlines,
 )
@@ -246,6 +248,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             ex = None if table is None else _exact_cell(table, label, mode, G, r,
                                                         topk_k=topk_k, max_len=max_len)
             row["method"] = "mc" if ex is None else "exact"
+            row["distinct_groups"] = distinct_estimates(e)
+            row["degenerate_ci"] = 0.0
             if ex is not None:
                 _set_exact(row, ex)
             elif r is not None and intervals:
@@ -258,6 +262,9 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
                         w["se"], w["ci_low"], w["ci_high"])
                     row[f"{k}_sketch_sd"] = sd[k]
+                # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
+                row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
+                    row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
             est[label, mode] = (e, r, ex)
             rows.append(row)
     for label, base in headline_pairs(labels):
@@ -280,6 +287,9 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                         pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
                                                    n_boot=n_boot, seed=seed, method=interval)
                         row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
+                        few = min(distinct_estimates(e), distinct_estimates(eb))
+                        row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS
+                                                     or pi["ci_low"] == pi["ci_high"])
                 paired.append(row)
     return pd.DataFrame(rows), pd.DataFrame(paired)
 
