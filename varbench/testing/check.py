@@ -249,9 +249,17 @@ def check_estimator_sampled(
                                                 sketch_dim=sketch_dim)
     x = xs.pop("")
     where = f"task {task.name!r}"
-    rows += _estimate_rows(x, xs, G, lambda e: sampled.sampled_bias_rows(
-        e, ref, alpha=alpha, tolerance=tolerance), ref.mean(0), tokens,
-        require_unbiased=require_unbiased, max_variance_ratio=max_variance_ratio, where=where)
+    if float(ref.mean(0).norm()) == 0:  # every reference reward equal: nothing to test along
+        rows.append({"check": "bias (rescaled)", "passed": False, "required": True,
+                     "detail": f"the sampled reference gradient is exactly 0 on {where} (every "
+                     f"one of its {n_ref} responses per prompt scored the same): no gradient "
+                     "signal to test against; use a policy that sometimes succeeds (e.g. "
+                     "warm-started), a shaped reward or another verifier"})
+    else:
+        rows += _estimate_rows(x, xs, G, lambda e: sampled.sampled_bias_rows(
+            e, ref, alpha=alpha, tolerance=tolerance), ref.mean(0), tokens,
+            require_unbiased=require_unbiased, max_variance_ratio=max_variance_ratio,
+            where=where)
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     passed = bool(table.loc[table["required"], "passed"].all())
     config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,

@@ -110,8 +110,12 @@ def sampled_bias_rows(x: torch.Tensor, r: torch.Tensor, *, alpha: float, toleran
     p_raw = difference_pvalue(diff, [(x, M), (r, N)])
     u = g / gnorm
     along = x @ u
-    scale = float(along.mean()) / gnorm
-    scale_se = float(along.std() / math.sqrt(M)) / gnorm
+    # ||g*||^2 debiased for the reference's noise (E ||r_bar||^2 = ||g||^2 + tr Cov(r) / N):
+    # the scale on the noisy norm would shrink towards 0 and understate the noise below
+    tr_r, _ = _traces([(r, N)])
+    g2 = gnorm ** 2 - tr_r if gnorm ** 2 > tr_r else gnorm ** 2
+    scale = float(along.mean()) * gnorm / g2
+    scale_se = float(along.std() / math.sqrt(M)) * gnorm / g2
     perp = x - along.unsqueeze(-1) * u
     r_perp = scale * (r - (r @ u).unsqueeze(-1) * u)  # the reference's direction noise
     gbar_norm = float(x.mean(0).norm())
