@@ -105,7 +105,7 @@ def test_validate_refuses_a_threshold_frac_outside_0_1(tmp_path, capsys, frac):
 def test_validate_says_which_tasks_it_accepts_before_asking_for_a_budget(tmp_path, capsys):
     assert main(["validate", "--tasks", "gsm.jsonl", "--out", str(tmp_path / "v")]) == 2
     err = capsys.readouterr().err
-    assert "'gsm.jsonl' is neither a registered task" in err and "--task LABEL=SPEC" in err
+    assert "tasks='gsm.jsonl' is not valid" in err and "--task LABEL=SPEC" in err
     assert "budget" not in err
 
 

@@ -452,10 +452,11 @@ def check_task_label(cfg: ValidateConfig, label: Any) -> None:
 
     if label not in cfg.task_specs:
         if label not in task_names():
-            raise UsageError(f"tasks: {label!r} is neither a registered task {task_names()} nor "
-                             f"a label of task_specs {sorted(cfg.task_specs)}; give your own "
-                             "task a label: task_specs = {LABEL = {task = SPEC, ...}} in a suite, "
-                             "--task LABEL=SPEC on the command line")
+            raise UsageError(f"tasks={label!r} is not valid; choose one of "
+                             f"{sorted(task_names()) + sorted(cfg.task_specs)} (registered tasks "
+                             "and task_specs labels) or give your own task a label: "
+                             "task_specs = {LABEL = {task = SPEC, ...}} in a suite, --task "
+                             "LABEL=SPEC on the command line")
         return
     safe_name("task label", label)
     spec, knobs = _task_of(cfg, label)
