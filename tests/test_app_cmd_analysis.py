@@ -48,7 +48,7 @@ def test_cancellation_rejects_an_unknown_knob_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "c" / "summary.json").exists()
 
 
-def test_proxy_command_and_suite_case_share_one_executor(tmp_path):
+def test_proxy_command_and_suite_case_share_one_executor(tmp_path, capsys):
     assert main(["proxy", *PROXY, "--out", str(tmp_path / "cli")]) == 0
     suite = tmp_path / "s.toml"
     suite.write_text("""
@@ -66,7 +66,11 @@ G = 2
 n_boot = 10
 seed = 1
 """)
+    capsys.readouterr()
     run_suite(suite, tmp_path / "suite", progress=False)
+    # the suite case prints the same cost notice as the command, before its work
+    assert ("varbench: case 'proxy' cost: proxy (1 policy: random): 4 responses sampled, "
+            "4 forward+backward passes") in capsys.readouterr().err
     for table in ("correlations", "tokens"):
         a = pd.read_csv(tmp_path / "cli" / "tables" / f"proxy__{table}.csv")
         b = pd.read_csv(tmp_path / "suite" / "tables" / f"proxy__{table}.csv")
@@ -250,3 +254,33 @@ steps = 1
     assert "(8,192 for the estimates + 200 for the sampled reference)" in out
     assert "t: train case, no cost plan" in out
     assert not (tmp_path / "o").exists()
+
+
+def test_variance_notice_is_redone_when_the_built_vocabulary_differs(tmp_path, monkeypatch,
+                                                                    capsys):
+    """--add-task-tokens grows a checkpoint's vocabulary only once it is built: the notice
+    (exact enumeration of V**T responses, V from the config) is printed again with the built V."""
+    import functools
+    import importlib
+
+    import _fixtures_user as fu
+
+    va = importlib.import_module("varbench.analysis.variance")
+
+    class Stop(Exception):
+        pass
+
+    @functools.wraps(va.estimator_variance)  # the same signature: the case's schema
+    def stop(*a, **k):
+        raise Stop
+    monkeypatch.setattr(va, "estimator_variance", stop)
+    ck = fu.eot_checkpoint(tmp_path / "ck")
+    with pytest.raises(Stop):
+        main(["variance", "--policy", str(ck), "--add-task-tokens", "--task", "sort",
+              "--knob", "n=2", "--schemes", "centered", "-G", "2", "-M", "3",
+              "--min-responses", "0", "--no-progress", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    first, again = err.split("varbench: case 'variance' cost")[1:3]
+    assert again.startswith(", with the policy built")
+    V0, V1 = (int(t.split("V**T = ")[1].split(" ")[0]) for t in (first, again))
+    assert V1 > V0
