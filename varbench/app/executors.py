@@ -257,6 +257,10 @@ def _notice(name: str, plan, label: str, *, again: bool = False) -> None:
     was built, e.g. task tokens added to its vocabulary)."""
     import sys
 
+    from varbench._util.distributed import rank_world
+
+    if rank_world()[0] != 0:  # torchrun: the plan covers every rank's share; said once
+        return
     head = "cost, with the policy built" if again else "cost"
     print(f"varbench: case {name!r} {head}: {plan.text(label=label)}", file=sys.stderr,
           flush=True)
