@@ -485,6 +485,43 @@ def _issue29_cases(root: Path) -> list[Case]:
         Case("train: --out holds a run", ["train", "--out", str(run)], "already holds a run"),
         Case("train: --resume --overwrite", ["train", "--resume", "--overwrite", "--out",
                                              str(run)], "exclusive"),
+        *_issue29_point6_cases(d),
+    ]
+
+
+def _issue29_point6_cases(d: Path) -> list[Case]:
+    """Issue 29 point 6: the cost plan checks like the run; check and validate on the user's
+    task and checkpoint; validate's bounds and its suite's code."""
+    code_suite = d / "validate_code.toml"
+    code_suite.write_text('[suite]\nname = "vc"\n[[cases]]\nname = "grid"\nkind = "validate"\n'
+                          'tasks = ["mine"]\nbudgets = { mine = 300 }\n'
+                          'task_specs = { mine = { task = "mymod:make_task" } }\n')
+    run_code = d / "run_code.toml"
+    run_code.write_text('[suite]\nname = "rc"\n[[cases]]\nname = "v"\nkind = "variance"\n'
+                        'task = "mymod:make_task"\n')
+    out = str(d / "v6")
+    return [
+        Case("variance --plan: M below 3", ["variance", "--plan", "-M", "2"], "M=2"),
+        Case("variance --plan: --n-ref 1 (sampled)", ["variance", "--plan", "--reference",
+                                                      "sampled", "--n-ref", "1"], "n_ref=1"),
+        Case("run --plan: suite names code", ["run", str(run_code), "--plan"], "--allow-code"),
+        Case("check: --prompts without --policy/--task", ["check", "rloo", "--prompts", "3"],
+             "applies to your policy and task"),
+        Case("check: --task unknown", ["check", "rloo", "--task", "nosuch"], "nosuch"),
+        Case("check: --policy not a checkpoint", ["check", "rloo", "--policy", str(d)],
+             "checkpoint directory"),
+        Case("validate: --threshold-frac 2", ["validate", "--threshold-frac", "2", "--out",
+                                              out], "(0, 1]"),
+        Case("validate: --threshold-frac nan", ["validate", "--threshold-frac", "nan", "--out",
+                                                out], "(0, 1]"),
+        Case("validate: --tasks a data file", ["validate", "--tasks", str(d / "ok.jsonl"),
+                                               "--out", out], "--task LABEL=SPEC"),
+        Case("validate: --task without demonstrations",
+             ["validate", "--task", f"ok={d / 'ok.jsonl'}", "--out", out], "no demonstrations"),
+        Case("validate: --task LABEL missing", ["validate", "--task", "ok", "--out", out],
+             "LABEL=SPEC"),
+        Case("validate: --suite names code", ["validate", "--suite", str(code_suite), "--out",
+                                              out], "--allow-code"),
     ]
 
 

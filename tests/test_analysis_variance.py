@@ -220,3 +220,24 @@ def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
     assert note and "otb (proxy weights)" in note[0] and "otb_exact" not in note[0]
     plain = _run(pol, tmp_path / "c", **{**kw, "schemes": ["centered", "rloo", "otb_exact"]})
     assert plain.records["reference"].iloc[0]["M_used"] == 4  # no proxy label: no floor
+
+
+def test_small_M_all_agree_intervals_are_flagged_degenerate(tmp_path):
+    """At M = 3 with a random micro policy every group all-agrees: each estimate is 0, the
+    bootstrap intervals have zero width, and the records, text and summary.json say so."""
+    import json
+
+    from varbench.report import write_report
+
+    pol = build_policy("micro", seed=0)
+    res = estimator_variance(pol, get_task("sort", n=2), schemes=["centered", "rloo"], Gs=[2],
+                             M=3, min_responses=0, n_prompts=1, sketch_dim=None, n_boot=50)
+    cells = res.records["cells"]
+    assert (cells["method"] == "mc").all() and (cells["distinct_groups"] == 1).all()
+    assert (cells["degenerate_ci"] == 1.0).all()
+    flagged = [h for h in res.headlines if h.key.startswith("projection:")]
+    assert flagged and all("degenerate interval" in h.text for h in flagged)
+    out = write_report([res], tmp_path / "r")
+    summary = json.loads((out / "summary.json").read_text())
+    heads = summary["analyses"][0]["headlines"]
+    assert all(h.get("degenerate_ci") is True for h in heads if h["key"].startswith("projection:"))

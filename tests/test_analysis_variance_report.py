@@ -135,3 +135,33 @@ def test_all_rewards_equal_and_zero_reference_are_said_not_printed_as_n_a():
     heads, _, _ = variance_headlines({"cells": cells, "paired": paired, "reference": ref},
                                      "sampled")
     assert [h.key for h in heads] == ["reference_gradient_zero"]
+
+
+def test_a_zero_width_interval_is_flagged_in_text_and_summary():
+    """Issue 29: `variance 257 [95% CI 257, 257]` was printed unflagged at small M."""
+    rec = _records()
+    zero = _cell("otb", 2, 257.0, 0.0, projection=0.45)
+    zero.update(variance_ci_low=257.0, variance_ci_high=257.0)
+    rec["cells"] = pd.DataFrame([zero, _cell("rloo", 2, 3.0, 0.3, projection=1.0)])
+    heads, notes, summary = variance_headlines(rec, "exact")
+    flat = {h.key: h for h in heads}
+    bad, good = flat["projection:otb:G=2:token-mean"], flat["projection:rloo:G=2:token-mean"]
+    assert "variance 257 [95% CI 257, 257; degenerate interval]" in bad.text
+    assert bad.degenerate_ci and bad.to_dict()["degenerate_ci"] is True
+    assert summary["projection:otb:G=2:token-mean"]["degenerate_ci"] is True
+    assert not good.degenerate_ci and "degenerate_ci" not in good.to_dict()
+    assert "degenerate_ci" not in summary["projection:rloo:G=2:token-mean"]
+    assert any("degenerate interval" in n and "projection:otb:G=2" in n for n in notes)
+
+
+def test_an_interval_from_too_few_distinct_groups_is_flagged():
+    rec = _records()
+    few = _cell("otb", 2, 2.0, 0.2, projection=0.45)
+    few["degenerate_ci"] = 1.0  # the analysis saw fewer than MIN_DISTINCT_GROUPS estimates
+    rec["cells"] = pd.DataFrame([few])
+    rec["paired"] = rec["paired"].assign(degenerate_ci=[1.0, 0.0, 0.0, 0.0])
+    heads, _, _ = variance_headlines(rec, "exact")
+    flat = {h.key: h for h in heads}
+    assert flat["projection:otb:G=2:token-mean"].degenerate_ci
+    assert flat["variance_ratio:otb:centered:G=2:token-mean"].degenerate_ci
+    assert not flat["proxy_cost:otb:mse:G=2:token-mean"].degenerate_ci

@@ -48,7 +48,7 @@ def test_cancellation_rejects_an_unknown_knob_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "c" / "summary.json").exists()
 
 
-def test_proxy_command_and_suite_case_share_one_executor(tmp_path):
+def test_proxy_command_and_suite_case_share_one_executor(tmp_path, capsys):
     assert main(["proxy", *PROXY, "--out", str(tmp_path / "cli")]) == 0
     suite = tmp_path / "s.toml"
     suite.write_text("""
@@ -66,7 +66,11 @@ G = 2
 n_boot = 10
 seed = 1
 """)
+    capsys.readouterr()
     run_suite(suite, tmp_path / "suite", progress=False)
+    # the suite case prints the same cost notice as the command, before its work
+    assert ("varbench: case 'proxy' cost: proxy (1 policy: random): 4 responses sampled, "
+            "4 forward+backward passes") in capsys.readouterr().err
     for table in ("correlations", "tokens"):
         a = pd.read_csv(tmp_path / "cli" / "tables" / f"proxy__{table}.csv")
         b = pd.read_csv(tmp_path / "suite" / "tables" / f"proxy__{table}.csv")
@@ -117,3 +121,166 @@ def test_variance_flags_reach_the_analysis(tmp_path):
                                 "level", "exact", "table", "min_responses")} == {
         "sketch_seed": 3, "M_cap": 8, "target_rel_se": 0.5, "interval": "normal",
         "n_boot": 20, "level": 0.9, "exact": "never", "table": False, "min_responses": 0}
+
+
+# --- the cost notice and --plan (issue 29 point 6) ---------------------------------------------
+
+def _count(monkeypatch, module, name, size, tally):
+    """Wrap ``module.name`` so each call adds ``size(*args)`` to ``tally[name]``."""
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        tally[name] = tally.get(name, 0) + size(*args, **kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, spy)
+
+
+def _sampled(policy, task, prompts, G, **kw):
+    return len(prompts) * G
+
+
+def _batch_rows(model, batch, **kw):
+    return int(batch.rewards.numel())
+
+
+VARIANCE = ["variance", "--preset", "micro", "--states", "random", "--task", "sort",
+            "--knob", "n=2", "--schemes", "centered", "rloo", "-G", "2", "-M", "3",
+            "--min-responses", "24", "--reference", "sampled", "--n-ref", "8",
+            "--sketch-dim", "16", "--n-boot", "10", "--no-progress"]
+
+
+def test_variance_notice_is_what_it_samples(tmp_path, monkeypatch, capsys):
+    """The floor (24 responses: M 3 -> 12 groups of 2) and the sampled reference (8) are in
+    the notice, and the spied sampler and gradient harnesses spend exactly that."""
+    import varbench.analysis.variance as va
+
+    tally: dict[str, int] = {}
+    _count(monkeypatch, va, "sample", _sampled, tally)
+    _count(monkeypatch, va, "token_vectors", _batch_rows, tally)
+    _count(monkeypatch, va, "sequence_grad_norms", lambda m, ids, *a, **k: ids.shape[0], tally)
+    assert main([*VARIANCE, "--out", str(tmp_path / "v")]) == 0
+    err = capsys.readouterr().err
+    assert ("32 responses sampled (24 for the estimates + 8 for the sampled reference), "
+            "38 forward+backward passes") in err
+    assert "M raised from 3 to 12" in err
+    assert tally["sample"] == 32
+    assert tally["token_vectors"] + tally["sequence_grad_norms"] == 38
+
+
+def test_variance_auto_floor_is_announced():
+    """`variance -M 4` with an OTB-type scheme: 4096 responses per prompt + 1024 reference."""
+    from varbench.analysis.variance import variance_plan
+    from varbench.tasks import get_task
+
+    sizes = variance_plan(get_task("arith"), vocab_size=30, schemes=["centered", "otb"],
+                          Gs=[2, 4, 8], M=4, n_prompts=1, n_ref=1024)
+    assert (sizes.M_floor, sizes.min_responses, sizes.reference) == (512, 4096, "sampled")
+    assert (sizes.plan.sampled, sizes.plan.reference) == (4096, 1024)
+    assert "min_responses auto = 4096" in sizes.plan.text()
+
+
+def test_proxy_and_cancellation_notices_are_what_they_spend(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    ca = importlib.import_module("varbench.analysis.cancellation")  # the package exports a
+    pa = importlib.import_module("varbench.analysis.proxy")  # function of the same name
+
+    tally: dict[str, int] = {}
+    _count(monkeypatch, pa, "sample", _sampled, tally)
+    _count(monkeypatch, pa, "token_grad_norms", lambda m, ids, *a, **k: ids.shape[0], tally)
+    assert main(["proxy", *PROXY, "--out", str(tmp_path / "p")]) == 0
+    assert "4 responses sampled, 4 forward+backward passes" in capsys.readouterr().err
+    assert tally == {"sample": 4, "token_grad_norms": 4}
+
+    tally.clear()
+    _count(monkeypatch, ca, "sample", _sampled, tally)
+    _count(monkeypatch, ca, "token_vectors", _batch_rows, tally)
+    _count(monkeypatch, ca, "policy_loss", lambda logp, *a, **k: logp.shape[0] * logp.shape[1],
+           tally)
+    assert main(["cancellation", "--preset", "micro", "--states", "random", "--tasks", "arith",
+                 "--prompts", "2", "-G", "2", "--inner-steps", "0", "2", "--sketch-dim", "8",
+                 "--no-progress", "--out", str(tmp_path / "c")]) == 0
+    # 4 responses; 2 PPO steps over them and one sketch pass each: 12 passes
+    assert "4 responses sampled, 12 forward+backward passes" in capsys.readouterr().err
+    assert tally == {"sample": 4, "token_vectors": 4, "policy_loss": 8}
+
+
+@pytest.mark.parametrize("cmd", [VARIANCE, ["proxy", *PROXY],
+                                 ["cancellation", "--preset", "micro", "--tasks", "arith"]])
+def test_plan_samples_nothing_and_builds_no_policy(tmp_path, monkeypatch, capsys, cmd):
+    import importlib
+
+    def boom(*a, **k):
+        raise AssertionError("--plan must not do this")
+    for mod in ("varbench.rollout.sampler", "varbench.analysis.variance",
+                "varbench.analysis.proxy", "varbench.analysis.cancellation"):
+        monkeypatch.setattr(importlib.import_module(mod), "sample", boom)
+    monkeypatch.setattr(importlib.import_module("varbench.train.policies"), "build_policy", boom)
+    out = tmp_path / "out"
+    assert main([*cmd, "--plan", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "--plan:" in text and "responses sampled" in text and "forward+backward" in text
+    assert not out.exists()
+
+
+def test_plan_checks_like_the_run(capsys):
+    """--plan validates the sizes the run would check (here M < 3)."""
+    assert main(["variance", "-M", "2", "--plan"]) == 2
+    assert "M=2" in capsys.readouterr().err
+
+
+def test_run_suite_plan_prints_each_case(tmp_path, capsys):
+    suite = tmp_path / "s.toml"
+    suite.write_text("""
+[suite]
+name = "planned"
+[[cases]]
+name = "v"
+kind = "variance"
+preset = "micro"
+task = "sort"
+schemes = ["centered", "otb"]
+Gs = [2, 4]
+M = 4
+reference = "sampled"
+n_ref = 100
+[[cases]]
+name = "t"
+kind = "train"
+steps = 1
+""")
+    assert main(["run", str(suite), "--plan", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "(8,192 for the estimates + 200 for the sampled reference)" in out
+    assert "t: train case, no cost plan" in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_variance_notice_is_redone_when_the_built_vocabulary_differs(tmp_path, monkeypatch,
+                                                                    capsys):
+    """--add-task-tokens grows a checkpoint's vocabulary only once it is built: the notice
+    (exact enumeration of V**T responses, V from the config) is printed again with the built V."""
+    import functools
+    import importlib
+
+    import _fixtures_user as fu
+
+    va = importlib.import_module("varbench.analysis.variance")
+
+    class Stop(Exception):
+        pass
+
+    @functools.wraps(va.estimator_variance)  # the same signature: the case's schema
+    def stop(*a, **k):
+        raise Stop
+    monkeypatch.setattr(va, "estimator_variance", stop)
+    ck = fu.eot_checkpoint(tmp_path / "ck")
+    with pytest.raises(Stop):
+        main(["variance", "--policy", str(ck), "--add-task-tokens", "--task", "sort",
+              "--knob", "n=2", "--schemes", "centered", "-G", "2", "-M", "3",
+              "--min-responses", "0", "--no-progress", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    first, again = err.split("varbench: case 'variance' cost")[1:3]
+    assert again.startswith(", with the policy built")
+    V0, V1 = (int(t.split("V**T = ")[1].split(" ")[0]) for t in (first, again))
+    assert V1 > V0

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
+from varbench._util.checks import UsageError
 from varbench.app.cli import main
 
 
@@ -85,3 +88,87 @@ def test_claims_suites_give_valid_grids(tmp_path, capsys):
     assert main(["validate", "--suite", str(root / "otb-claims.toml"), "--shard", "1/2",
                  "--report-only", "--out", str(tmp_path)]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+# --- validate: the user's task and checkpoint, bounds, code in a suite (issue 29) -------------
+
+@pytest.mark.parametrize("frac", ["2", "nan", "0", "-0.5", "inf"])
+def test_validate_refuses_a_threshold_frac_outside_0_1(tmp_path, capsys, frac):
+    """Checked first: no --budget or task is asked for before it."""
+    assert main(["validate", "--threshold-frac", frac, "--tasks", "nope",
+                 "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert "--threshold-frac=" in err and "expected a number in (0, 1]" in err
+    assert not (tmp_path / "v").exists()
+
+
+def test_validate_says_which_tasks_it_accepts_before_asking_for_a_budget(tmp_path, capsys):
+    assert main(["validate", "--tasks", "gsm.jsonl", "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert "tasks='gsm.jsonl' is not valid" in err and "--task LABEL=SPEC" in err
+    assert "budget" not in err
+
+
+def test_validate_takes_the_users_task_and_checkpoint(tmp_path, capsys):
+    """--task LABEL=SPEC (a data file) with --knob, a checkpoint directory as --policy: the grid
+    is built on them and checked (its runs would be trained; here --report-only stops at
+    'missing runs', past every check)."""
+    import _fixtures_user as fu
+
+    from varbench.analysis.validate import jobs_of, run_validation
+    from varbench.app.cli import build_parser
+    from varbench.app.cmd_train import validate_config
+
+    data = tmp_path / "w.jsonl"
+    data.write_text('{"question": "what is 2 + 2?", "answer": "4", "solution": "4"}\n'
+                    '{"question": "what is 1 + 2?", "answer": "3", "solution": "3"}\n')
+    ck = fu.eot_checkpoint(tmp_path / "ck")
+    base = ["validate", "--reduced", "--task", f"w={data}", "--policy", str(ck),
+            "--out", str(tmp_path / "v")]
+    # no demonstrations: refused up front, naming the knob that gives them
+    assert main(base) == 2
+    assert "no demonstrations" in capsys.readouterr().err
+    args = build_parser().parse_args([*base, "--knob", "solution_key=solution", "--budget",
+                                      "w=500"])
+    cfg = validate_config(args)
+    assert cfg.tasks == ("w",) and cfg.task_specs["w"] == {"task": str(data),
+                                                          "solution_key": "solution"}
+    assert cfg.base["policy"] == str(ck) and cfg.base["warm_start_dir"] is True
+    assert {j.rel_dir.split("/")[0] for j in jobs_of(cfg)} == {"w"}
+    with pytest.raises(UsageError, match="missing"):
+        run_validation(cfg, tmp_path / "v", report_only=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "w"], "expected LABEL=SPEC"),
+    (["--task", "../x=sort"], "--task label"),
+    (["--task", "w=nosuch"], "task='nosuch' is not valid"),
+    (["--knob", "n=2"], "--knob applies to the tasks given with --task"),
+])
+def test_validate_task_flags_are_checked(tmp_path, capsys, args, message):
+    assert main(["validate", *args, "--out", str(tmp_path / "v")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_validate_suite_naming_code_needs_allow_code(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    suite = tmp_path / "s.toml"
+    suite.write_text("""
+[suite]
+name = "mine"
+[[cases]]
+name = "grid"
+kind = "validate"
+tasks = ["echo"]
+budgets = { echo = 300 }
+task_specs = { echo = { task = "_plugin_tasks:EchoTask" } }
+""")
+    out = tmp_path / "v"
+    assert main(["validate", "--suite", str(suite), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "names code" in err and "_plugin_tasks:EchoTask" in err and "--allow-code" in err
+    (tmp_path / "empty").mkdir()
+    # with --allow-code the grid is read and checked: --plan then asks for measured runs
+    assert main(["validate", "--suite", str(suite), "--allow-code", "--plan", "--timing-from",
+                 str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "no measured runs" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from varbench._util.checks import (
 )
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
+from varbench.analysis.plan import Plan
 from varbench.analysis.trie import shared_steps, token_net_weight
 from varbench.estimators.aggregation import AGGREGATION_MODES
 from varbench.estimators.coefficients import TRANSFORMS, sample_weights
@@ -141,6 +142,28 @@ def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ra
     return pd.DataFrame(confs), concat(nodes), concat(tokens), batch
 
 
+def cancellation_plan(*, n_tasks: int = 1, n_prompts: int = 8, G: int = 8,
+                      inner_steps: Sequence[int] = (0, 4), sketch_dim: int | None = 256) -> Plan:
+    """What :func:`cancellation` spends on ``n_tasks`` tasks: per task ``n_prompts x G``
+    responses, ``max(inner_steps)`` clipped-loss steps over them (one pass per response each)
+    and, with a sketch, one pass per response for the per-token gradient vectors."""
+    check_positive_int("n_tasks", n_tasks)
+    check_positive_int("n_prompts", n_prompts)
+    check_positive_int("G", G, minimum=2)
+    steps = sorted({int(k) for k in inner_steps})
+    if steps and steps[0] < 0:
+        raise UsageError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
+    n = n_tasks * n_prompts * G
+    k = max(steps, default=0)
+    grads = sketch_dim is not None
+    why = [f"{n_tasks} task(s) x {n_prompts} prompts x G = {G}"]
+    if k:
+        why.append(f"{k} PPO inner step(s) over each task's batch")
+    if grads:
+        why.append("per-token gradient sketches of every response")
+    return Plan("cancellation", n, passes=n * (k + grads), details=tuple(why))
+
+
 def cancellation(
     policy: Policy | Mapping[str, Policy],
     tasks: Sequence[Task],
@@ -172,8 +195,8 @@ def cancellation(
     of the most frequent ids). ``sketch_dim=None`` skips per-token gradient vectors (the
     gradient ratio is then NaN). Each task is one cached cell.
     """
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G, minimum=2)
+    cancellation_plan(n_tasks=max(len(tasks), 1), n_prompts=n_prompts, G=G,
+                      inner_steps=inner_steps, sketch_dim=sketch_dim)  # the notice's checks
     modes, ratios = check_nonempty("modes", modes), check_nonempty("ratios", ratios)
     check_finite_number("lr", lr, minimum=0, strict=True)
     for m in modes:
@@ -183,8 +206,6 @@ def cancellation(
     for t in transforms:
         check_choice("transforms", t, TRANSFORMS)
     steps = sorted({int(k) for k in inner_steps})
-    if steps and steps[0] < 0:
-        raise UsageError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
     if not tasks:
         raise UsageError("tasks is empty; pass at least one Task")
     pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))

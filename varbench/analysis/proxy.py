@@ -32,6 +32,7 @@ from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
+from varbench.analysis.plan import Plan
 from varbench.estimators.otb import otb_baseline
 from varbench.estimators.registry import advantages
 from varbench.grads import forward_stats, token_grad_norms
@@ -180,6 +181,15 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
     }])
 
 
+def proxy_plan(*, n_prompts: int = 8, G: int = 8) -> Plan:
+    """What :func:`proxy_correlation` spends per policy state: ``n_prompts x G`` responses,
+    each one forward+backward pass of the exact per-token norms (same checks as the call)."""
+    check_positive_int("n_prompts", n_prompts)
+    check_positive_int("G", G)
+    n = n_prompts * G
+    return Plan("proxy", n, passes=n, details=(f"{n_prompts} prompts x G = {G}",))
+
+
 def proxy_correlation(
     policies: Policy | Mapping[str, Policy],
     task: Task,
@@ -202,8 +212,7 @@ def proxy_correlation(
     Caveat: at random init pi is near uniform and w_t nearly constant, so per-token correlations
     there are not meaningful; read the warm-started state.
     """
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G)
+    proxy_plan(n_prompts=n_prompts, G=G)  # its checks: the cost notice reads the same
     if isinstance(policies, Policy):
         policies = {policies.name: policies}
     if not policies:

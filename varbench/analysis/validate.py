@@ -65,6 +65,17 @@ STABILITY_MEASURES = {"collapse": "collapsed", "surge": "flag_surge"}
 _ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
 
 
+def check_threshold_frac(arg: str, value: Any) -> float:
+    """``value`` as a float in (0, 1]: the threshold ``acc0 + frac x (1 - acc0)`` must lie above
+    the warm start and at most at accuracy 1; UsageError naming ``arg`` otherwise."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and 0 < value <= 1)
+    if not ok:
+        raise UsageError(f"{arg}={value!r} is not valid; expected a number in (0, 1] (the "
+                         "fraction of the gap from the warm start's accuracy to 1)")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ValidateConfig:
     """The experiment grid; ``reduced_default()`` gives the minutes-long version."""
@@ -132,6 +143,9 @@ class ValidateConfig:
     """Proxy claim: the proxy may need at most this fraction more tokens than exact weights."""
     reduced: bool = False
     """Whether this is the reduced setting (recorded in the report)."""
+
+    def __post_init__(self) -> None:
+        check_threshold_frac("threshold_frac", self.threshold_frac)
 
     @classmethod
     def reduced_default(cls) -> ValidateConfig:
@@ -388,7 +402,6 @@ def _figure_labels(df: pd.DataFrame) -> pd.DataFrame:
 def _check(cfg: ValidateConfig) -> None:
     """Names and sizes checked before any training starts."""
     from varbench.estimators import schemes
-    from varbench.tasks import task_names
 
     for label, spec in cfg.task_specs.items():
         if not isinstance(spec, dict) or "task" not in spec:
@@ -396,7 +409,7 @@ def _check(cfg: ValidateConfig) -> None:
                              "with task = NAME and the task's knobs")
     labels = set(cfg.tasks) | {a.get("task") for a in cfg.arms}
     for t in sorted(labels, key=str):
-        check_choice("tasks", _task_of(cfg, t)[0], task_names())
+        check_task_label(cfg, t)
         if t not in cfg.budgets:
             raise UsageError(f"budgets: no token budget for task {t!r}; add {t}=N")
     for s in (*cfg.schemes, cfg.hacking_scheme, *(a.get("scheme") for a in cfg.arms)):
@@ -427,6 +440,36 @@ def _check(cfg: ValidateConfig) -> None:
                                      f"{sorted(arms)}")
     for j in jobs_of(cfg):  # every run's configuration is valid before any of them trains
         _job_config(cfg, j)
+
+
+def check_task_label(cfg: ValidateConfig, label: Any) -> None:
+    """A task label of the grid: a registered name, or a ``task_specs`` label (a safe name:
+    it names the runs' directories) whose ``task`` is any task spec (a data file, a user's
+    ``MODULE:ATTR``) with its knobs, checked without calling user code; a warm-started grid
+    needs the task's demonstrations."""
+    from varbench._util.io import safe_name
+    from varbench.tasks import check_task, task_names
+
+    if label not in cfg.task_specs:
+        if label not in task_names():
+            raise UsageError(f"tasks={label!r} is not valid; choose one of "
+                             f"{sorted(task_names()) + sorted(cfg.task_specs)} (registered tasks "
+                             "and task_specs labels) or give your own task a label: "
+                             "task_specs = {LABEL = {task = SPEC, ...}} in a suite, --task "
+                             "LABEL=SPEC on the command line")
+        return
+    safe_name("task label", label)
+    spec, knobs = _task_of(cfg, label)
+    task = check_task(spec, **knobs)
+    from varbench.models import presets
+
+    policy = cfg.base.get("policy", "tiny")
+    warm = (cfg.base.get("warm_start", True) if policy in presets()
+            else cfg.base.get("warm_start_dir", False))
+    if task is not None and warm and not task.has_demonstrations:
+        raise UsageError(f"task {label!r} ({spec!r}) has no demonstrations, and every run of "
+                         "the grid starts from a warm start on them: a dataset task needs "
+                         "solution_key=COLUMN among its knobs")
 
 
 def _as_list(x: Any) -> list:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -52,8 +53,11 @@ from varbench.analysis.oracle import (
     exact_moments,
     response_table,
 )
+from varbench.analysis.plan import Plan
 from varbench.analysis.variance_report import (
+    MIN_DISTINCT_GROUPS,
     PROXY_MIN_RESPONSES,
+    distinct_estimates,
     reads_proxy_weights,
     variance_headlines,
 )
@@ -244,6 +248,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             ex = None if table is None else _exact_cell(table, label, mode, G, r,
                                                         topk_k=topk_k, max_len=max_len)
             row["method"] = "mc" if ex is None else "exact"
+            row["distinct_groups"] = distinct_estimates(e)
+            row["degenerate_ci"] = 0.0
             if ex is not None:
                 _set_exact(row, ex)
             elif r is not None and intervals:
@@ -256,6 +262,9 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
                         w["se"], w["ci_low"], w["ci_high"])
                     row[f"{k}_sketch_sd"] = sd[k]
+                # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
+                row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
+                    row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
             est[label, mode] = (e, r, ex)
             rows.append(row)
     for label, base in headline_pairs(labels):
@@ -278,6 +287,9 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                         pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
                                                    n_boot=n_boot, seed=seed, method=interval)
                         row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
+                        few = min(distinct_estimates(e), distinct_estimates(eb))
+                        row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS
+                                                     or pi["ci_low"] == pi["ci_high"])
                 paired.append(row)
     return pd.DataFrame(rows), pd.DataFrame(paired)
 
@@ -348,6 +360,121 @@ def _groups(M: int, G: int, Gs: Sequence[int]) -> int:
     return M * max(Gs) // G
 
 
+@dataclass(frozen=True)
+class VarianceSizes:
+    """The sizes :func:`estimator_variance` runs on, decided by :func:`variance_plan`."""
+
+    Gs: list[int]
+    """Group sizes, sorted, without repeats."""
+    M: int
+    """Groups per sampling round at the largest G (the step of adaptive M)."""
+    min_responses: int
+    """Responses per prompt at least (``"auto"`` resolved)."""
+    M_floor: int
+    """Groups per prompt at the largest G that the floor requires (whole rounds of M)."""
+    M_cap: int
+    """Adaptive M's largest M (at least ``M_floor``; ``M_floor``: no growth)."""
+    reference: str
+    """``"exact"`` (enumerated) or ``"sampled"``."""
+    table: bool
+    """Whether the groups come from an enumerated response table (no sampling)."""
+    n_ref: int
+    """Responses of the sampled reference (``reference == "sampled"``)."""
+    space: int
+    """Responses of the enumerated space ``V**T`` (0 unless the reference is exact)."""
+    n_prompts: int
+    """Prompts."""
+    target_rel_se: float | None = None
+    """Adaptive M's target (None: M stays at the floor)."""
+    details: tuple[str, ...] = ()
+    """Why the sizes are what they are (a raised floor, the reference chosen)."""
+
+    @property
+    def plan(self) -> Plan:
+        """Responses and passes of the call (all prompts): see :mod:`varbench.analysis.plan`."""
+        gmax, P = self.Gs[-1], self.n_prompts
+        if self.table:  # groups drawn from the enumerated table: vectors of every response
+            return Plan("variance", 0, 0, P * self.space, P * self.space, details=self.details)
+        floor, cap = self.M_floor * gmax, self.M_cap * gmax
+        ref = self.n_ref if self.reference == "sampled" else 0
+        # per prompt: vectors of each response, the sequence-norm check on round 0 (one
+        # batched backward over its M * max(G) responses), the reference's vectors
+        extra = self.M * gmax + (ref if self.reference == "sampled" else self.space)
+        grows = self.target_rel_se is not None and cap > floor
+        return Plan("variance", P * floor, P * ref, P * self.space, P * (floor + extra),
+                    max_sampled=P * cap if grows else None,
+                    max_passes=P * (cap + extra) if grows else None, details=self.details,
+                    passes_at_most=self.reference == "exact")
+
+
+def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAULT_SCHEMES,
+                  Gs: Sequence[int] = DEFAULT_GS, M: int = 32, M_cap: int | None = None,
+                  target_rel_se: float | None = None, min_responses: int | str = "auto",
+                  n_prompts: int = 2, reference: str = "auto", n_ref: int = 2048,
+                  exact: str = "auto", table_limit: int = 256) -> VarianceSizes:
+    """The sizes of :func:`estimator_variance` on ``task`` with a policy of ``vocab_size``
+    output tokens (same arguments, same checks; no model, no sampling): the response floor
+    (``min_responses``: M raised to whole rounds of ``M``), adaptive M's cap, the reference
+    (exact when enumerable, else ``n_ref`` sampled responses) and whether groups come from an
+    enumerated table. ``.plan`` is what the call spends."""
+    schemes, Gs = check_nonempty("schemes", schemes), check_nonempty("Gs", Gs)
+    known = set(registered_schemes())
+    for s in schemes:
+        check_choice("schemes", scheme_of(s), sorted(known))
+    for G in Gs:
+        check_positive_int("Gs", G, minimum=2)
+    check_positive_int("M", M, minimum=3)
+    M_cap = M if M_cap is None else check_positive_int("M_cap", M_cap, minimum=M)
+    if target_rel_se is not None and not (isinstance(target_rel_se, (int, float))
+                                          and not isinstance(target_rel_se, bool)
+                                          and target_rel_se > 0):
+        raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
+    check_positive_int("n_prompts", n_prompts)
+    details = []
+    if min_responses == "auto":
+        proxy = [s for s in schemes if reads_proxy_weights(s)]
+        min_responses = PROXY_MIN_RESPONSES if proxy else 0
+        if proxy:
+            details.append(f"min_responses auto = {PROXY_MIN_RESPONSES} because {', '.join(proxy)} "
+                           "read(s) the proxy weights (set --min-responses to change it)")
+    elif isinstance(min_responses, str):
+        raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
+                         "integer >= 0")
+    else:
+        check_positive_int("min_responses", min_responses, minimum=0)
+    check_choice("reference", reference, ("auto", "exact", "sampled"))
+    check_choice("exact", exact, ("auto", "never"))
+    check_positive_int("table_limit", table_limit)
+    V, T = int(vocab_size), int(task.max_new_tokens)
+    enumerable = task.fixed_length and V**T <= _EXACT_LIMIT
+    if reference == "exact" and not enumerable:
+        raise UsageError(
+            f"reference='exact' needs a fixed-length task with V**T <= {_EXACT_LIMIT}; task "
+            f"{task.name!r} (V={V}, T={task.max_new_tokens}) is not; use reference='sampled'"
+        )
+    use_exact = reference == "exact" or (reference == "auto" and enumerable)
+    if not use_exact:
+        check_positive_int("n_ref", n_ref, minimum=2)
+    use_table = use_exact and exact == "auto" and V**T * T <= table_limit
+    Gs = sorted(set(int(g) for g in Gs))
+    # the floor: whole rounds of M groups (round 0 stays the historical sample)
+    M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
+    if M_floor > M:
+        details.append(f"M raised from {M} to {M_floor} (G = {Gs[-1]}: {M_floor * Gs[-1]} "
+                       f"responses per prompt) to reach min_responses = {min_responses}")
+    details.append(f"reference: exact enumeration of V**T = {V**T} responses per prompt"
+                   if use_exact else f"reference: {n_ref} sampled responses per prompt "
+                   "(--n-ref)")
+    if target_rel_se is not None and max(M_cap, M_floor) > M_floor:
+        details.append(f"adaptive M from {M_floor} up to {max(M_cap, M_floor)} "
+                       f"(target relative SE {target_rel_se})")
+    return VarianceSizes(Gs=Gs, M=M, min_responses=min_responses, M_floor=M_floor,
+                         M_cap=max(M_cap, M_floor), reference="exact" if use_exact else "sampled",
+                         table=use_table, n_ref=int(n_ref), space=V**T if use_exact else 0,
+                         n_prompts=n_prompts, target_rel_se=target_rel_se,
+                         details=tuple(details))
+
+
 def estimator_variance(
     policy: Policy,
     task: Task,
@@ -411,34 +538,11 @@ def estimator_variance(
     (prompt ``p`` on rank ``p % world_size``) and gathered; every rank returns the full result.
     The gather is a collective: every rank must make the same call.
     """
-    schemes, Gs, modes = (check_nonempty("schemes", schemes), check_nonempty("Gs", Gs),
-                          check_nonempty("modes", modes))
-    known = set(registered_schemes())
-    for s in schemes:
-        check_choice("schemes", scheme_of(s), sorted(known))
-    for G in Gs:
-        check_positive_int("Gs", G, minimum=2)
+    modes = check_nonempty("modes", modes)
     for mode in modes:
         check_choice("modes", mode, AGGREGATION_MODES)
-    check_positive_int("M", M, minimum=3)
-    M_cap = M if M_cap is None else check_positive_int("M_cap", M_cap, minimum=M)
-    if target_rel_se is not None and not (isinstance(target_rel_se, (int, float))
-                                          and target_rel_se > 0):
-        raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
-    check_positive_int("n_prompts", n_prompts)
-    if min_responses == "auto":
-        min_responses = (PROXY_MIN_RESPONSES if any(reads_proxy_weights(s) for s in schemes)
-                         else 0)
-    elif isinstance(min_responses, str):
-        raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
-                         "integer >= 0")
-    else:
-        check_positive_int("min_responses", min_responses, minimum=0)
-    check_choice("reference", reference, ("auto", "exact", "sampled"))
-    check_choice("exact", exact, ("auto", "never"))
     check_choice("interval", interval, INTERVAL_METHODS)
     check_positive_int("n_boot", n_boot, minimum=0)
-    check_positive_int("table_limit", table_limit)
     check_positive_int("sketch_seed", sketch_seed, minimum=0)
     if isinstance(level, bool) or not (isinstance(level, (int, float)) and 0 < level < 1):
         raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
@@ -448,22 +552,16 @@ def estimator_variance(
         sketch_dim = None if n_params <= _FLAT_LIMIT else 1024
     elif sketch_dim is not None:
         check_positive_int("sketch_dim", sketch_dim)
+    # the sizes (response floor, adaptive cap, reference) from the one function the cost
+    # notice reads too: what it prints is what this run samples
     V = int(policy.model.get_output_embeddings().weight.shape[0])
-    enumerable = task.fixed_length and V**task.max_new_tokens <= _EXACT_LIMIT
-    if reference == "exact" and not enumerable:
-        raise UsageError(
-            f"reference='exact' needs a fixed-length task with V**T <= {_EXACT_LIMIT}; task "
-            f"{task.name!r} (V={V}, T={task.max_new_tokens}) is not; use reference='sampled'"
-        )
-    use_exact = reference == "exact" or (reference == "auto" and enumerable)
-    ref_kind = "exact" if use_exact else "sampled"
-    use_table = (use_exact and exact == "auto"
-                 and V**task.max_new_tokens * task.max_new_tokens <= table_limit)
+    sizes = variance_plan(task, vocab_size=V,
+                          schemes=schemes, Gs=Gs, M=M, M_cap=M_cap, target_rel_se=target_rel_se,
+                          min_responses=min_responses, n_prompts=n_prompts, reference=reference,
+                          n_ref=n_ref, exact=exact, table_limit=table_limit)
     t0 = time.perf_counter()
-    Gs = sorted(set(int(g) for g in Gs))
-    # the floor: whole rounds of M groups (round 0 stays the historical sample)
-    M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
-    M_cap = max(M_cap, M_floor)
+    Gs, min_responses, M_floor, M_cap = sizes.Gs, sizes.min_responses, sizes.M_floor, sizes.M_cap
+    ref_kind, use_table = sizes.reference, sizes.table
     cfg = {"analysis": "variance", "policy": policy.name, "policy_meta": policy.meta,
            "task": task.name, "knobs": task.knobs, "reward": reward, "schemes": list(schemes),
            "Gs": Gs, "modes": list(modes), "M": M, "M_cap": M_cap,

@@ -15,7 +15,13 @@ import torch
 
 from varbench._util.checks import UsageError
 from varbench.estimators.registry import advantages
-from varbench.report.headline import fmt, interval_text, ratio_sentence, with_se
+from varbench.report.headline import (
+    DEGENERATE_CI,
+    fmt,
+    interval_text,
+    ratio_sentence,
+    with_se,
+)
 from varbench.report.result import Headline
 
 PROXY_MIN_RESPONSES = 4096
@@ -26,6 +32,18 @@ low: measured on the enumerable coverage setup (tests/test_analysis_oracle.py, G
 replicates), the 95% intervals of otb's variance, MSE and otb / otb_exact variance ratio covered
 0.90 / 0.90 / 0.91 with 512 responses, 0.93 / 0.93 / 0.92 with 2048 and 0.95 / 0.94 / 0.94 with
 4096."""
+
+
+MIN_DISTINCT_GROUPS = 3
+"""Fewest distinct group estimates a Monte Carlo interval is computed from without being
+flagged degenerate (the analysis's own minimum M): a bootstrap over fewer distinct values (e.g.
+every group all-agree, every estimate 0) resamples almost nothing and its interval measures no
+uncertainty."""
+
+
+def distinct_estimates(e: torch.Tensor) -> int:
+    """Distinct rows of the ``[M, K]`` group estimates (identical estimates count once)."""
+    return int(torch.unique(e, dim=0).shape[0])
 
 
 def reads_proxy_weights(label: str) -> bool:
@@ -46,6 +64,18 @@ def _ratio_se(a: float, sa: float, b: float, sb: float) -> float:
     if a == 0 or b == 0:
         return float("nan")
     return abs(a / b) * math.sqrt((sa / a) ** 2 + (sb / b) ** 2)
+
+
+def _degenerate(r, stat: str) -> bool:
+    """Whether row ``r``'s Monte Carlo interval of ``stat`` is degenerate: flagged by the
+    analysis (``degenerate_ci``: too few distinct groups, or zero width in a prompt) or of zero
+    width as pooled."""
+    if getattr(r, "method", "mc") == "exact":
+        return False
+    lo, hi = _get(r, f"{stat}_ci_low"), _get(r, f"{stat}_ci_high")
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return False  # no interval printed
+    return _get(r, "degenerate_ci", 0.0) > 0 or lo == hi
 
 
 def _get(r, name: str, default: float = float("nan")) -> float:
@@ -159,7 +189,7 @@ def variance_headlines(
             continue
         method = getattr(r, "method", "mc")
         iv = {k: interval_text(_get(r, k), _get(r, f"{k}_ci_low"), _get(r, f"{k}_ci_high"),
-                               exact=method == "exact")
+                               exact=method == "exact", degenerate=_degenerate(r, k))
               for k in ("projection", "mse", "variance")}
         heads.append(Headline(
             f"projection:{r.scheme}:G={r.G}:{r.mode}", proj, _get(r, "projection_se"),
@@ -176,12 +206,13 @@ def variance_headlines(
                 f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
                                f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi,
-                               exact=exact)))
+                               exact=exact, degenerate=_degenerate(r, "ratio"))))
         elif r.baseline == f"{r.scheme}_exact":
             heads.append(Headline(
                 f"proxy_cost:{r.scheme}:{r.stat}:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 f"What the proxy costs at G={r.G}: {r.scheme} (proxy weights) has "
-                f"{interval_text(r.ratio, lo, hi, exact=exact)}x the {r.stat} of "
+                f"{interval_text(r.ratio, lo, hi, exact=exact, degenerate=_degenerate(r, 'ratio'))}"
+                f"x the {r.stat} of "
                 f"{r.baseline} (exact "
                 "||g_t||^2 weights) on the same groups."))
     for (scheme, G, mode), r in by_cell.items():
@@ -243,6 +274,16 @@ def variance_headlines(
             f"{len(reached)} figures"
             + (f"; above the target: {', '.join(over)}" if over else
                "; all within the target" if math.isfinite(target) else "") + ".")
+    flagged = [h.key for h in heads if h.degenerate_ci]
+    if flagged:
+        notes.append(
+            f"{len(flagged)} headline(s) have a degenerate interval (zero width, or computed "
+            f"from fewer than {MIN_DISTINCT_GROUPS} distinct group estimates; marked "
+            f"'{DEGENERATE_CI}'): it measures no uncertainty. Raise M (or the responses per "
+            "prompt) or use a policy whose groups disagree: "
+            f"{', '.join(flagged[:6])}{' ...' if len(flagged) > 6 else ''}.")
     summary = {"reference": ref_kind,
-               **{h.key: {"value": h.value, "se": h.se} for h in heads}}
+               **{h.key: {"value": h.value, "se": h.se,
+                          **({"degenerate_ci": True} if h.degenerate_ci else {})}
+                  for h in heads}}
     return heads, notes, summary

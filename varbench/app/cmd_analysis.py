@@ -33,6 +33,10 @@ def _common(p: argparse.ArgumentParser, *, out: str, states: list[str]) -> None:
                    help="do not cache finished cells under OUT/cells (no resume)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: on a terminal, off in CI)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the responses and forward+backward passes the run would spend "
+                        "(the notice every run prints to stderr first), then exit: nothing is "
+                        "sampled, no policy is built")
     add_policy_flags(p)
 
 
@@ -93,6 +97,13 @@ def _run_case(kind: str, keys: dict[str, Any], convert: dict[str, Any] | None = 
         for k, fn in (convert or {}).items():
             vals[k] = fn(vals[k])
         case = _case(kind, args, vals)
+        if args.plan:
+            from varbench.app.executors import KINDS, analysis_plan, register_estimators
+
+            register_estimators(case.params)  # a MODULE:FUNCTION scheme is checked by name
+            plan, label = analysis_plan(KINDS[kind], case.params)
+            print(f"varbench {kind} --plan: {plan.text(label=label)}")
+            return 0
         from varbench.app.runner import prepare_out_dir
 
         prepare_out_dir(Path(args.out))  # a file in the way: said now, not after the work

@@ -16,7 +16,7 @@ import sys
 
 import pandas as pd
 
-from varbench.app.specs import DEVICE_HELP, resolve_device
+from varbench.app.specs import DEVICE_HELP, DTYPES, STATES, add_policy_flags, resolve_device
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="let the suite name code: MODULE:ATTR tasks, schemes, estimators and "
                    "verifiers, trust_remote_code = true (without it such a suite is refused, "
                    "with the list of entries)")
+    p.add_argument("--plan", action="store_true",
+                   help="print what each analysis case would spend (responses, forward+backward "
+                   "passes) and exit: nothing runs")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("merge", help="combine shard outputs into one report")
@@ -59,7 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a function (scheme-, keyword- or verl-shaped) or a registered scheme "
                    "name")
     p.add_argument("-G", type=int, default=4, help="group size (default 4)")
-    p.add_argument("--steps", type=int, default=3000, help="sampled steps for the bias test")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampled steps (groups per prompt) for the bias test (default 3000 on "
+                   "the toy task, 64 with --policy/--task)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=1e-3,
                    help="false-alarm rate of each bias test (default 0.001)")
@@ -72,14 +77,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-variance-ratio", type=float, default=None,
                    help="fail when the variance ratio to a baseline exceeds this")
     p.add_argument("--device", default=None,
-                   help=f"where the estimators run (the toy task stays on the cpu): {DEVICE_HELP}")
+                   help="where the estimators run (the toy task stays on the cpu; with --policy "
+                   f"the policy runs there too): {DEVICE_HELP}")
+    g = p.add_argument_group(
+        "your policy and task (instead of the toy task: the bias test against a reference "
+        "sampled from the policy on the task's prompts)")
+    g.add_argument("--policy", default=None, metavar="CKPT_OR_PRESET",
+                   help="a local checkpoint directory (used as is) or a preset (default with "
+                   "--task: tiny)")
+    g.add_argument("--task", default=None, metavar="SPEC",
+                   help="a task name, MODULE:ATTR or data file (default with --policy: sort)")
+    g.add_argument("--state", default="warm", choices=list(STATES),
+                   help="a preset's state: random init or warm-started on the task (default "
+                   "warm)")
+    g.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="task knob, VALUE a TOML literal (repeatable)")
+    g.add_argument("--reward", default=None, help="task reward (default: the task's first)")
+    g.add_argument("--prompts", type=int, default=None, help="prompts (default 4)")
+    g.add_argument("--n-ref", type=int, default=None,
+                   help="reference responses per prompt (default 1024)")
+    g.add_argument("--sketch-dim", type=int, default=None,
+                   help="count-sketch dim of the gradients, 0: flat (default 256)")
+    g.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="model dtype (default auto: the checkpoint's own)")
+    add_policy_flags(g, dtype=False)
     p.set_defaults(func=_check)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from varbench.app.runner import parse_shard, run_suite
+    from varbench.app.runner import parse_shard, plan_suite, run_suite
 
     shard = parse_shard(args.shard) if args.shard else None
+    if args.plan:
+        for line in plan_suite(args.suite, device=args.device, allow_code=args.allow_code):
+            print(line)
+        return 0
     summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True),
                         device=args.device, allow_code=args.allow_code)
     print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
@@ -119,9 +151,10 @@ def _compare(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from varbench._util.distributed import init_from_env, shutdown
     from varbench.testing.adapt import load
-    from varbench.testing.check import check_estimator
+    from varbench.testing.check import check_estimator, check_estimator_sampled
 
     baselines = tuple(b for b in args.baselines.split(",") if b)
+    sampled = _sampled_options(args)  # bad flags, task or policy -> exit 2 before any work
     for ref in args.estimators:  # bad input for any of them -> exit 2 before running anything
         load(ref)
     for b in baselines:
@@ -130,14 +163,18 @@ def _check(args: argparse.Namespace) -> int:
     failed = 0
     try:
         device = resolve_device(args.device)  # after joining: a rank's own GPU under NCCL
+        common = {"G": args.G, "seed": args.seed, "alpha": args.alpha,
+                  "tolerance": args.tolerance, "baselines": baselines,
+                  "require_unbiased": args.require_unbiased,
+                  "max_variance_ratio": args.max_variance_ratio, "device": device}
+        if sampled is not None:
+            policy, task, opts = _sampled_setup(args, sampled, device)
         for ref in args.estimators:
             try:
-                res = check_estimator(ref, G=args.G, num_steps=args.steps, seed=args.seed,
-                                      alpha=args.alpha, tolerance=args.tolerance,
-                                      baselines=baselines,
-                                      require_unbiased=args.require_unbiased,
-                                      max_variance_ratio=args.max_variance_ratio,
-                                      device=device)
+                if sampled is None:
+                    res = check_estimator(ref, num_steps=args.steps or 3000, **common)
+                else:
+                    res = check_estimator_sampled(ref, policy, task, **opts, **common)
             except KeyboardInterrupt:  # Ctrl-C, or the estimator raised it: no verdict
                 print(f"check_estimator: {ref}\nFAIL    finished: interrupted "
                       "(KeyboardInterrupt) before every check ran: no verdict\nFAILED",
@@ -151,3 +188,45 @@ def _check(args: argparse.Namespace) -> int:
     if len(args.estimators) > 1 and rank == 0:
         print(f"{len(args.estimators) - failed} passed, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+_SAMPLED_FLAGS = {"knob": "--knob", "reward": "--reward", "prompts": "--prompts",
+                  "n_ref": "--n-ref", "sketch_dim": "--sketch-dim"}
+
+
+def _sampled_options(args: argparse.Namespace) -> dict | None:
+    """The task's knobs for the sampled bias test (``--policy`` / ``--task``), checked before
+    any work; None on the toy task (where the sampled-test flags are refused, not ignored)."""
+    from varbench._util.checks import UsageError
+    from varbench.app.specs import check_task_spec, parse_knobs
+    from varbench.train.policies import check_policy_spec
+
+    if args.policy is None and args.task is None:
+        given = [flag for key, flag in _SAMPLED_FLAGS.items() if getattr(args, key)]
+        given += [f for f, v in (("--trust-remote-code", args.trust_remote_code),
+                                 ("--add-task-tokens", args.add_task_tokens),
+                                 ("--dtype", args.dtype != "auto")) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to "
+                             "your policy and task: pass --policy and/or --task (without them "
+                             "check runs on its toy task)")
+        return None
+    knobs = parse_knobs(args.knob)
+    check_task_spec(args.task or "sort", knobs)
+    check_policy_spec(args.policy or "tiny")
+    return knobs
+
+
+def _sampled_setup(args: argparse.Namespace, knobs: dict, device) -> tuple:
+    """``(policy, task, options)`` of ``check_estimator_sampled``: the task and the policy
+    resolved as every command resolves them (a preset at ``--state``)."""
+    from varbench.app.specs import policy_kwargs, policy_states, resolve_task
+
+    task = resolve_task(args.task or "sort", knobs)
+    kw = {**policy_kwargs(args), "device": device}
+    policy = next(iter(policy_states(args.policy or "tiny", [args.state], task, seed=args.seed,
+                                     **kw).values()))
+    sketch = 256 if args.sketch_dim is None else args.sketch_dim
+    opts = {"num_steps": args.steps or 64, "n_prompts": args.prompts or 4,
+            "n_ref": args.n_ref or 1024, "sketch_dim": sketch or None, "reward": args.reward}
+    return policy, task, opts

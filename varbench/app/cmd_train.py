@@ -146,12 +146,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def validate_config(args: argparse.Namespace):
     """The validation experiment's config: reduced or full defaults, overridden by the flags."""
-    from varbench.analysis.validate import ValidateConfig
+    from varbench.analysis.validate import ValidateConfig, check_threshold_frac
 
+    if args.threshold_frac is not None:  # before anything else is asked for
+        check_threshold_frac("--threshold-frac", args.threshold_frac)
+    own = _user_tasks(args)  # --task LABEL=SPEC: checked before --budget is asked for
     cfg = ValidateConfig.reduced_default() if args.reduced else ValidateConfig()
     if getattr(args, "suite", None):
-        cfg = suite_validate_config(args.suite, args.case, reduced=args.reduced)
+        cfg = suite_validate_config(args.suite, args.case, reduced=args.reduced,
+                                    allow_code=getattr(args, "allow_code", False))
     changes: dict[str, Any] = {}
+    if own:
+        changes["task_specs"] = {**cfg.task_specs, **own}
+        changes["tasks"] = tuple(own)
     for name, conv in (("tasks", str), ("schemes", str), ("Gs", int), ("seeds", int)):
         raw = getattr(args, name.lower(), None)
         if raw:
@@ -190,18 +197,48 @@ def validate_config(args: argparse.Namespace):
     if args.no_prediction:
         changes["prediction"] = False
     cfg = dataclasses.replace(cfg, **changes)
+    from varbench.analysis.validate import check_task_label
+
+    for t in cfg.tasks:  # which tasks it accepts said before any budget is asked for
+        check_task_label(cfg, t)
     for t in cfg.tasks:
         if t not in cfg.budgets:
             raise UsageError(f"--budget: no token budget for task {t!r}; add {t}=N")
     return cfg
 
 
-def suite_validate_config(path: str, case: str | None, *, reduced: bool = False):
-    """The ValidateConfig of a suite's ``validate`` case (the only one, or the one named)."""
+def _user_tasks(args: argparse.Namespace) -> dict[str, dict]:
+    """``{label: {"task": SPEC, **knobs}}`` from ``--task LABEL=SPEC`` (repeatable) and the
+    ``--knob`` flags applied to each, every spec checked now (a user's MODULE:ATTR imported and
+    checked by type, not called); the labels name the runs (and ``--budget LABEL=N``)."""
+    from varbench._util.io import safe_name
+    from varbench.app.specs import check_task_spec
+
+    knobs = parse_knobs(getattr(args, "knob", None))
+    if knobs and not getattr(args, "task", None):
+        raise UsageError("--knob applies to the tasks given with --task LABEL=SPEC; give one")
+    out: dict[str, dict] = {}
+    for text in getattr(args, "task", None) or []:
+        label, sep, spec = str(text).partition("=")
+        label, spec = label.strip(), spec.strip()
+        if not sep or not label or not spec:
+            raise UsageError(f"--task {text!r} is not valid; expected LABEL=SPEC, e.g. "
+                             "gsm=data/gsm.jsonl (SPEC: a task name, MODULE:ATTR or data file; "
+                             "LABEL names its runs and its --budget)")
+        safe_name("--task label", label)
+        check_task_spec(spec, knobs)
+        out[label] = {"task": spec, **knobs}
+    return out
+
+
+def suite_validate_config(path: str, case: str | None, *, reduced: bool = False,
+                          allow_code: bool = False):
+    """The ValidateConfig of a suite's ``validate`` case (the only one, or the one named);
+    ``allow_code``: the file may name code (``--allow-code``, as for ``varbench run``)."""
     from varbench.analysis.validate import ValidateConfig
     from varbench.app.suite import load_suite
 
-    cases = [c for c in load_suite(path).cases if c.kind == "validate"]
+    cases = [c for c in load_suite(path, allow_code=allow_code).cases if c.kind == "validate"]
     names = [c.name for c in cases]
     if case is not None:
         cases = [c for c in cases if c.name == case]
@@ -220,7 +257,14 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--reduced", action="store_true",
                    help="the minutes-long setting (2 schemes, G 4/32, 2 seeds, small budgets)")
-    p.add_argument("--tasks", help="comma list, e.g. sort,toolsum")
+    p.add_argument("--tasks", help="comma list of task labels, e.g. sort,toolsum (registered "
+                   "names, or labels of --task / the suite's task_specs)")
+    p.add_argument("--task", action="append", default=None, metavar="LABEL=SPEC",
+                   help="your task under a label (repeatable; the grid's tasks unless --tasks "
+                   "is given): SPEC a task name, MODULE:ATTR or a data file; give its budget "
+                   "with --budget LABEL=TOKENS")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="task knob of every --task, VALUE a TOML literal (repeatable)")
     p.add_argument("--schemes", help="comma list of registered schemes")
     p.add_argument("--gs", help="comma list of group sizes, e.g. 4,8,32")
     p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2")
@@ -240,6 +284,9 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default=None, metavar="TOML",
                    help="take the grid from this suite's validate case (flags still override)")
     p.add_argument("--case", default=None, help="the validate case of --suite, by name")
+    p.add_argument("--allow-code", action="store_true",
+                   help="let the --suite file name code (MODULE:ATTR tasks, schemes, verifiers, "
+                   "trust_remote_code = true), as `varbench run --allow-code`")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only runs I-1, I-1+N, ... (1-based) into --out; no report")
     p.add_argument("--report-only", action="store_true",

@@ -201,6 +201,71 @@ def register_estimators(params: dict[str, Any]) -> None:
                 resolve_scheme(v)
 
 
+PLANNED = tuple(_POLICY_ARGS)  # the kinds with a cost plan (analysis_plan)
+
+
+def _analysis_params(kind: CaseKind, params: dict) -> dict:
+    """A case's parameters with every default filled in (``sketch_dim = 0``: no sketch)."""
+    full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
+    params = {**full, **params}
+    if params.get("sketch_dim") == 0:
+        params["sketch_dim"] = None  # TOML has no null: 0 means "no sketch", as on the CLI
+    return params
+
+
+def analysis_plan(kind: CaseKind, params: dict, *, tasks: list | None = None,
+                  vocab_size: int | None = None):
+    """``(Plan, label)``: what an analysis case will spend (every policy state together), from
+    the analysis's own plan function (:mod:`varbench.analysis.plan`). ``tasks``: the resolved
+    Task objects (None: resolved here from the case); ``vocab_size``: the policy's output
+    vocabulary (None: read from its config, no weights loaded)."""
+    from varbench.analysis.cancellation import cancellation_plan
+    from varbench.analysis.proxy import proxy_plan
+    from varbench.analysis.variance import variance_plan
+    from varbench.app.specs import resolve_task
+    from varbench.train.policies import is_checkpoint_dir, vocab_size_of
+
+    if kind.name not in PLANNED:
+        raise UsageError(f"case kind {kind.name!r} has no cost plan; kinds with one: "
+                         f"{list(PLANNED)}")
+    p = _analysis_params(kind, params)
+    spec = p["checkpoint"] if p["checkpoint"] is not None else p["preset"]
+    knobs = p["knobs"] or {}
+    if tasks is None:
+        specs = p["tasks"] if kind.name == "cancellation" else [p["task"]]
+        tasks = [resolve_task(t, knobs) for t in specs]
+    if kind.name == "cancellation":  # one policy per task (the first state)
+        plan = cancellation_plan(n_tasks=len(tasks), n_prompts=p["n_prompts"], G=p["G"],
+                                 inner_steps=p["inner_steps"], sketch_dim=p["sketch_dim"])
+        return plan, f"{len(tasks)} task(s)"
+    states = ([Path(spec).name] if is_checkpoint_dir(spec)
+              else [str(s) for s in dict.fromkeys(p["states"])])
+    if kind.name == "proxy":
+        plan = proxy_plan(n_prompts=p["n_prompts"], G=p["G"])
+    else:
+        V = vocab_size if vocab_size is not None else vocab_size_of(
+            spec, trust_remote_code=bool(p["trust_remote_code"]))
+        keys = inspect.signature(variance_plan).parameters
+        plan = variance_plan(tasks[0], vocab_size=V,
+                             **{k: v for k, v in p.items() if k in keys and k != "task"}).plan
+    label = f"{len(states)} polic{'y' if len(states) == 1 else 'ies'}: {', '.join(states)}"
+    return plan.times(len(states)), label
+
+
+def _notice(name: str, plan, label: str, *, again: bool = False) -> None:
+    """The cost notice on stderr (before any work; ``again``: sizes changed once the policy
+    was built, e.g. task tokens added to its vocabulary)."""
+    import sys
+
+    from varbench._util.distributed import rank_world
+
+    if rank_world()[0] != 0:  # torchrun: the plan covers every rank's share; said once
+        return
+    head = "cost, with the policy built" if again else "cost"
+    print(f"varbench: case {name!r} {head}: {plan.text(label=label)}", file=sys.stderr,
+          flush=True)
+
+
 def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
     """The one executor of the analysis kinds, for suite cases and subcommands alike."""
@@ -208,11 +273,13 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
 
     fn = kind.function()
     register_estimators(params)
-    full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
-    params = {**full, **params}
-    knobs = params.pop("knobs") or {}
-    if params.get("sketch_dim") == 0:
-        params["sketch_dim"] = None  # TOML has no null: 0 means "no sketch", as on the CLI
+    params = _analysis_params(kind, params)
+    knobs = params["knobs"] or {}
+    specs = params["tasks"] if kind.name == "cancellation" else [params["task"]]
+    resolved = [resolve_task(t, knobs) for t in specs]
+    plan, label = analysis_plan(kind, params, tasks=resolved)
+    _notice(name, plan, label)  # before any policy is built or warm-started
+    params.pop("knobs")
     preset, checkpoint = params.pop("preset"), params.pop("checkpoint")
     states = params.pop("states")
     spec = checkpoint if checkpoint is not None else preset
@@ -229,7 +296,8 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     seed = params.get("seed", 0)
     how = _POLICY_ARGS[kind.name]
     if how == "per_task":
-        tasks = [resolve_task(t, knobs) for t in params.pop("tasks")]
+        params.pop("tasks")
+        tasks = resolved
         settings["task_fingerprints"] = [t.fingerprint() for t in tasks]
         pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress,
                                                  **policy_kw).values()))
@@ -239,9 +307,19 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
         with batchable_attention(pols) as attention:
             results = [fn(pols, tasks, **params, **run)]
     else:
-        task = resolve_task(params.pop("task"), knobs)
+        params.pop("task")
+        task = resolved[0]
         settings["task_fingerprints"] = [task.fingerprint()]  # a data file's content hash
         pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
+        if kind.name == "variance":  # the vocabulary as built (task tokens may have grown it)
+            V = {int(p.model.get_output_embeddings().weight.shape[0]) for p in pols.values()}
+            if len(V) == 1:
+                built, _ = analysis_plan(kind, {**params, "task": specs[0], "knobs": knobs,
+                                                "preset": preset, "checkpoint": checkpoint,
+                                                "states": states},
+                                         tasks=resolved, vocab_size=V.pop())
+                if built != plan:
+                    _notice(name, built, label, again=True)
         settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
         before = error_counts()
         with batchable_attention(pols) as attention:

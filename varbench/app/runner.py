@@ -109,6 +109,31 @@ def run_suite(
         return _run_locked(suite, out, shard, show_progress(progress), log)
 
 
+def plan_suite(suite: Suite | str | Path, *, device: str | None = None,
+               allow_code: bool = False) -> list[str]:
+    """One line per case: what an analysis case will spend (the notice it prints when it
+    runs, :func:`~varbench.app.executors.analysis_plan`); other kinds say they have no cost
+    plan. Nothing is sampled and no policy is built; cached cases are not looked up."""
+    from varbench.app.executors import KINDS, PLANNED, analysis_plan
+
+    suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device,
+                                                             allow_code=allow_code)
+    preflight(suite.cases)
+    lines = []
+    for case in suite.cases:
+        if case.kind not in PLANNED:
+            lines.append(f"{case.name}: {case.kind} case, no cost plan (kinds with one: "
+                         f"{', '.join(PLANNED)})")
+            continue
+        try:
+            with user_code(f"user code in case {case.name!r}"):
+                plan, label = analysis_plan(KINDS[case.kind], case.params)
+        except UsageError as err:
+            raise UsageError(f"case {case.name!r}: {err}") from None
+        lines.append(f"{case.name}: {plan.text(label=label)}")
+    return lines
+
+
 def prepare_out_dir(out: Path) -> None:
     """Create ``out``; an OSError (a file in the way, no permission) as a UsageError naming
     the path and the reason."""

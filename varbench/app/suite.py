@@ -135,7 +135,8 @@ def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None,
         raise SuiteError(
             f"{path}: this suite names code that would run on this machine: "
             f"{'; '.join(entries)}. A suite file is data: it runs code only when the command "
-            "line says so; if you trust this file, pass --allow-code (varbench run) or "
+            "line says so; if you trust this file, pass --allow-code (varbench run, varbench "
+            "validate --suite) or "
             "allow_code=True (load_suite / run_suite)")
     head = data.get("suite")
     if not isinstance(head, dict):

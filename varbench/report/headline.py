@@ -19,24 +19,32 @@ def with_se(value: float | None, se: float | None, digits: int = 3) -> str:
     return f"{fmt(value, digits)} (SE {fmt(se, 2)})"
 
 
+DEGENERATE_CI = "degenerate interval"
+"""What a flagged interval says after its bounds (see :func:`interval_text`)."""
+
+
 def interval_text(value: float | None, lo: float | None, hi: float | None,
-                  digits: int = 3, *, exact: bool = False) -> str:
+                  digits: int = 3, *, exact: bool = False, degenerate: bool = False) -> str:
     """'0.42 [95% CI 0.38, 0.47]'; '0.42 (exact)' for an exact value; the interval is omitted
-    when unknown."""
+    when unknown; ``degenerate`` (a Monte Carlo interval of zero width or from too few
+    distinct replicates: no measure of uncertainty) is said inside the brackets."""
     if exact:
         return f"{fmt(value, digits)} (exact)"
     if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
         return fmt(value, digits)
-    return f"{fmt(value, digits)} [95% CI {fmt(lo, digits)}, {fmt(hi, digits)}]"
+    flag = f"; {DEGENERATE_CI}" if degenerate else ""
+    return f"{fmt(value, digits)} [95% CI {fmt(lo, digits)}, {fmt(hi, digits)}{flag}]"
 
 
 def ratio_sentence(a: str, b: str, what: str, ratio: float, se: float | None,
                    lo: float | None = None, hi: float | None = None, *,
-                   exact: bool = False) -> str:
+                   exact: bool = False, degenerate: bool = False) -> str:
     """'otb at G=4 has 0.42x the variance of centered at G=4 (SE 0.03).'; with an interval
-    ``lo, hi``: '... has 0.42 [95% CI 0.38, 0.47]x the variance ...'; exact: '0.42 (exact)x'."""
+    ``lo, hi``: '... has 0.42 [95% CI 0.38, 0.47]x the variance ...'; exact: '0.42 (exact)x';
+    ``degenerate``: see :func:`interval_text`."""
     if exact or (lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)):
-        return f"{a} has {interval_text(ratio, lo, hi, exact=exact)}x the {what} of {b}."
+        text = interval_text(ratio, lo, hi, exact=exact, degenerate=degenerate)
+        return f"{a} has {text}x the {what} of {b}."
     return f"{a} has {fmt(ratio)}x the {what} of {b} (SE {fmt(se, 2)})."
 
 

@@ -22,9 +22,21 @@ class Headline:
     text: str
     unit: str = ""
 
+    @property
+    def degenerate_ci(self) -> bool:
+        """Whether the text flags a degenerate interval (zero width, or from too few distinct
+        replicates: :func:`~varbench.report.headline.interval_text`); read from the text, so a
+        headline read back from a summary or a case cache keeps it."""
+        from varbench.report.headline import DEGENERATE_CI
+
+        return DEGENERATE_CI in self.text
+
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "value": self.value, "se": self.se, "unit": self.unit,
-                "text": self.text}
+        out = {"key": self.key, "value": self.value, "se": self.se, "unit": self.unit,
+               "text": self.text}
+        if self.degenerate_ci:  # only when flagged: unflagged summaries stay as they were
+            out["degenerate_ci"] = True
+        return out
 
 
 @dataclass

@@ -138,6 +138,42 @@ def check_estimator(
     :mod:`varbench._util.guard`). A ``KeyboardInterrupt`` propagates (no verdict: the caller
     reports the check as not finished).
     """
+    start = time.perf_counter()
+    est, base, cand, rows, dev = _start(
+        fn_or_name, G=G, num_steps=num_steps, alpha=alpha, tolerance=tolerance,
+        max_variance_ratio=max_variance_ratio, groups_per_call=groups_per_call,
+        baselines=baselines, require_all_agree_zero=require_all_agree_zero, seed=seed,
+        estimator_options=estimator_options, device=device)
+    task = task or ToyTask(seed=seed)
+    policy = ToyPolicy(task)
+    g_star = policy.exact_gradient()
+    calls = {n: on_device(c, dev)  # "": the candidate
+             for n, c in {"": cand, **{n: b.call for n, b in base.items()}}.items()}
+    xs, tokens = _bias.chunked_estimates(policy, calls, num_steps, G, seed + 1,
+                                         groups_per_call=groups_per_call)
+    x = xs.pop("")
+    rows += _estimate_rows(x, xs, G, lambda e: _bias.bias_rows(e, g_star, alpha=alpha,
+                                                              tolerance=tolerance),
+                           g_star, tokens, require_unbiased=require_unbiased,
+                           max_variance_ratio=max_variance_ratio, where="the toy task")
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    passed = bool(table.loc[table["required"], "passed"].all())
+    config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,
+              "tolerance": tolerance, "baselines": list(baselines),
+              "require_unbiased": require_unbiased, "max_variance_ratio": max_variance_ratio,
+              "task": asdict(task), "groups_per_call": groups_per_call,
+              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()},
+              "device": str(dev)}
+    return CheckResult(est.name, est.shape, passed, table, config,
+                       time.perf_counter() - start)
+
+
+def _start(fn_or_name: Any, *, G: int, num_steps: int, alpha: float, tolerance: float,
+           max_variance_ratio: float | None, groups_per_call: int, baselines: Sequence[str],
+           require_all_agree_zero: bool, seed: int, estimator_options: dict | None,
+           device: Any) -> tuple:
+    """The checks of both entry points before any sampling: arguments, the estimator and
+    baselines loaded, the contract rows; ``(est, base, guarded candidate, rows, device)``."""
     from varbench._util.checks import UsageError, check_finite_number, check_positive_int
 
     check_positive_int("G", G)
@@ -148,7 +184,6 @@ def check_estimator(
     check_finite_number("tolerance", tolerance, minimum=0)  # inf would pass any bias
     if max_variance_ratio is not None:
         check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
-    start = time.perf_counter()
     import torch
 
     dev = torch.device("cpu") if device is None else torch.device(device)
@@ -162,24 +197,99 @@ def check_estimator(
         for r in rows:
             if r["check"] == "all-agree groups":
                 r["required"] = False
-    task = task or ToyTask(seed=seed)
-    policy = ToyPolicy(task)
-    g_star = policy.exact_gradient()
+    return est, base, cand, rows, dev
+
+
+def check_estimator_sampled(
+    fn_or_name: Any,
+    policy: Any,
+    task: Any,
+    *,
+    G: int = 4,
+    num_steps: int = 64,
+    n_prompts: int = 4,
+    n_ref: int = 1024,
+    sketch_dim: int | None = 256,
+    reward: str | None = None,
+    seed: int = 0,
+    alpha: float = 1e-3,
+    tolerance: float = 0.05,
+    baselines: Sequence[str] = ("centered", "otb"),
+    require_unbiased: bool = False,
+    require_all_agree_zero: bool = True,
+    max_variance_ratio: float | None = None,
+    estimator_options: dict[str, Any] | None = None,
+    device: str | Any | None = None,
+) -> CheckResult:
+    """:func:`check_estimator` on a real ``policy`` (a :class:`~varbench.models.Policy`) and
+    ``task`` (a :class:`~varbench.tasks.Task`): the same contract checks, and the bias and
+    variance tests on ``num_steps`` sampled groups of G for each of ``n_prompts`` prompts
+    against a reference sampled from ``n_ref`` independent responses per prompt (its noise in
+    the tests' null distribution: :mod:`varbench.testing.sampled`); gradients count-sketched
+    to ``sketch_dim`` (None: flat). Estimators run on ``device`` (None: the CPU)."""
+    from varbench._util.checks import check_positive_int
+    from varbench.testing import sampled
+
+    start = time.perf_counter()
+    check_positive_int("n_prompts", n_prompts)
+    check_positive_int("n_ref", n_ref, minimum=2)
+    if sketch_dim is not None:
+        check_positive_int("sketch_dim", sketch_dim)
+    reward = task.check_reward(reward)
+    est, base, cand, rows, dev = _start(
+        fn_or_name, G=G, num_steps=num_steps, alpha=alpha, tolerance=tolerance,
+        max_variance_ratio=max_variance_ratio, groups_per_call=1, baselines=baselines,
+        require_all_agree_zero=require_all_agree_zero, seed=seed,
+        estimator_options=estimator_options, device=device)
     calls = {n: on_device(c, dev)  # "": the candidate
              for n, c in {"": cand, **{n: b.call for n, b in base.items()}}.items()}
-    xs, tokens = _bias.chunked_estimates(policy, calls, num_steps, G, seed + 1,
-                                         groups_per_call=groups_per_call)
+    xs, ref, tokens = sampled.sampled_estimates(policy, task, calls, G=G, M=num_steps,
+                                                n_prompts=n_prompts, n_ref=n_ref,
+                                                seed=seed + 1, reward=reward,
+                                                sketch_dim=sketch_dim)
     x = xs.pop("")
+    where = f"task {task.name!r}"
+    if float(ref.mean(0).norm()) == 0:  # every reference reward equal: nothing to test along
+        rows.append({"check": "bias (rescaled)", "passed": False, "required": True,
+                     "detail": f"the sampled reference gradient is exactly 0 on {where} (every "
+                     f"one of its {n_ref} responses per prompt scored the same): no gradient "
+                     "signal to test against; use a policy that sometimes succeeds (e.g. "
+                     "warm-started), a shaped reward or another verifier"})
+    else:
+        rows += _estimate_rows(x, xs, G, lambda e: sampled.sampled_bias_rows(
+            e, ref, alpha=alpha, tolerance=tolerance), ref.mean(0), tokens,
+            require_unbiased=require_unbiased, max_variance_ratio=max_variance_ratio,
+            where=where)
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    passed = bool(table.loc[table["required"], "passed"].all())
+    config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,
+              "tolerance": tolerance, "baselines": list(baselines),
+              "require_unbiased": require_unbiased, "max_variance_ratio": max_variance_ratio,
+              "policy": policy.name, "task": task.name, "knobs": dict(task.knobs),
+              "reward": reward, "n_prompts": n_prompts, "n_ref": n_ref,
+              "sketch_dim": sketch_dim,
+              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()},
+              "device": str(dev)}
+    return CheckResult(est.name, est.shape, passed, table, config,
+                       time.perf_counter() - start)
+
+
+def _estimate_rows(x: Any, xs: dict[str, Any], G: int, bias: Any, g_star: Any, tokens: float,
+                   *, require_unbiased: bool, max_variance_ratio: float | None,
+                   where: str) -> list[dict]:
+    """The bias and variance rows from the candidate's estimates ``x`` (or its error text)
+    and the baselines' ``xs`` on the same groups; ``bias(x)`` gives the bias rows."""
     for n, e in xs.items():
         if isinstance(e, str):
-            raise RuntimeError(f"baseline {n!r} failed on the toy task: {e}")
+            raise RuntimeError(f"baseline {n!r} failed on {where}: {e}")
+    rows: list[dict] = []
     if isinstance(x, str):
         rows.append({"check": "bias (rescaled)", "passed": False, "required": True,
-                     "detail": f"estimator failed on the toy task: {x}"})
+                     "detail": f"estimator failed on {where}: {x}"})
     elif _no_signal(x):
         rows.extend(_degenerate_rows(G))
     else:
-        for r in _bias.bias_rows(x, g_star, alpha=alpha, tolerance=tolerance):
+        for r in bias(x):
             r["required"] = r["check"] != "bias (raw)" or require_unbiased
             rows.append(r)
         flat = {n: e for n, e in xs.items() if _no_signal(e)}
@@ -192,16 +302,7 @@ def check_estimator(
                          "required": max_variance_ratio is not None,
                          "detail": f"baseline {n!r} gives zero gradient estimates at G={G}: "
                          "no comparison"})
-    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    passed = bool(table.loc[table["required"], "passed"].all())
-    config = {"G": G, "num_steps": num_steps, "seed": seed, "alpha": alpha,
-              "tolerance": tolerance, "baselines": list(baselines),
-              "require_unbiased": require_unbiased, "max_variance_ratio": max_variance_ratio,
-              "task": asdict(task), "groups_per_call": groups_per_call,
-              "estimator_options": {k: repr(v) for k, v in (estimator_options or {}).items()},
-              "device": str(dev)}
-    return CheckResult(est.name, est.shape, passed, table, config,
-                       time.perf_counter() - start)
+    return rows
 
 
 def on_device(call: Any, device: Any) -> Any:

@@ -24,6 +24,39 @@ def is_checkpoint_dir(spec: str | Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
+def check_policy_spec(spec: str | Path) -> str:
+    """``spec`` as a string if it names a preset or a local checkpoint directory, else a
+    UsageError naming it and the presets."""
+    name = str(spec)
+    if name not in presets() and not is_checkpoint_dir(name):
+        raise UsageError(f"policy={name!r} is not valid; choose a preset {presets()} or a local "
+                         "checkpoint directory containing config.json")
+    return name
+
+
+def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
+    """Output vocabulary of the policy ``spec`` names, from its config alone (no weights read):
+    what a plan needs (the variance analysis enumerates ``V**T`` responses when small)."""
+    name = check_policy_spec(spec)
+    if name in presets():
+        from varbench.models.presets import preset_config
+
+        return int(preset_config(name).vocab_size)
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(Path(name).expanduser()), local_files_only=True,
+                                         trust_remote_code=bool(trust_remote_code))
+    except Exception as err:  # noqa: BLE001 - any unreadable config is the user's file
+        first = " ".join(str(err).split())[:300]
+        raise UsageError(f"cannot read the config of {name!r}: {first}") from err
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(text, "vocab_size", None)
+    if not isinstance(n, int) or n < 1:
+        raise UsageError(f"the config of {name!r} has no vocab_size")
+    return n
+
+
 def check_dtype_on_device(dtype: torch.dtype | None, device: str | torch.device | None) -> None:
     """UsageError unless ``device`` can hold and compute in ``dtype`` (bfloat16 needs a GPU with
     bf16 support, or the CPU; float16 on the CPU runs but slowly and is allowed)."""
@@ -95,9 +128,7 @@ def build_policy(
     """
     name = str(spec)
     check_dtype_on_device(dtype, device)
-    if name not in presets() and not is_checkpoint_dir(name):
-        raise UsageError(f"policy={name!r} is not valid; choose a preset {presets()} or a local "
-                         "checkpoint directory containing config.json")
+    check_policy_spec(name)
     if warm:
         if task is None:
             raise UsageError(f"warm-starting policy {name!r} needs a task")
