@@ -241,3 +241,41 @@ def test_small_M_all_agree_intervals_are_flagged_degenerate(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     heads = summary["analyses"][0]["headlines"]
     assert all(h.get("degenerate_ci") is True for h in heads if h["key"].startswith("projection:"))
+
+
+def test_headlines_carry_their_intervals_at_the_analysis_level(tmp_path):
+    """summary.json's projection and ratio headlines carry ci_lo / ci_hi / level equal to the
+    records' bounds; level=0.9 says '90% CI' (it used to print 95% whatever the level)."""
+    import json
+
+    from varbench.report import write_report
+
+    pol = build_policy("micro", seed=0)
+    res = _run(pol, tmp_path, level=0.9, n_boot=100)
+    cells, paired = res.records["cells"], res.records["paired"]
+    heads = {h.key: h for h in res.headlines}
+    checked = 0
+    for r in cells[cells["method"] == "mc"].itertuples():
+        h = heads.get(f"projection:{r.scheme}:G={r.G}:{r.mode}")
+        if h is None:
+            continue
+        assert (h.ci_lo, h.ci_hi, h.level) == (r.projection_ci_low, r.projection_ci_high, 0.9)
+        assert "90% CI" in h.text and "95% CI" not in h.text
+        checked += 1
+    for r in paired[(paired["baseline"] == "centered")
+                    & paired["scheme"].str.startswith("otb")].itertuples():
+        h = heads.get(f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}")
+        if h is None:  # a ratio that is not finite has no headline
+            continue
+        assert (h.ci_lo, h.ci_hi, h.level) == (r.ratio_ci_low, r.ratio_ci_high, 0.9)
+        assert "90% CI" in h.text
+        checked += 1
+    assert checked >= 4
+    out = write_report([res], tmp_path / "r")
+    summary = json.loads((out / "summary.json").read_text())
+    for h in summary["analyses"][0]["headlines"]:
+        if h["key"] in heads and heads[h["key"]].ci_lo is not None:
+            assert (h["ci_lo"], h["ci_hi"], h["level"]) == (heads[h["key"]].ci_lo,
+                                                            heads[h["key"]].ci_hi, 0.9)
+        else:
+            assert "ci_lo" not in h

@@ -90,3 +90,28 @@ def test_schema_and_types_are_validated(tmp_path):
     for tol in (float("inf"), float("nan"), -1.0):
         with pytest.raises(UsageError, match="tolerance"):
             compare_reports(good, good, tolerance=tol)
+
+
+def _with_interval(path: Path, value: float, lo: float, hi: float, level=0.95) -> Path:
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps(
+        {"schema": "varbench.report/1", "analyses": [{"name": "c", "kind": "x", "headlines": [
+            {"key": "claim", "value": value, "se": None, "text": "t", "ci_lo": lo,
+             "ci_hi": hi, "level": level}]}]}))
+    return path
+
+
+def test_an_interval_without_se_counts_as_its_se(tmp_path):
+    """A claim's interval [0.70, 0.90] at 95% has SE 0.1 / 1.96 = 0.051: a change of 0.2 is
+    within 3 * sqrt(2) * 0.051 = 0.216, a change of 0.25 is not (before: held to 1% only)."""
+    base = _with_interval(tmp_path / "b", 0.80, 0.70, 0.90)
+    near = _with_interval(tmp_path / "n", 1.00, 0.90, 1.10)
+    far = _with_interval(tmp_path / "f", 1.05, 0.95, 1.15)
+    t = compare_reports(base, near, rel_tolerance=0.0).set_index("figure")
+    assert t.loc["c/claim", "status"] == "ok"
+    assert t.loc["c/claim", "base_se"] == pytest.approx(0.1 / 1.959964, rel=1e-6)
+    assert compare_reports(base, far, rel_tolerance=0.0)["status"].iloc[0] == "regression"
+    with pytest.raises(ValueError, match="level=1.5"):
+        compare_reports(_with_interval(tmp_path / "x", 0.8, 0.7, 0.9, level=1.5), base)
+    with pytest.raises(ValueError, match="not an interval"):
+        compare_reports(_with_interval(tmp_path / "y", 0.8, 0.9, 0.7), base)

@@ -277,7 +277,8 @@ def _headlines(records: dict[str, pd.DataFrame]) -> tuple[list[Headline], list[s
                 heads.append(Headline(
                     f"{state}:{q}:{method}", float(r["estimate"]), float(r["se"]),
                     correlation_sentence(f"{state}, {q}", method, r["estimate"], r["ci_low"],
-                                         r["ci_high"], int(r["n_seq"]))))
+                                         r["ci_high"], int(r["n_seq"])),
+                    ci_lo=r["ci_low"], ci_hi=r["ci_high"], level=0.95))
         pooled = pick("W_t vs prefix_sq", "pooled", "spearman")
         within = c[(c["quantity"] == "W_t vs prefix_sq") & (c["scope"] == "position")
                    & (c["method"] == "spearman")]
@@ -308,7 +309,7 @@ def _headlines(records: dict[str, pd.DataFrame]) -> tuple[list[Headline], list[s
             f"top 5% of tokens hold "
             f"{fmt(100 * float(t5['estimate']) if t5 is not None else None)}% of the exact "
             f"norm total against {fmt(100 * float(t5x['estimate']) if t5x is not None else None)}"
-            f"% of the proxy total."))
+            f"% of the proxy total.", ci_lo=s["ci_low"], ci_hi=s["ci_high"], level=0.95))
     for r in otb.itertuples():
         heads.append(Headline(
             f"{r.state}:otb_mean_abs_dA", r.mean_abs_dA, None,

@@ -773,7 +773,8 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
     heads, notes = [], []
     for r in claims.to_dict("records"):
         heads.append(Headline(key=f"claim/{r['claim']}", value=r["estimate"], se=None,
-                              text=claim_sentence(r), unit=r["metric"]))
+                              text=claim_sentence(r), unit=r["metric"], ci_lo=r.get("ci_lo"),
+                              ci_hi=r.get("ci_hi"), level=0.95))
     fpr_lo, fpr_hi = calib["fpr_ci"]
     heads.append(Headline(
         key="collapse/detector_fpr", value=calib["fpr"], se=None, unit="fraction of runs",

@@ -692,7 +692,7 @@ def estimator_variance(
     records = {"cells": _pool(by_prompt, ["scheme", "G", "mode"]),
                "paired": _pool(paired_df, ["scheme", "baseline", "G", "mode", "stat"]),
                "cells_by_prompt": by_prompt, "reference": ref_df}
-    heads, notes, summary = variance_headlines(records, ref_kind)
+    heads, notes, summary = variance_headlines(records, ref_kind, level)
     wall = time.perf_counter() - t0
     return AnalysisResult(
         kind="variance", name="variance", records=records, summary=summary, headlines=heads,

@@ -114,9 +114,10 @@ def targeted_rel_se(heads: list[Headline]) -> dict[str, float]:
 
 
 def variance_headlines(
-    records: dict[str, pd.DataFrame], ref_kind: str
+    records: dict[str, pd.DataFrame], ref_kind: str, level: float = 0.95
 ) -> tuple[list[Headline], list[str], dict[str, Any]]:
-    """(headlines, notes, summary) from the pooled ``cells`` / ``paired`` / ``reference``."""
+    """(headlines, notes, summary) from the pooled ``cells`` / ``paired`` / ``reference``;
+    ``level``: the intervals' coverage (the analysis's ``level``)."""
     cells, paired, ref = records["cells"], records["paired"], records["reference"]
     heads: list[Headline] = []
     notes = [
@@ -127,7 +128,8 @@ def variance_headlines(
         f"{int(ref['n_params'].iloc[0]) if len(ref) else '?'} parameters.",
         "Cells with method = exact are expectations over groups of G i.i.d. draws from the "
         "enumerated response distribution (no sampling error); method = mc cells are Monte "
-        "Carlo over M groups with 95% studentized bootstrap intervals over groups (log scale "
+        f"Carlo over M groups with {100 * level:.4g}% studentized bootstrap intervals over groups "
+        "(log scale "
         "for variance, MSE and ratios) that condition on the reference gradient; a sketch's "
         "own error is added to their SEs and intervals (none for flat vectors).",
         "projection = E[g_hat] . g* / ||g*||^2: 1 for an unbiased scheme, (G-1)/G for centered. "
@@ -189,32 +191,37 @@ def variance_headlines(
             continue
         method = getattr(r, "method", "mc")
         iv = {k: interval_text(_get(r, k), _get(r, f"{k}_ci_low"), _get(r, f"{k}_ci_high"),
-                               exact=method == "exact", degenerate=_degenerate(r, k))
+                               exact=method == "exact", degenerate=_degenerate(r, k),
+                               level=level)
               for k in ("projection", "mse", "variance")}
+        ci = ({} if method == "exact" else
+              {"ci_lo": _get(r, "projection_ci_low"), "ci_hi": _get(r, "projection_ci_high"),
+               "level": level})
         heads.append(Headline(
             f"projection:{r.scheme}:G={r.G}:{r.mode}", proj, _get(r, "projection_se"),
             f"{r.scheme} at G={r.G} ({method}): projection on g* {iv['projection']}, MSE "
             f"{iv['mse']}, variance {iv['variance']}; "
-            f"{fmt(100 * _get(r, 'frac_all_agree'), 3)}% of groups all-agree."))
+            f"{fmt(100 * _get(r, 'frac_all_agree'), 3)}% of groups all-agree.", **ci))
     for r in paired.itertuples() if len(paired) else []:
         if not math.isfinite(r.ratio):
             continue  # 0 / 0: covered by the degenerate headlines above
         lo, hi = _get(r, "ratio_ci_low"), _get(r, "ratio_ci_high")
         exact = getattr(r, "method", "mc") == "exact"
+        ci = {} if exact else {"ci_lo": lo, "ci_hi": hi, "level": level}
         if r.baseline == "centered" and (r.scheme.startswith("otb") or r.scheme == "rloo"):
             heads.append(Headline(
                 f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
                                f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi,
-                               exact=exact, degenerate=_degenerate(r, "ratio"))))
+                               exact=exact, degenerate=_degenerate(r, "ratio"), level=level),
+                **ci))
         elif r.baseline == f"{r.scheme}_exact":
+            text = interval_text(r.ratio, lo, hi, exact=exact,
+                                 degenerate=_degenerate(r, "ratio"), level=level)
             heads.append(Headline(
                 f"proxy_cost:{r.scheme}:{r.stat}:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
-                f"What the proxy costs at G={r.G}: {r.scheme} (proxy weights) has "
-                f"{interval_text(r.ratio, lo, hi, exact=exact, degenerate=_degenerate(r, 'ratio'))}"
-                f"x the {r.stat} of "
-                f"{r.baseline} (exact "
-                "||g_t||^2 weights) on the same groups."))
+                f"What the proxy costs at G={r.G}: {r.scheme} (proxy weights) has {text}x the "
+                f"{r.stat} of {r.baseline} (exact ||g_t||^2 weights) on the same groups.", **ci))
     for (scheme, G, mode), r in by_cell.items():
         base = by_cell.get(("centered", G, mode))
         if not scheme.startswith("otb") or base is None:

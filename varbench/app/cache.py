@@ -66,7 +66,7 @@ def check_result_dict(d: Any) -> None:
         if not isinstance(h, dict) or not isinstance(h.get("key"), str) or not isinstance(
                 h.get("text"), str):
             raise ValueError(f"a headline must have a string key and text, got {h!r:.80}")
-        for f in ("value", "se"):
+        for f in ("value", "se", "ci_lo", "ci_hi", "level"):
             v = h.get(f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, str))):
                 raise ValueError(f"headline {h['key']!r}: {f}={v!r:.80} is not a number")
@@ -78,8 +78,7 @@ def result_from_dict(d: dict[str, Any]) -> AnalysisResult:
     """Inverse of :func:`result_to_dict` (checked by :func:`check_result_dict` first)."""
     check_result_dict(d)
     records = {k: frame_from_data(v) for k, v in d["records"].items()}
-    heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
-             for h in d["headlines"]]
+    heads = [Headline.from_dict(h) for h in d["headlines"]]
     return AnalysisResult(d["kind"], d["name"], records, d["summary"], heads, d["config"],
                           d["provenance"], d["notes"])
 

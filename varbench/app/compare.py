@@ -1,7 +1,8 @@
 """Compare two reports' summary.json figure by figure, with their standard errors.
 
 A figure is one headline of one analysis: ``"<analysis name>/<headline key>"`` with a value and
-(usually) an SE. Two values differ beyond tolerance when
+(usually) an SE; a headline with an interval and no SE (a claim's bootstrap interval) counts
+its half-width over z at its level as the SE. Two values differ beyond tolerance when
 
     |new - base| > tolerance * sqrt(se_base^2 + se_new^2) + rel_tolerance * |base| + abs_tolerance
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import pandas as pd
@@ -58,8 +60,23 @@ def load_figures(path: str | Path) -> dict[str, tuple[float | None, float | None
             value, se = _num(at, "value", h.get("value")), _num(at, "se", h.get("se"))
             if se is not None and se < 0:
                 raise UsageError(f"{at}: se={se!r} is not valid; a standard error is >= 0")
+            if se is None:
+                se = _interval_se(at, h)
             out[f"{a['name']}/{h['key']}"] = (value, se)
     return out
+
+
+def _interval_se(at: str, h: dict[str, Any]) -> float | None:
+    """The SE a headline's stated interval implies, ``(ci_hi - ci_lo) / (2 z)`` at its level
+    (a figure with an interval and no SE, e.g. a claim's bootstrap interval); None without."""
+    lo, hi, level = (_num(at, k, h.get(k)) for k in ("ci_lo", "ci_hi", "level"))
+    if lo is None or hi is None:
+        return None
+    if level is None or not 0 < level < 1:
+        raise UsageError(f"{at}: level={level!r} is not valid; an interval's level is in (0, 1)")
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
+        raise UsageError(f"{at}: ci_lo={lo!r}, ci_hi={hi!r} is not an interval")
+    return (hi - lo) / (2 * NormalDist().inv_cdf((1 + level) / 2))
 
 
 def _num(at: str, key: str, v: Any) -> float | None:

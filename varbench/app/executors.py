@@ -468,8 +468,7 @@ def _read_report(out: Path, name: str) -> list:
         for rel in a["tables"]:
             if rel.endswith(".csv"):
                 records[Path(rel).stem.split("__", 1)[-1]] = pd.read_csv(inside(out, rel))
-        heads = [Headline(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""))
-                 for h in a["headlines"]]
+        heads = [Headline.from_dict(h) for h in a["headlines"]]
         prov = a.get("provenance", {})
         results.append(AnalysisResult(a["kind"], name, records, a.get("summary", {}), heads,
                                       prov.get("config", {}), prov, a.get("notes", [])))

@@ -14,13 +14,35 @@ import pandas as pd
 
 @dataclass
 class Headline:
-    """One headline number: ``value`` with standard error ``se`` and a sentence built from them."""
+    """One headline number: ``value`` with standard error ``se`` and a sentence built from them.
+
+    ``ci_lo``, ``ci_hi``, ``level``: the interval the sentence states (None where it states
+    none), so that summary.json carries it as numbers, not only inside the text.
+    """
 
     key: str
     value: float
     se: float | None
     text: str
     unit: str = ""
+    ci_lo: float | None = None
+    ci_hi: float | None = None
+    level: float | None = None
+
+    def __post_init__(self) -> None:
+        from varbench.report.headline import has_interval
+
+        if not has_interval(self.ci_lo, self.ci_hi):
+            self.ci_lo = self.ci_hi = self.level = None
+        else:
+            self.ci_lo, self.ci_hi = float(self.ci_lo), float(self.ci_hi)
+            self.level = 0.95 if self.level is None else float(self.level)
+
+    @classmethod
+    def from_dict(cls, h: dict[str, Any]) -> Headline:
+        """The headline a :meth:`to_dict` wrote (a summary, a case cache)."""
+        return cls(h["key"], h["value"], h.get("se"), h["text"], h.get("unit", ""),
+                   h.get("ci_lo"), h.get("ci_hi"), h.get("level"))
 
     @property
     def degenerate_ci(self) -> bool:
@@ -34,6 +56,8 @@ class Headline:
     def to_dict(self) -> dict[str, Any]:
         out = {"key": self.key, "value": self.value, "se": self.se, "unit": self.unit,
                "text": self.text}
+        if self.ci_lo is not None:  # only where an interval is stated
+            out.update(ci_lo=self.ci_lo, ci_hi=self.ci_hi, level=self.level)
         if self.degenerate_ci:  # only when flagged: unflagged summaries stay as they were
             out["degenerate_ci"] = True
         return out
