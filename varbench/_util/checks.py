@@ -77,23 +77,24 @@ def check_finite_number(arg: str, value: Any, *, minimum: float | None = None,
 
 
 def check_device(arg: str, value: Any) -> torch.device:
-    """``value`` as a torch.device that exists on this machine; UsageError naming it otherwise
-    (a typo, or ``cuda``/``cuda:N``/``mps`` where there is no such device)."""
+    """``value`` as a torch.device that exists on this machine and can hold data; UsageError
+    naming ``arg`` otherwise (a typo, ``cuda``/``cuda:N``/``mps`` where there is no such device,
+    or ``meta``, which holds no values). The one device check of the library and the CLI."""
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise UsageError(f"{arg}={value!r} is not a device; expected e.g. 'cpu', 'cuda', "
-                         "'cuda:0' or 'mps'") from None
+        raise UsageError(f"{arg}={value!r} is not valid; use cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index is not None and dev.index >= n):
-            raise UsageError(f"{arg}={value!r} does not exist on this machine "
-                             f"({n} CUDA device(s) visible)")
+        if n == 0:
+            raise UsageError(f"{arg}={value!r}: no CUDA device is visible here; use cpu")
+        if dev.index is not None and dev.index >= n:
+            raise UsageError(f"{arg}={value!r}: only {n} CUDA device(s) are visible")
     elif dev.type == "mps" and not (hasattr(torch.backends, "mps")
                                     and torch.backends.mps.is_available()):
-        raise UsageError(f"{arg}={value!r} does not exist on this machine (no MPS backend)")
-    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
-        raise UsageError(f"{arg}={value!r} is not supported; use 'cpu', 'cuda[:N]' or 'mps'")
+        raise UsageError(f"{arg}={value!r}: MPS is not available here; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"{arg}={value!r} is not valid; use cpu, cuda, cuda:N or mps")
     return dev
 
 
