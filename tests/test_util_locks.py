@@ -99,8 +99,8 @@ checkpoint_every = 1
 
 def _run(suite: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "varbench", "run", str(suite), "--out",
-                             str(out), "--allow-code"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                             str(out), "--allow-code"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
 
 
 def _check_tables(out: Path) -> None:

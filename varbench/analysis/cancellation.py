@@ -25,12 +25,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import (
     UsageError,
     check_choice,
-    check_finite_number,
     check_nonempty,
-    check_positive_int,
 )
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
@@ -172,19 +171,21 @@ def cancellation(
     of the most frequent ids). ``sketch_dim=None`` skips per-token gradient vectors (the
     gradient ratio is then NaN). Each task is one cached cell.
     """
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G, minimum=2)
+    check_knob("n_prompts", n_prompts)
+    check_knob("G", G, minimum=2)
+    check_knob("seed", seed)
+    check_knob("top_tokens", top_tokens)
+    if sketch_dim is not None:
+        check_knob("sketch_dim", sketch_dim)
     modes, ratios = check_nonempty("modes", modes), check_nonempty("ratios", ratios)
-    check_finite_number("lr", lr, minimum=0, strict=True)
+    check_knob("lr", lr)
     for m in modes:
         check_choice("modes", m, AGGREGATION_MODES)
     for r in ratios:
         check_choice("ratios", r, RATIO_KINDS)
     for t in transforms:
         check_choice("transforms", t, TRANSFORMS)
-    steps = sorted({int(k) for k in inner_steps})
-    if steps and steps[0] < 0:
-        raise UsageError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
+    steps = sorted({check_knob("inner_steps", k) for k in inner_steps})
     if not tasks:
         raise UsageError("tasks is empty; pass at least one Task")
     pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))

@@ -28,7 +28,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.checks import UsageError, check_positive_int
+from varbench._util.bounds import check_knob
+from varbench._util.checks import UsageError
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
@@ -202,8 +203,9 @@ def proxy_correlation(
     Caveat: at random init pi is near uniform and w_t nearly constant, so per-token correlations
     there are not meaningful; read the warm-started state.
     """
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G)
+    for key, value in (("n_prompts", n_prompts), ("G", G), ("seed", seed), ("n_boot", n_boot),
+                       ("n_bins", n_bins)):
+        check_knob(key, value)
     if isinstance(policies, Policy):
         policies = {policies.name: policies}
     if not policies:

@@ -42,6 +42,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice, check_nonempty, check_positive_int
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
@@ -417,15 +418,17 @@ def estimator_variance(
     for s in schemes:
         check_choice("schemes", scheme_of(s), sorted(known))
     for G in Gs:
-        check_positive_int("Gs", G, minimum=2)
+        check_knob("G", G, arg="Gs", minimum=2)
     for mode in modes:
         check_choice("modes", mode, AGGREGATION_MODES)
-    check_positive_int("M", M, minimum=3)
-    M_cap = M if M_cap is None else check_positive_int("M_cap", M_cap, minimum=M)
-    if target_rel_se is not None and not (isinstance(target_rel_se, (int, float))
-                                          and target_rel_se > 0):
-        raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
-    check_positive_int("n_prompts", n_prompts)
+    check_knob("M", M, minimum=3)
+    M_cap = M if M_cap is None else check_knob("M_cap", M_cap, minimum=M)
+    if target_rel_se is not None:
+        check_knob("target_rel_se", target_rel_se)
+    check_knob("n_prompts", n_prompts)
+    check_knob("n_ref", n_ref)
+    check_knob("seed", seed)
+    check_knob("topk_k", topk_k)
     if min_responses == "auto":
         min_responses = (PROXY_MIN_RESPONSES if any(reads_proxy_weights(s) for s in schemes)
                          else 0)
@@ -433,21 +436,20 @@ def estimator_variance(
         raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
                          "integer >= 0")
     else:
-        check_positive_int("min_responses", min_responses, minimum=0)
+        check_knob("min_responses", min_responses)
     check_choice("reference", reference, ("auto", "exact", "sampled"))
     check_choice("exact", exact, ("auto", "never"))
     check_choice("interval", interval, INTERVAL_METHODS)
-    check_positive_int("n_boot", n_boot, minimum=0)
-    check_positive_int("table_limit", table_limit)
-    check_positive_int("sketch_seed", sketch_seed, minimum=0)
-    if isinstance(level, bool) or not (isinstance(level, (int, float)) and 0 < level < 1):
-        raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
+    check_knob("n_boot", n_boot)
+    check_knob("table_limit", table_limit)
+    check_knob("sketch_seed", sketch_seed)
+    check_knob("level", level)
     reward = task.check_reward(reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
         sketch_dim = None if n_params <= _FLAT_LIMIT else 1024
     elif sketch_dim is not None:
-        check_positive_int("sketch_dim", sketch_dim)
+        check_knob("sketch_dim", sketch_dim, minimum=1)
     V = int(policy.model.get_output_embeddings().weight.shape[0])
     enumerable = task.fixed_length and V**task.max_new_tokens <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:

@@ -16,6 +16,7 @@ import sys
 
 import pandas as pd
 
+from varbench._util.bounds import argtype
 from varbench.app.specs import DEVICE_HELP, resolve_device
 
 
@@ -46,11 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "regression beyond tolerance)")
     p.add_argument("baseline", metavar="BASELINE", help="report directory or summary.json")
     p.add_argument("new", metavar="NEW", help="report directory or summary.json")
-    p.add_argument("--tolerance", type=float, default=3.0,
+    p.add_argument("--tolerance", type=argtype("tolerance", "--tolerance"), default=3.0,
                    help="allowed difference in combined standard errors (default 3)")
-    p.add_argument("--rel-tolerance", type=float, default=0.01,
+    p.add_argument("--rel-tolerance", type=argtype("rel_tolerance", "--rel-tolerance"),
+                   default=0.01,
                    help="allowed relative difference added to it (default 0.01)")
-    p.add_argument("--abs-tolerance", type=float, default=1e-9)
+    p.add_argument("--abs-tolerance", type=argtype("abs_tolerance", "--abs-tolerance"),
+                   default=1e-9)
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("check", help="regression-test advantage estimators (exit 0 pass, "
@@ -58,18 +61,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("estimators", nargs="+", metavar="MODULE:FUNCTION",
                    help="a function (scheme-, keyword- or verl-shaped) or a registered scheme "
                    "name")
-    p.add_argument("-G", type=int, default=4, help="group size (default 4)")
-    p.add_argument("--steps", type=int, default=3000, help="sampled steps for the bias test")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--alpha", type=float, default=1e-3,
+    p.add_argument("-G", type=argtype("G", "-G"), default=4, help="group size (default 4)")
+    p.add_argument("--steps", type=argtype("num_steps", "--steps"), default=3000,
+                   help="sampled steps for the bias test")
+    p.add_argument("--seed", type=argtype("seed", "--seed"), default=0)
+    p.add_argument("--alpha", type=argtype("alpha", "--alpha"), default=1e-3,
                    help="false-alarm rate of each bias test (default 0.001)")
-    p.add_argument("--tolerance", type=float, default=0.05,
+    p.add_argument("--tolerance", type=argtype("tolerance", "--tolerance"), default=0.05,
                    help="relative bias that is flagged when significant (default 0.05)")
     p.add_argument("--baselines", default="centered,otb",
                    help="comma-separated schemes for the variance comparison")
     p.add_argument("--require-unbiased", action="store_true",
                    help="also require the raw (unrescaled) bias test to pass")
-    p.add_argument("--max-variance-ratio", type=float, default=None,
+    p.add_argument("--max-variance-ratio", default=None,
+                   type=argtype("max_variance_ratio", "--max-variance-ratio"),
                    help="fail when the variance ratio to a baseline exceeds this")
     p.add_argument("--device", default=None,
                    help=f"where the estimators run (the toy task stays on the cpu): {DEVICE_HELP}")

@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from varbench._util.bounds import KNOBS, argtype
 from varbench._util.checks import UsageError, check_positive_int
 from varbench.app.specs import DEVICE_HELP, add_policy_flags, parse_knobs, resolve_device
 from varbench.train.config import TrainConfig, field_docs
@@ -43,7 +44,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, default=None, metavar="DEVICE",
                            help=DEVICE_HELP.replace("%", "%%"))
         else:
-            conv = {"int": int, "float": float}.get(kind, str)
+            conv = (argtype(f.name, names[-1]) if f.name in KNOBS  # bounds: one declaration
+                    else {"int": int, "float": float}.get(kind, str))
             g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
                            help=f"{docs.get(f.name, '')} (default: "
                            f"{getattr(defaults, f.name)})".replace("%", "%%"))

@@ -138,16 +138,14 @@ def check_estimator(
     :mod:`varbench._util.guard`). A ``KeyboardInterrupt`` propagates (no verdict: the caller
     reports the check as not finished).
     """
-    from varbench._util.checks import UsageError, check_finite_number, check_positive_int
+    from varbench._util.bounds import check_knob
 
-    check_positive_int("G", G)
-    check_positive_int("num_steps", num_steps, minimum=3)
-    check_positive_int("groups_per_call", groups_per_call)
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
-        raise UsageError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
-    check_finite_number("tolerance", tolerance, minimum=0)  # inf would pass any bias
+    for key, value in (("G", G), ("num_steps", num_steps), ("groups_per_call", groups_per_call),
+                       ("alpha", alpha), ("seed", seed),
+                       ("tolerance", tolerance)):  # an infinite tolerance would pass any bias
+        check_knob(key, value)
     if max_variance_ratio is not None:
-        check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
+        check_knob("max_variance_ratio", max_variance_ratio)
     start = time.perf_counter()
     import torch
 
