@@ -105,6 +105,7 @@ KNOBS: dict[str, Bound] = {
     "n_prompts": _ints(1, _SIZE), "prompts": _ints(1, _SIZE),
     "prompts_per_step": _ints(1, _SIZE), "eval_prompts": _ints(1, _SIZE),
     "variance_prompts": _ints(1, _SIZE), "groups_per_call": _ints(1, _SIZE),
+    "batch_size": _ints(1, _SIZE),
     "n_ref": _ints(1, 1 << 24), "n_boot": _ints(1, _SIZE),  # 0 draws: no interval
     "n_bins": _ints(1, _SIZE), "top_tokens": _ints(1, _SIZE), "topk_k": _ints(1, _SIZE),
     "table_limit": _ints(1, _SIZE), "eval_responses": _ints(1, _SIZE),
@@ -120,6 +121,8 @@ KNOBS: dict[str, Bound] = {
     "seed": _ints(0, SEED_MAX), "warm_start_seed": _ints(0, SEED_MAX),
     "eval_seed": _ints(0, SEED_MAX), "sketch_seed": _ints(0, SEED_MAX),
     "seeds": _ints(0, SEED_MAX), "hacking_seeds": _ints(0, SEED_MAX),
+    # a seed handed to a torch generator as it is (sample's: the analyses pass derived ones)
+    "generator_seed": _ints(0, (1 << 64) - 1),
     # sampling
     "temperature": Bound(float, 0, None, lo_open=True),
     "top_p": Bound(float, 0, 1, lo_open=True),

@@ -60,12 +60,13 @@ from varbench.tasks.base import Prompt, Task
 from varbench.tasks.verifiers import note_responses
 
 
-def _check_args(policy, task, prompts, G, temperature, top_k, top_p) -> None:
+def _check_args(policy, task, prompts, G, seed, temperature, top_k, top_p) -> None:
     if not isinstance(policy, Policy):
         raise UsageTypeError(f"policy must be a varbench Policy, got {type(policy).__name__}")
     if not isinstance(task, Task):
         raise UsageTypeError(f"task must be a varbench Task, got {type(task).__name__}")
     check_knob("G", G)
+    check_knob("generator_seed", seed, arg="seed")
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise UsageError(f"prompts must be a non-empty list of Prompt, got {prompts!r}")
     bad = [p for p in prompts if not isinstance(p, Prompt)]
@@ -210,7 +211,7 @@ def sample(
     attention, :func:`can_sample_differentiably`). Raises ValueError before any model call on
     bad arguments, prompts longer than the context, or a tokenizer missing a symbol of the task.
     """
-    _check_args(policy, task, prompts, G, temperature, top_k, top_p)
+    _check_args(policy, task, prompts, G, seed, temperature, top_k, top_p)
     reward = task.check_reward(reward)
     T = task.max_new_tokens if max_new_tokens is None else check_positive_int(
         "max_new_tokens", max_new_tokens)
