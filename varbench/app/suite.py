@@ -130,13 +130,9 @@ def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None,
     """Validate the parsed TOML ``data`` of the file ``path`` (``allow_code``: see
     :func:`load_suite`)."""
     _keys(path, "top level", data, TOP_KEYS)
-    entries = code_entries(data)
-    if entries and not allow_code:
-        raise SuiteError(
-            f"{path}: this suite names code that would run on this machine: "
-            f"{'; '.join(entries)}. A suite file is data: it runs code only when the command "
-            "line says so; if you trust this file, pass --allow-code (varbench run) or "
-            "allow_code=True (load_suite / run_suite)")
+    refuse_code(path, code_entries(data), allow_code=allow_code, what="suite",
+                how="--allow-code (varbench run) or allow_code=True (load_suite / run_suite)",
+                error=SuiteError)
     head = data.get("suite")
     if not isinstance(head, dict):
         raise SuiteError(f"{path}: missing [suite] table (with at least name = \"...\")")
@@ -183,26 +179,46 @@ def code_entries(data: dict[str, Any]) -> list[str]:
     value"``: a ``MODULE:ATTR`` string anywhere under ``[defaults]`` or a case (any key, any
     depth: tasks, schemes, estimators, verifier knobs, a validate case's base config), and a
     ``trust_remote_code`` that is not false. Nothing is imported to find them."""
-    out: list[str] = []
-
-    def walk(at: str, key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(at, f"{key}.{k}" if key else str(k), v)
-        elif isinstance(value, list):
-            for v in value:
-                walk(at, key, v)
-        elif key.rsplit(".", 1)[-1] == "trust_remote_code" and value is not False:
-            out.append(f"{at} key {key!r} = {value!r} (a checkpoint's own code)")
-        elif is_reference(value):
-            out.append(f"{at} key {key!r} = {value!r}")
-
-    walk("[defaults]", "", data.get("defaults"))
+    out = code_refs("[defaults]", data.get("defaults"))
     cases = data.get("cases")
     for i, raw in enumerate(cases if isinstance(cases, list) else []):
         name = raw.get("name") if isinstance(raw, dict) else None
-        walk(f"cases[{i}]" + (f" ({name!r})" if isinstance(name, str) else ""), "", raw)
+        out += code_refs(f"cases[{i}]" + (f" ({name!r})" if isinstance(name, str) else ""), raw)
     return out
+
+
+def code_refs(at: str, value: Any) -> list[str]:
+    """Every place the parsed TOML ``value`` (a table, at any depth) names code, as ``"<at>
+    key 'k' = value"``: a ``MODULE:ATTR`` string under any key and a ``trust_remote_code``
+    that is not false. Nothing is imported to find them. The one walker of a suite's cases and
+    of ``varbench train --config``'s file."""
+    out: list[str] = []
+
+    def walk(key: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, item in v.items():
+                walk(f"{key}.{k}" if key else str(k), item)
+        elif isinstance(v, list):
+            for item in v:
+                walk(key, item)
+        elif key.rsplit(".", 1)[-1] == "trust_remote_code" and v is not False:
+            out.append(f"{at} key {key!r} = {v!r} (a checkpoint's own code)")
+        elif is_reference(v):
+            out.append(f"{at} key {key!r} = {v!r}")
+
+    walk("", value)
+    return out
+
+
+def refuse_code(path: Path | str, entries: list[str], *, allow_code: bool, what: str,
+                how: str, error: type[UsageError] = UsageError) -> None:
+    """Raise ``error`` listing ``entries`` (:func:`code_refs`) unless ``allow_code``: a file is
+    data, and runs code only when the command line says so (``how``: the opt-in's spelling)."""
+    if entries and not allow_code:
+        raise error(
+            f"{path}: this {what} names code that would run on this machine: "
+            f"{'; '.join(entries)}. A {what} file is data: it runs code only when the command "
+            f"line says so; if you trust this file, pass {how}")
 
 
 def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
