@@ -98,6 +98,25 @@ def check_device(arg: str, value: Any) -> torch.device:
     return dev
 
 
+def check_finite_at(arg: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """UsageError naming ``arg`` and the first index when the floating ``tensor`` holds NaN or
+    inf where ``mask`` (same shape, bool or 0/1; None: everywhere) is set. One host read when
+    every value is finite (a finite total has finite entries)."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
+        return
+    bad = ~torch.isfinite(tensor)
+    if mask is not None:
+        bad &= mask != 0
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        if len(at) == 3:  # [P, G, T]: name the prompt, the response and the token
+            where, unit = f"token [p={at[0]}, g={at[1]}, t={at[2]}]", "token"
+        else:
+            where, unit = f"index {at}", "value"
+        raise UsageError(f"{arg} contains NaN or inf at valid {where} ({int(bad.sum())} such "
+                         f"{unit}(s)); pass finite values")
+
+
 def check_scheme_tensors(rewards: torch.Tensor, mask: torch.Tensor,
                          tensors: dict[str, torch.Tensor | None]) -> None:
     """Boundary checks of an estimator's tensor arguments (one home for all of them).
@@ -111,15 +130,8 @@ def check_scheme_tensors(rewards: torch.Tensor, mask: torch.Tensor,
     1.8e19 / sqrt(G) in float32). Equal huge rewards are fine (they centre to 0); +/-3e38 is not.
     """
     for name, t in tensors.items():
-        if t is None or not t.is_floating_point():
-            continue
-        if bool(torch.isfinite(t.sum())):  # fast path: a finite total has finite entries
-            continue
-        bad = mask & ~torch.isfinite(t)
-        if bool(bad.any()):
-            p, g, tok = (int(i) for i in bad.nonzero()[0])
-            raise UsageError(f"{name} contains NaN or inf at valid token [p={p}, g={g}, "
-                             f"t={tok}] ({int(bad.sum())} such token(s)); pass finite values")
+        if t is not None:
+            check_finite_at(name, t, mask)
     if not (rewards.is_floating_point() and rewards.numel()):
         return
     G = rewards.shape[1]

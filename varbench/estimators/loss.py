@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._util.checks import UsageError, check_choice
+from varbench._util.checks import UsageError, check_choice, check_finite_at
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.kl import kl_penalty
 
@@ -77,6 +77,9 @@ def _terms(
         raise UsageError(f"clip_ratio_c={clip_ratio_c!r} is not valid; expected a float > 1 "
                          "(or None: no dual clip)")
     m = mask != 0
+    # a NaN/inf advantage would make the loss NaN silently (one host read); non-finite
+    # log-probs are the model's and propagate: the training loop's collapse detector reads them
+    check_finite_at("adv", adv.detach(), m)
     omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype,
                                 conventions=conventions, per_group=per_group)
     diff = torch.where(m, logp - logp_old.detach(), 0)
