@@ -66,7 +66,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         device_set = _toml_sets_device(args.config)
     elif getattr(args, "resume", False) and saved is not None and saved.is_file():
         # --resume without --config continues the run with the settings it was started with
-        base = TrainConfig.from_dict(json.loads(saved.read_text()), source=str(saved))
+        try:
+            data = json.loads(saved.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UsageError(f"{str(saved)!r} is not valid JSON ({err}): the run's config is "
+                             "damaged; restore it, or pass --config with the run's settings"
+                             ) from None
+        base = TrainConfig.from_dict(data, source=str(saved))
         device_set = True  # the run's own device
     else:
         base = TrainConfig()

@@ -215,6 +215,7 @@ def sample(
     reward = task.check_reward(reward)
     T = task.max_new_tokens if max_new_tokens is None else check_positive_int(
         "max_new_tokens", max_new_tokens)
+    check_rollout_memory(policy, len(prompts), G, T)  # before encoding the prompts
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
     if differentiable:
@@ -228,7 +229,6 @@ def sample(
             f"prompt of {longest} tokens + max_new_tokens={T} exceeds the context of "
             f"{policy.context_length} tokens of policy {policy.name!r}"
         )
-    check_rollout_memory(policy, len(prompts), G, T)
     stop_ids, stop_texts = stop_set(policy, task)
     if not task.fixed_length and not stop_ids and not stop_texts:
         warnings.warn(

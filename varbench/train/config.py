@@ -207,6 +207,8 @@ class TrainConfig:
     def from_toml(cls, path: str | Path, *, section: str | None = None) -> TrainConfig:
         """Load from a TOML file (optionally from one ``[section]`` of it)."""
         path = Path(path)
+        if path.is_dir():
+            raise UsageError(f"config file {str(path)!r} is a directory, not a TOML file")
         if not path.is_file():
             raise UsageFileNotFoundError(f"config file {str(path)!r} does not exist")
         try:
