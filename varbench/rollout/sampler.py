@@ -89,7 +89,7 @@ def check_rollout_memory(policy: Policy, P: int, G: int, T: int, *, arg: str = "
     outputs: tokens, mask, rewards, log-probs, sum pi^2, entropies). The KV cache and the
     model come on top, so a size this refuses can never run; one it admits still may not."""
     B = P * G
-    V = int(getattr(policy.model.config, "vocab_size", 0) or 0)
+    V = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
     elsize = next(policy.model.parameters()).element_size()
     need = B * V * elsize + B * T * (8 + 4 + 4 + 3 * 4)
     check_memory(arg, G, need, policy.device if device is None else device,
