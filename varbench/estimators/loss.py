@@ -125,7 +125,9 @@ def policy_loss(
     ``max_len``: the constant of ``seq-mean-token-sum-norm`` (TRL's dr_grpo:
     ``max_completion_length``; default the mask width T). ``conventions``: ``"verl"`` leaves
     fully masked rows out of the sequence count (:func:`aggregation_weights`).
-    ``logp_old`` and ``adv`` are detached here.
+    ``logp_old`` and ``adv`` are detached here. A NaN or inf advantage at a valid token is a
+    UsageError naming it; non-finite log-probs (the model's own) propagate into the loss, where
+    the training loop's collapse detector reads them.
 
     Metrics (0-dim tensors, over valid tokens): ``clip_frac`` (fraction whose gradient the clip
     removes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``approx_kl`` (k3 estimate of
