@@ -51,6 +51,36 @@ class Case:
     token: str = ""  # a word the message must contain
     code: int = 2  # expected exit code of a command line
     verdict: Callable[[Any], bool] | None = None  # API: a returned result that is right
+    category: str = ""  # one of CATEGORIES; "" reads it from the case (category_of)
+    context: Callable[[], Any] | None = None  # a context manager the case runs inside
+
+
+# the independent audit's categories (issue 32), each counted in the table
+CATEGORIES = ("flags", "data files", "suite TOML", "merge", "OS errors", "resume", "API",
+              "hostile checkpoints")
+_OS_WORDS = ("is a file", "under a file", "held by", "300-char", "full disk", "NUL")
+
+
+def category_of(case: Case) -> str:
+    """The case's category: as given, else from its command and name."""
+    if case.category:
+        return case.category
+    name = case.name
+    if any(w in name for w in ("checkpoint", "model vocab")):
+        return "hostile checkpoints"
+    if "resume" in name or "holds a run" in name:
+        return "resume"
+    if case.argv is None:
+        return "API"
+    if any(w in name for w in _OS_WORDS):
+        return "OS errors"
+    if "UTF-8" in name or "answer" in name:
+        return "data files"
+    if case.argv[0] == "merge":
+        return "merge"
+    if case.argv[0] == "run" and not any(a.startswith("--") for a in case.argv[2:]):
+        return "suite TOML"
+    return "flags"
 
 
 ONE_CASE = """
@@ -437,6 +467,7 @@ def build_cases(root: Path) -> list[Case]:
             verdict=lambda got: got == "function"),
     ]
     cases += _issue29_cases(root)
+    cases += _issue32_cases(root, manifest_of=manifest, shard=shard)
     return cases
 
 
@@ -525,6 +556,274 @@ def _issue29_point6_cases(d: Path) -> list[Case]:
     ]
 
 
+def _issue32_cases(root: Path, *, manifest_of: dict, shard: Path) -> list[Case]:
+    """Issue 32: bounds from one declaration (flags, suite keys, the library), a memory
+    estimate, the API's NaN and shape gaps, full disks, merge's subdirectories and sealed but
+    malformed results, a damaged run config, hostile checkpoints, a --config naming code."""
+    import errno
+    import struct
+
+    import torch
+
+    import varbench as vb
+    from varbench.models import build_policy, save_policy
+
+    d = root / "i32"
+    d.mkdir()
+    out = str(d / "out")
+    base = save_policy(build_policy("micro", seed=0), d / "ckpt")
+
+    def ckpt(label: str, change: Callable[[Path], None]) -> str:
+        c = d / label
+        shutil.copytree(base, c)
+        change(c)
+        return str(c)
+
+    def lie(c: Path) -> None:  # the header claims more bytes than the file holds
+        f = c / "model.safetensors"
+        b = f.read_bytes()
+        n = struct.unpack("<Q", b[:8])[0]
+        h = json.loads(b[8:8 + n])
+        k = next(k for k in h if k != "__metadata__")
+        h[k]["data_offsets"][1] += 10**6
+        hb = json.dumps(h).encode()
+        hb += b" " * ((8 - len(hb) % 8) % 8)
+        f.write_bytes(struct.pack("<Q", len(hb)) + hb + b[8 + n:])
+
+    marker = d / "remote_code_ran"
+
+    def auto_map(model_type: str | None) -> Callable[[Path], None]:
+        def change(c: Path) -> None:
+            cfg = json.loads((c / "config.json").read_text())
+            cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig",
+                               "AutoModelForCausalLM": "evil.Evil"}
+            if model_type:
+                cfg["model_type"] = model_type
+            (c / "config.json").write_text(json.dumps(cfg))
+            (c / "evil.py").write_text(f"open({str(marker)!r}, 'w')\n")
+        return change
+
+    garbage = ckpt("garbage", lambda c: (c / "config.json").write_text("{not json"))
+    lies = ckpt("lies", lie)
+    nocfg = ckpt("nocfg", lambda c: (c / "config.json").unlink())
+    native = ckpt("automap", auto_map(None))
+    foreign = ckpt("automap_foreign", auto_map("evil_arch"))
+
+    def no_remote_code_ran() -> tuple[int, bool]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from varbench.app.cli import main
+
+            code = main(["sample", "--policy", native, "--task", "sort", "-G", "2",
+                         "--prompts", "1"])
+        return code, marker.exists()
+
+    def hostile_shard(label: str, change: Callable[[Path], None]) -> str:
+        s = d / label
+        shutil.copytree(shard, s)
+        change(s)
+        return str(s)
+
+    def twice(s: Path) -> None:
+        m = json.loads(json.dumps(manifest_of))
+        m["cases"] = m["cases"] * 2
+        (s / "suite.json").write_text(json.dumps(m))
+
+    def malformed(s: Path) -> None:
+        from varbench._util.io import seal_json
+
+        (f,) = (s / "cases").glob("*.json")
+        payload = json.loads(f.read_text())
+        payload["results"][0]["headlines"] = "not a list"
+        f.write_text(json.dumps(seal_json(payload)))
+
+    def out_with_link(label: str, sub: str) -> str:
+        o = d / label
+        o.mkdir()
+        (d / f"{label}_elsewhere").mkdir()
+        (o / sub).symlink_to(d / f"{label}_elsewhere")
+        return str(o)
+
+    @contextlib.contextmanager
+    def full_disk():
+        from varbench._util import io as vio
+
+        real = vio.os.fdopen
+
+        class Full:
+            def __init__(self, fh):
+                self.fh = fh
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.fh.close()
+
+            def write(self, data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def __getattr__(self, name):
+                return getattr(self.fh, name)
+
+        vio.os.fdopen = lambda *a, **k: Full(real(*a, **k))
+        try:
+            yield
+        finally:
+            vio.os.fdopen = real
+
+    def checkpoint_full_disk():
+        from varbench.train import checkpoint
+
+        real = checkpoint.save_model
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpoint.save_model = full
+        model = torch.nn.Linear(3, 2)
+        try:
+            checkpoint.save_checkpoint(d / "ckfull", 1, model, torch.optim.AdamW(
+                model.parameters()), {}, {})
+        except OSError as err:
+            return err
+        finally:
+            checkpoint.save_model = real
+        return None
+
+    run = d / "damaged"
+    run.mkdir()
+    (run / "records.csv").write_text("step\n0\n")
+    (run / "config.json").write_text("{garbage")
+    code_cfg = d / "code.toml"
+    code_cfg.write_text('scheme = "os:system"\n[task_options]\nverifier = "evil:fn"\n')
+    (d / "bad.toml").write_text("steps = \n")
+    pol, task = build_policy("micro", seed=0), vb.get_task("sort", n=2)
+    P, G, T = 2, 4, 3
+    m, lp = torch.ones(P, G, T), -torch.rand(P, G, T)
+    nan = float("nan")
+
+    def nan_at(t, v=nan):
+        t = t.clone()
+        t.view(-1)[1] = v
+        return t
+
+    def api(name, call, token, verdict=None):
+        return Case(name, call=call, token=token, verdict=verdict)
+
+    suite = ONE_CASE.format(name='"s"', case='"c"', extra="{extra}")
+
+    def suite_with(label: str, extra: str) -> str:
+        return _suite(d, label, body=suite.format(extra=extra))
+
+    return [
+        # ---- flags: one declaration of the bounds, refused before work
+        Case("sample: -G 10000000", ["sample", "-G", "10000000"], "-G=10000000 is too large"),
+        Case("sample: --temperature inf", ["sample", "--temperature", "inf"],
+             "--temperature=inf"),
+        Case("sample: --seed -1", ["sample", "--seed", "-1"], "--seed=-1"),
+        Case("sample: --device meta", ["sample", "--device", "meta"], "'meta'"),
+        Case("sample: --prompts 0", ["sample", "--prompts", "0"], "--prompts=0"),
+        Case("sample: P x G beyond this machine's memory", ["sample", "-G", "65536",
+                                                            "--prompts", "20000"],
+             "more than this machine's RAM"),
+        Case("check: --steps 10**12", ["check", "centered", "--steps", str(10**12)],
+             "--steps=1000000000000 is too large"),
+        Case("check: --seed -1", ["check", "centered", "--seed", "-1"], "--seed=-1"),
+        Case("train: -G 10**9", ["train", "-G", str(10**9), "--out", out], "-G=1000000000"),
+        Case("train: --temperature inf", ["train", "--temperature", "inf", "--out", out],
+             "--temperature=inf"),
+        Case("train: --seed -1", ["train", "--seed", "-1", "--out", out], "--seed=-1"),
+        Case("train: --device meta", ["train", "--device", "meta", "--out", out], "'meta'"),
+        Case("train: --clip-low 1", ["train", "--clip-low", "1", "--out", out], "--clip-low=1"),
+        Case("warmstart: --max-steps 0", ["warmstart", "--max-steps", "0"], "--max-steps=0"),
+        Case("compare: --abs-tolerance nan", ["compare", "a", "b", "--abs-tolerance", "nan"],
+             "--abs-tolerance=nan"),
+        # ---- suite TOML: the same declaration
+        Case("run: check seed = -1", ["run", suite_with("seedneg", "seed = -1")], "'seed'"),
+        Case("run: check G = 10**9", ["run", suite_with("gbig", "G = 1000000000")],
+             "too large"),
+        Case("run: train temperature = inf", ["run", _suite(d, "tinf", extra=_second(
+            'kind = "train"\ntemperature = inf'))], "'temperature'"),
+        Case("run: variance M = 10**12", ["run", _suite(d, "mbig", extra=_second(
+            'kind = "variance"\nM = 1000000000000'))], "too large"),
+        Case("run: device = meta", ["run", suite_with("meta", 'device = "meta"')], "'meta'"),
+        # ---- data files: a --config file is data like a suite
+        Case("train: --config names code without --allow-code",
+             ["train", "--config", str(code_cfg), "--out", out], "this config names code",
+             category="data files"),
+        Case("train: --config not TOML", ["train", "--config", str(d / "bad.toml"), "--out",
+                                          out], "not valid TOML", category="data files"),
+        # ---- merge
+        Case("merge: --out/cases is a symlink", ["merge", str(shard), "--out",
+                                                 out_with_link("lc", "cases")], "is a symlink"),
+        Case("merge: --out/tables is a symlink", ["merge", str(shard), "--out",
+                                                  out_with_link("lt", "tables")],
+             "is a symlink"),
+        Case("merge: a manifest key listed twice", ["merge", hostile_shard("twice", twice),
+                                                    "--out", str(d / "m1")], "more than once"),
+        Case("merge: sealed but malformed result", ["merge", hostile_shard("bad", malformed),
+                                                    "--out", str(d / "m2")], "corrupt"),
+        # ---- OS errors
+        Case("run: full disk during a JSON write", ["run", _suite(d, "full"), "--out",
+                                                    str(d / "fullout")],
+             "No space left on device", context=full_disk),
+        api("full disk during a checkpoint", checkpoint_full_disk, "",
+            verdict=lambda e: isinstance(e, OSError) and e.errno == errno.ENOSPC
+            and "step_000001" in str(e.filename)),
+        Case("train: --config is a directory", ["train", "--config", str(d), "--out", out],
+             "is a directory", category="OS errors"),
+        # ---- resume
+        Case("train: --resume over a garbage config.json", ["train", "--resume", "--out",
+                                                            str(run)], "not valid JSON"),
+        # ---- API
+        api("TrainConfig(G=10**12)", lambda: _train_config(G=10**12), "G=1000000000000"),
+        api("TrainConfig(temperature=inf)", lambda: _train_config(temperature=float("inf")),
+            "temperature"),
+        api("TrainConfig(seed=-1)", lambda: _train_config(seed=-1), "seed=-1"),
+        api("estimator_variance(M=10**12)", lambda: vb.estimator_variance(pol, task, M=10**12),
+            "M=1000000000000 is too large"),
+        api("estimator_variance(level=nan)", lambda: vb.estimator_variance(pol, task,
+                                                                           level=nan), "level"),
+        api("sample(temperature=inf)", lambda: vb.sample(pol, task, task.prompts(1), 2,
+                                                         temperature=float("inf")),
+            "temperature"),
+        api("check_estimator(num_steps=10**12)", lambda: _check_estimator(num_steps=10**12),
+            "num_steps"),
+        api("outcome_rewards: NaN reward", lambda: vb.outcome_rewards(
+            nan_at(torch.rand(P, G)), m), "rewards"),
+        api("outcome_rewards: [P, G+1] rewards", lambda: vb.outcome_rewards(
+            torch.rand(P, G + 1), m), "rewards has shape"),
+        api("reward_to_go: float mask", lambda: vb.reward_to_go(torch.rand(P, G), m * 0.5),
+            "mask"),
+        api("proxy_from_logprobs: shapes differ", lambda: vb.proxy_from_logprobs(
+            lp, torch.rand(P, G, 2)), "sum_pi_sq has shape"),
+        api("cumulative_weights: NaN logprobs", lambda: vb.cumulative_weights(
+            m, vb.SchemeOptions(logprobs=nan_at(lp), sum_pi_sq=torch.rand(P, G, T))),
+            "logprobs"),
+        api("policy_loss: NaN advantage", lambda: vb.policy_loss(
+            lp, lp, nan_at(torch.rand(P, G, T)), m), "adv"),
+        api("min_replace: NaN weight", lambda: vb.min_replace(nan_at(lp), m), "weights"),
+        api("adv_orthogonal: inf advantage", lambda: vb.adv_orthogonal(
+            lp, nan_at(torch.rand(P, G, T), float("inf")), m), "adv"),
+        api("sum_pi_sq: 0-d logits", lambda: vb.sum_pi_sq(torch.tensor(1.0)), "logits"),
+        api("logit_proxy: NaN logits", lambda: vb.logit_proxy(
+            nan_at(torch.randn(2, 3, 5)), torch.zeros(2, 3, dtype=torch.long)), "logits"),
+        api("logit_proxy: id outside the vocabulary", lambda: vb.logit_proxy(
+            torch.randn(2, 3, 5), torch.full((2, 3), 8)), "outside the vocabulary"),
+        # ---- hostile checkpoints
+        Case("sample: checkpoint config.json is garbage", ["sample", "--policy", garbage],
+             "config"),
+        Case("sample: checkpoint safetensors header lies", ["sample", "--policy", lies],
+             "corrupt or truncated"),
+        Case("sample: checkpoint without config.json", ["sample", "--policy", nocfg],
+             "config.json"),
+        Case("sample: checkpoint auto_map of an unknown arch, no --trust-remote-code",
+             ["sample", "--policy", foreign], "--trust-remote-code"),
+        api("checkpoint auto_map of a known arch runs none of its code", no_remote_code_ran,
+            "", verdict=lambda got: got == (0, False)),
+    ]
+
+
 def _train_config(**kw):
     from varbench.train.config import TrainConfig
 
@@ -602,7 +901,8 @@ def classify(case: Case) -> tuple[str, str]:
     if case.argv is not None:
         err, out = io.StringIO(), io.StringIO()
         try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), (
+                    case.context() if case.context else contextlib.nullcontext()):
                 code = main(case.argv)
         except _Accepted:
             return "accepted", "reached the work"
@@ -623,7 +923,8 @@ def classify(case: Case) -> tuple[str, str]:
             return "clear", msg
         return "unclear", f"exit {code}: {msg}"
     try:
-        got = case.call()
+        with case.context() if case.context else contextlib.nullcontext():
+            got = case.call()
     except _Accepted:
         return "accepted", "reached the work"
     except UsageError as e:
@@ -658,7 +959,7 @@ def audit(verbose: bool = False) -> dict[str, Any]:
                 for case in cases:
                     t0 = time.perf_counter()
                     outcome, msg = classify(case)
-                    rows.append((case.name, outcome, msg))
+                    rows.append((case.name, outcome, msg, category_of(case)))
                     if verbose:
                         print(f"{outcome:9} {time.perf_counter() - t0:5.1f}s  {case.name}: "
                               f"{msg[:150]}", flush=True)
@@ -668,20 +969,25 @@ def audit(verbose: bool = False) -> dict[str, Any]:
         else:
             os.environ["VARBENCH_CACHE"] = env
     counts = {k: sum(1 for r in rows if r[1] == k) for k in OUTCOMES}
-    return {"counts": counts, "cases": rows}
+    by_category = {c: {k: sum(1 for r in rows if r[3] == c and r[1] == k) for k in OUTCOMES}
+                   for c in CATEGORIES}
+    return {"counts": counts, "cases": rows, "categories": by_category}
 
 
 def table(result: dict[str, Any]) -> str:
-    c = result["counts"]
-    return ("| cases tried | clear error | unclear | traceback | silently accepted |\n"
-            "|---|---|---|---|---|\n"
-            f"| {len(result['cases'])} | {c['clear']} | {c['unclear']} | {c['traceback']} | "
-            f"{c['accepted']} |")
+    """The counts per category and in all, as a Markdown table."""
+    lines = ["| category | cases tried | clear error | unclear | traceback | silently accepted |",
+             "|---|---|---|---|---|---|"]
+    rows = [(c, result["categories"][c]) for c in CATEGORIES] + [("all", result["counts"])]
+    for name, c in rows:
+        lines.append(f"| {name} | {sum(c.values())} | {c['clear']} | {c['unclear']} | "
+                     f"{c['traceback']} | {c['accepted']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     res = audit(verbose="-v" in sys.argv)
     print(table(res))
-    for name, outcome, msg in res["cases"]:
+    for name, outcome, msg, _ in res["cases"]:
         if outcome != "clear":
             print(f"  {outcome}: {name}: {msg[:200]}")

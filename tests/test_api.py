@@ -74,3 +74,56 @@ def test_the_old_cli_path_warns_and_resolves(monkeypatch) -> None:
     with pytest.warns(DeprecationWarning, match=r"varbench\.cli moved to varbench\.app\.cli"):
         old = importlib.import_module("varbench.cli")
     assert old.main is varbench.app.cli.main and old.build_parser is varbench.app.cli.build_parser
+
+
+def test_public_functions_name_nan_and_wrong_shapes():
+    """Issue 32: NaN/inf and mismatched shapes at the public functions are a UsageError naming
+    the argument, not an allocator or indexing traceback deep inside, nor a silent NaN."""
+    import math
+
+    import torch
+
+    import varbench as vb
+    from varbench._util.checks import UsageError
+
+    P, G, T = 2, 4, 3
+    r, m = torch.rand(P, G), torch.ones(P, G, T)
+    lp, sp = -torch.rand(P, G, T), torch.rand(P, G, T)
+
+    def nan_at(t, v=math.nan):
+        t = t.clone()
+        t.view(-1)[1] = v
+        return t
+
+    logits = torch.randn(2, 3, 5)
+    cases = [
+        (lambda: vb.outcome_rewards(nan_at(r), m), r"rewards contain NaN or inf"),
+        (lambda: vb.outcome_rewards(torch.rand(P, G + 1), m), r"rewards has shape \[2, 5\]"),
+        (lambda: vb.reward_to_go(torch.rand(P, G, T + 1), m), r"rewards has shape"),
+        (lambda: vb.reward_to_go(r, m * 0.5), r"mask"),
+        (lambda: vb.proxy_from_logprobs(lp, sp[..., :2]), r"sum_pi_sq has shape \[2, 4, 2\]"),
+        (lambda: vb.cumulative_weights(m, vb.SchemeOptions(logprobs=nan_at(lp), sum_pi_sq=sp)),
+         r"logprobs contains NaN or inf at valid token \[p=0, g=0, t=1\]"),
+        (lambda: vb.cumulative_weights(m, vb.SchemeOptions(token_weights=sp[..., :2])),
+         r"token_weights has shape"),
+        (lambda: vb.policy_loss(lp, lp, nan_at(torch.rand(P, G, T)), m), r"adv contains NaN"),
+        (lambda: vb.min_replace(nan_at(lp), m), r"weights contains NaN"),
+        (lambda: vb.adv_orthogonal(lp, nan_at(torch.rand(P, G, T), math.inf), m),
+         r"adv contains NaN or inf"),
+        (lambda: vb.sum_pi_sq(torch.tensor(1.0)), r"logits has shape \[\]"),
+        (lambda: vb.sum_pi_sq(nan_at(logits)), r"logits contain NaN"),
+        (lambda: vb.logit_proxy(nan_at(logits, math.inf), torch.zeros(2, 3, dtype=torch.long)),
+         r"logits contain NaN or \+inf"),
+        (lambda: vb.logit_proxy(logits, torch.full((2, 3), 8)), r"ids in \[8, 8\], outside"),
+    ]
+    for call, words in cases:
+        with pytest.raises(UsageError, match=words):
+            call()
+    # padding is not data: NaN under mask 0 is ignored; -inf logits rule a token out
+    pad = m.clone()
+    pad[0, 0, 1] = 0
+    assert torch.isfinite(vb.min_replace(nan_at(lp), pad)).all()
+    z = logits.clone()
+    z[..., 0] = -math.inf
+    assert torch.isfinite(vb.sum_pi_sq(z)).all()
+    assert torch.equal(vb.outcome_rewards(r, m), r)

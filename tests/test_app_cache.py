@@ -171,11 +171,11 @@ def test_case_keys_name_device_and_dtype(tmp_path, monkeypatch):
     def key(**params):
         return Case(0, "v", "variance", {"preset": "micro", **params}).key
 
-    cpu = key(device="cpu")
-    assert Case(0, "v", "variance", {"preset": "micro", "device": "cpu"}).config()[
-        "placement"] == {"device": "cpu", "dtype": "auto"}
     import torch
 
+    cpu = key(device="cpu")
+    assert Case(0, "v", "variance", {"preset": "micro", "device": "cpu"}).config()[
+        "placement"] == {"device": "cpu", "dtype": "auto", "threads": torch.get_num_threads()}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolved, never used
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert key(device="cuda") != cpu
@@ -183,7 +183,8 @@ def test_case_keys_name_device_and_dtype(tmp_path, monkeypatch):
     def where(**params):
         return Case(0, "v", "variance", {"preset": "micro", **params}).config()["placement"]
 
-    assert where() == where(device="cuda:1") == {"device": "cuda", "dtype": "auto"}
+    assert where() == where(device="cuda:1") == {"device": "cuda", "dtype": "auto",
+                                                 "threads": torch.get_num_threads()}
     assert key(device="cpu", dtype="bfloat16") != cpu
     assert key(device="cpu", dtype="float64") != key(device="cpu", dtype="float32")
     case = Case(0, "v", "variance", {"preset": "micro", "device": "cpu"})
@@ -191,3 +192,20 @@ def test_case_keys_name_device_and_dtype(tmp_path, monkeypatch):
     assert case_key(old) != case.key
     cache = CaseCache(tmp_path)
     assert not cache.has(case)
+
+
+def test_case_keys_name_the_thread_count(monkeypatch):
+    """torch's intra-op thread count changes the order of CPU reductions (results differ at
+    ~1e-9 between 1 and 2 threads), so it is part of every case's key: a result computed with
+    2 threads never answers for a run with 1 (issue 32)."""
+    import torch
+
+    from varbench.app.suite import Case
+
+    cases = [Case(0, "v", "variance", {"preset": "micro", "device": "cpu"}),
+             Case(0, "c", "check", {"estimator": "centered", "device": "cpu"})]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = [c.key for c in cases]
+    assert [c.config()["placement"]["threads"] for c in cases] == [1, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert all(a != c.key for a, c in zip(one, cases, strict=True))

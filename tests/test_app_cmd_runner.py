@@ -16,6 +16,7 @@ from pathlib import Path
 
 import _fixtures_app as fr
 import pytest
+import torch
 
 from varbench.app.cli import main
 from varbench.app.runner import run_suite
@@ -85,8 +86,10 @@ def test_kill_then_resume_without_recomputing(tmp_path, sig):
     path without a second interpreter start) reuses the finished cases."""
     suite = fr.write_suite(tmp_path, fr.SLOW_CASE)
     out = tmp_path / "out"
+    # the same intra-op thread count as the rerun in this process: it is part of the case keys
+    env = {**ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen([sys.executable, "-m", "varbench", "run", str(suite), "--out",
-                             str(out), "--allow-code"], env=ENV, text=True, stdout=subprocess.PIPE,
+                             str(out), "--allow-code"], env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     cases = out / "cases"
     # The slow case runs last: kill while it is in progress, after the other three finished.

@@ -172,3 +172,30 @@ task_specs = { echo = { task = "_plugin_tasks:EchoTask" } }
     assert main(["validate", "--suite", str(suite), "--allow-code", "--plan", "--timing-from",
                  str(tmp_path / "empty"), "--out", str(out)]) == 2
     assert "no measured runs" in capsys.readouterr().err
+
+
+def test_train_config_file_naming_code_needs_allow_code(tmp_path, monkeypatch, capsys):
+    """A --config file is data, like a suite: a MODULE:ATTR it names (task, scheme, verifier)
+    or trust_remote_code = true is refused with the list of entries unless --allow-code is
+    given, before anything is imported; the same flag given on the command line needs no
+    opt-in (issue 32)."""
+    mod = tmp_path / "cfg_hostile_mod.py"
+    marker = tmp_path / "imported"
+    mod.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+                   "def adv(rewards, mask):\n    return rewards\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('scheme = "cfg_hostile_mod:adv"\ntrust_remote_code = true\n'
+                   '[task_options]\nverifier = "cfg_hostile_mod:adv"\n')
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "this config names code" in err and "--allow-code" in err, err
+    for entry in ("'scheme' = 'cfg_hostile_mod:adv'", "'trust_remote_code' = True",
+                  "'task_options.verifier' = 'cfg_hostile_mod:adv'"):
+        assert entry in err, err
+    assert not marker.exists() and not out.exists()  # nothing imported, nothing written
+    # with --allow-code the file's code is reached (here: imported, then the next check)
+    cfg.write_text('scheme = "cfg_hostile_mod:adv"\nagg = "bogus"\n')
+    assert main(["train", "--config", str(cfg), "--allow-code", "--out", str(out)]) == 2
+    assert marker.exists() and "this config names code" not in capsys.readouterr().err

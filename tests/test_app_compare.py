@@ -115,3 +115,20 @@ def test_an_interval_without_se_counts_as_its_se(tmp_path):
         compare_reports(_with_interval(tmp_path / "x", 0.8, 0.7, 0.9, level=1.5), base)
     with pytest.raises(ValueError, match="not an interval"):
         compare_reports(_with_interval(tmp_path / "y", 0.8, 0.9, 0.7), base)
+
+
+def test_a_ballooned_new_se_never_excuses_a_change(tmp_path):
+    """New SE 1e300 would make any change 'within the SEs': a change the plain tolerances do
+    not cover passes only when the two SEs are within SE_JUMP of each other (issue 32)."""
+    from varbench.app.cli import main
+    from varbench.app.compare import SE_JUMP
+
+    base = _summary(tmp_path / "b", {"v/x": (1.0, 0.01), "v/same": (1.0, 0.01)})
+    new = _summary(tmp_path / "n", {"v/x": (99.0, 1e300), "v/same": (1.0, 1e300)})
+    table = compare_reports(base, new).set_index("figure")
+    assert table.loc["v/x", "status"] == "undefined"  # 98 apart: only the 1e300 SE covered it
+    assert table.loc["v/same", "status"] == "ok"  # no change: nothing to excuse
+    assert list(regressions(table.reset_index())["figure"]) == ["v/x"]
+    assert main(["compare", str(base), str(new)]) == 1
+    close = _summary(tmp_path / "c", {"v/x": (1.05, 0.01 * SE_JUMP / 2), "v/same": (1.0, 0.01)})
+    assert set(compare_reports(base, close)["status"]) == {"ok"}  # SEs alike: the SE gap holds

@@ -181,3 +181,81 @@ def test_compare_refuses_nul_and_long_paths(tmp_path, shard):
 def test_cache_path_refuses(tmp_path, bad):
     with pytest.raises(UsageError, match="not a safe name"):
         CaseCache(tmp_path / "cases").path(bad)
+
+
+@pytest.mark.parametrize("sub", ["cases", "tables"])
+def test_merge_refuses_a_symlinked_subdirectory_of_out(tmp_path, shard, sub):
+    """--out/cases or --out/tables pointing elsewhere: a write there would land outside the
+    output directory; refused before anything is written (issue 32)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / sub).symlink_to(elsewhere)
+    with pytest.raises(UsageError, match=f"{sub}' is a symlink"):
+        merge_outputs([shard], out)
+    assert list(elsewhere.iterdir()) == []
+    assert main(["merge", str(shard), "--out", str(out)]) == 2
+
+
+def test_merge_refuses_a_manifest_listing_a_key_twice(tmp_path, shard):
+    manifest = json.loads((shard / "suite.json").read_text())
+    manifest["cases"] = manifest["cases"] * 2
+    (shard / "suite.json").write_text(json.dumps(manifest))
+    with pytest.raises(UsageError, match=r"listed more than once: \['c-"):
+        merge_outputs([shard], tmp_path / "merged")
+    assert not (tmp_path / "merged" / "report.md").exists()
+
+
+@pytest.mark.parametrize("breakage", [
+    lambda r: r.update(headlines="not a list"),
+    lambda r: r.update(records={"cells": [1, 2]}),
+    lambda r: r["headlines"].append({"key": 3, "text": None}),
+    lambda r: r.pop("summary"),
+])
+def test_merge_refuses_a_sealed_but_malformed_result_before_copying(tmp_path, shard, breakage):
+    """A shard's case file whose seal matches its content but whose results varbench never
+    writes is refused by name before anything reaches --out (was a KeyError/AttributeError in
+    the renderer after the files were copied)."""
+    from varbench._util.io import seal_json
+
+    (case_file,) = CaseCache(shard / "cases").files()
+    payload = json.loads(case_file.read_text())
+    breakage(payload["results"][0])
+    case_file.write_text(json.dumps(seal_json(payload)))
+    out = tmp_path / "merged"
+    with pytest.raises(UsageError, match="corrupt"):
+        merge_outputs([shard], out)
+    assert not (out / "cases").exists() or not list((out / "cases").iterdir())
+    assert not (out / "report.md").exists()
+
+
+@pytest.mark.parametrize("name", ['"quickstart\\n"', '"one\\r"', '"x\\t"'])
+def test_names_with_a_trailing_line_break_are_refused(tmp_path, monkeypatch, name):
+    """$ matched before a final newline: a suite named "quickstart\\n" wrote reports/quickstart
+    plus a newline. Names are matched whole (fullmatch), suite and case names alike."""
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "nl.toml"
+    p.write_text(ONE_CASE.format(name=name))
+    with pytest.raises(UsageError, match="not a safe name"):
+        load_suite(p)
+    p.write_text(ONE_CASE.format(name='"ok"').replace('name = "c"', f"name = {name}"))
+    with pytest.raises(UsageError, match="key 'name' must be a string"):
+        load_suite(p)
+    with pytest.raises(UsageError, match="not a safe name"):
+        safe_name("case key", "c-0123456789abcdef\n")
+    assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("name", ["baselines", "claims", "Claims"])
+def test_a_suite_named_like_published_results_has_no_default_out(tmp_path, monkeypatch, name):
+    """reports/baselines holds the golden baseline and reports/claims the published claims: a
+    suite of that name is refused without --out, and runs with one."""
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "resv.toml"
+    p.write_text(ONE_CASE.format(name=f'"{name}"'))
+    assert main(["run", str(p)]) == 2
+    assert not (tmp_path / "reports").exists()
+    with pytest.raises(UsageError, match=f"suite name '{name}' is reserved"):
+        run_suite(p)
+    assert run_suite(p, tmp_path / "mine").computed == ["c"]

@@ -96,3 +96,22 @@ def test_nan_becomes_null_and_rewrite_is_atomic(tmp_path):
 def test_empty_results_rejected(tmp_path):
     with pytest.raises(ValueError, match="results"):
         write_report([], tmp_path)
+
+
+def test_report_md_escapes_html_and_markdown_from_data(tmp_path):
+    """Names, headlines, notes and cells come from case files: report.md shows them as text,
+    never as HTML or Markdown markup, and a line break never starts a block (issue 32)."""
+    from dataclasses import replace
+
+    res = _variance_result()
+    evil = "<script>alert(1)</script> **bold** [link](http://x) | pipe"
+    res = replace(res, name="v<b>", headlines=[Headline("k", 1.0, 0.1, evil + "\n# heading")],
+                  notes=["<img src=x onerror=alert(1)>", "`code` ~strike~"],
+                  records={**res.records, "extra": pd.DataFrame({"col<i>": [evil]})})
+    md = (write_report([res], tmp_path / "r", title="t <u>") / "report.md").read_text()
+    for raw in ("<script>", "<img", "<b>", "<i>", "<u>", "**bold**", "[link](", "\n# heading",
+                "`code`", "~strike~"):
+        assert raw not in md, raw
+    for shown in ("&lt;script&gt;", "&lt;img src=x onerror=alert(1)&gt;", r"\*\*bold\*\*",
+                  r"\[link\](http://x)", r"\| pipe", r"\`code\`", "# t &lt;u&gt;"):
+        assert shown in md, shown

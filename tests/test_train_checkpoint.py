@@ -108,3 +108,48 @@ def test_flipped_bit_and_unreadable_file_are_refused_by_name(tmp_path, monkeypat
     with pytest.raises(UsageError, match="permission denied") as err:
         load_checkpoint(ckpt, *_model_and_opt(1), {"g": torch.Generator()})
     assert "corrupt" not in str(err.value) and weights.exists()
+
+
+@pytest.mark.parametrize("failure", ["oserror", "safetensors"])
+def test_a_full_disk_during_a_checkpoint_names_it(tmp_path, monkeypatch, failure):
+    """ENOSPC while the weights are written (an OSError without a file name, or safetensors'
+    SafetensorError wrapping it) is an OSError naming the checkpoint; no partial checkpoint is
+    left (issue 32)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from varbench.train import checkpoint
+
+    def full(*a, **k):
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                              'StorageFull, message: "No space left on device" })')
+
+    monkeypatch.setattr(checkpoint, "save_model", full)
+    model, opt = _model_and_opt(0)
+    with pytest.raises(OSError) as err:
+        save_checkpoint(tmp_path, 3, model, opt, {}, {"step": 3})
+    assert err.value.errno == errno.ENOSPC and "step_000003" in err.value.filename
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_full_disk_during_train_is_exit_2_naming_the_path(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from varbench.app.cli import main
+    from varbench.train import checkpoint
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_model", full)
+    out = tmp_path / "run"
+    assert main(["train", "--policy", "micro", "--no-warm-start", "--steps", "1",
+                 "--eval-every", "1", "--eval-prompts", "2", "-G", "2", "--prompts-per-step",
+                 "2", "--knob", "n=2", "--checkpoint-every", "1", "--device", "cpu",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(out / "checkpoints") in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

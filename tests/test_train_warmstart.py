@@ -160,3 +160,31 @@ def test_flipped_bit_is_rebuilt_and_unreadable_entry_is_not_deleted(tmp_path, mo
     with pytest.raises(UsageError, match="permission denied"):
         warm_start("micro", task, **kw)
     assert weights.exists()
+
+
+def test_a_full_disk_while_caching_names_the_entry(tmp_path, monkeypatch, capsys):
+    """ENOSPC while the warm-started policy is saved to the cache is an OSError naming the
+    cache entry (a CLI exit 2 saying the path), and no half-written entry is left (issue 32)."""
+    import errno
+
+    from varbench.app.cli import main
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ws, "save_policy", full)
+    with pytest.warns(UserWarning, match="outside"), pytest.raises(OSError) as err:
+        warm_start("micro", get_task("sort", **SMALL_SORT), target=(0.95, 1.0),
+                   cache_dir=tmp_path, max_steps=2, eval_every=2, eval_prompts=4,
+                   progress=False)
+    assert err.value.errno == errno.ENOSPC
+    assert str(tmp_path / "warmstart") in err.value.filename
+    assert not (tmp_path / "warmstart").exists() or not [
+        p for p in (tmp_path / "warmstart").iterdir() if not p.name.startswith(".")]
+    with pytest.warns(UserWarning, match="outside"):
+        code = main(["warmstart", "--preset", "micro", "--knob", "n=2", "--knob", "max_value=5",
+                     "--target", "0.95", "1.0", "--max-steps", "2", "--cache-dir",
+                     str(tmp_path), "--device", "cpu"])
+    assert code == 2
+    msg = capsys.readouterr().err
+    assert "No space left on device" in msg and str(tmp_path / "warmstart") in msg, msg

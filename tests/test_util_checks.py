@@ -95,7 +95,7 @@ def test_check_device_and_finite_number():
     from varbench._util.checks import check_device, check_finite_number
 
     assert check_device("device", "cpu") == torch.device("cpu")
-    for bad in ("bogus", "cuda:99", "xla", 3.5):
+    for bad in ("bogus", "cuda:99", "xla", "meta", 3.5):
         with pytest.raises(UsageError, match="device="):
             check_device("device", bad)
     assert check_finite_number("lr", 1e-3, minimum=0, strict=True) == 1e-3

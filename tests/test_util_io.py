@@ -98,3 +98,74 @@ def test_jsonable_non_finite_numpy_and_torch_scalars():
     assert type(out["np_b"]) is bool and type(out["t_b"]) is bool
     json.dumps(out, allow_nan=False)  # strict JSON
     assert io.jsonable(torch.ones(2)) == str(torch.ones(2))  # not a scalar: its str
+
+
+class _FullDisk:
+    """A file object whose write fails as a full disk does: ENOSPC and no file name."""
+
+    def __init__(self, fh):
+        self._fh = fh
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+    def write(self, data):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def full_disk(monkeypatch):
+    """Make every atomic_write hit a full disk (the write raises ENOSPC, naming no file)."""
+    real = io.os.fdopen
+    monkeypatch.setattr(io.os, "fdopen", lambda *a, **k: _FullDisk(real(*a, **k)))
+
+
+def test_a_full_disk_during_a_json_write_names_the_path(tmp_path, monkeypatch):
+    """ENOSPC from write() carries no file name: the error names the file being written (issue
+    32), the old file is kept and no temporary is left."""
+    import errno
+
+    p = tmp_path / "summary.json"
+    p.write_text("old")
+    full_disk(monkeypatch)
+    with pytest.raises(OSError) as err:
+        io.atomic_write(p, json.dumps({"a": 1}))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(p)
+    assert p.read_text() == "old" and _leftovers(tmp_path) == []
+
+
+def test_a_full_disk_during_a_suite_run_is_exit_2_naming_the_file(tmp_path, monkeypatch, capsys):
+    from varbench.app.cli import main
+
+    suite = tmp_path / "s.toml"
+    suite.write_text('[suite]\nname = "s"\n[[cases]]\nname = "c"\nkind = "check"\n'
+                     'estimator = "centered"\nnum_steps = 20\nbaselines = []\n')
+    full_disk(monkeypatch)
+    assert main(["run", str(suite), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(tmp_path / "out") in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_writing_turns_a_safetensors_error_into_the_os_error_it_wraps(tmp_path):
+    import errno
+
+    from safetensors import SafetensorError
+
+    target = tmp_path / "model.safetensors"
+    with pytest.raises(OSError) as err, io.writing(target):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                              'StorageFull, message: "No space left on device" })')
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(target)
+    with pytest.raises(OSError) as err, io.writing(target):
+        raise SafetensorError("something else")
+    assert err.value.errno == errno.EIO and err.value.filename == str(target)
+    with pytest.raises(KeyError), io.writing(target):  # not a write error: as it is
+        raise KeyError("bug")

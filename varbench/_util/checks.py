@@ -77,24 +77,44 @@ def check_finite_number(arg: str, value: Any, *, minimum: float | None = None,
 
 
 def check_device(arg: str, value: Any) -> torch.device:
-    """``value`` as a torch.device that exists on this machine; UsageError naming it otherwise
-    (a typo, or ``cuda``/``cuda:N``/``mps`` where there is no such device)."""
+    """``value`` as a torch.device that exists on this machine and can hold data; UsageError
+    naming ``arg`` otherwise (a typo, ``cuda``/``cuda:N``/``mps`` where there is no such device,
+    or ``meta``, which holds no values). The one device check of the library and the CLI."""
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise UsageError(f"{arg}={value!r} is not a device; expected e.g. 'cpu', 'cuda', "
-                         "'cuda:0' or 'mps'") from None
+        raise UsageError(f"{arg}={value!r} is not valid; use cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index is not None and dev.index >= n):
-            raise UsageError(f"{arg}={value!r} does not exist on this machine "
-                             f"({n} CUDA device(s) visible)")
+        if n == 0:
+            raise UsageError(f"{arg}={value!r}: no CUDA device is visible here; use cpu")
+        if dev.index is not None and dev.index >= n:
+            raise UsageError(f"{arg}={value!r}: only {n} CUDA device(s) are visible")
     elif dev.type == "mps" and not (hasattr(torch.backends, "mps")
                                     and torch.backends.mps.is_available()):
-        raise UsageError(f"{arg}={value!r} does not exist on this machine (no MPS backend)")
-    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
-        raise UsageError(f"{arg}={value!r} is not supported; use 'cpu', 'cuda[:N]' or 'mps'")
+        raise UsageError(f"{arg}={value!r}: MPS is not available here; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"{arg}={value!r} is not valid; use cpu, cuda, cuda:N or mps")
     return dev
+
+
+def check_finite_at(arg: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """UsageError naming ``arg`` and the first index when the floating ``tensor`` holds NaN or
+    inf where ``mask`` (same shape, bool or 0/1; None: everywhere) is set. One host read when
+    every value is finite (a finite total has finite entries)."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
+        return
+    bad = ~torch.isfinite(tensor)
+    if mask is not None:
+        bad &= mask != 0
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        if len(at) == 3:  # [P, G, T]: name the prompt, the response and the token
+            where, unit = f"token [p={at[0]}, g={at[1]}, t={at[2]}]", "token"
+        else:
+            where, unit = f"index {at}", "value"
+        raise UsageError(f"{arg} contains NaN or inf at valid {where} ({int(bad.sum())} such "
+                         f"{unit}(s)); pass finite values")
 
 
 def check_scheme_tensors(rewards: torch.Tensor, mask: torch.Tensor,
@@ -110,15 +130,8 @@ def check_scheme_tensors(rewards: torch.Tensor, mask: torch.Tensor,
     1.8e19 / sqrt(G) in float32). Equal huge rewards are fine (they centre to 0); +/-3e38 is not.
     """
     for name, t in tensors.items():
-        if t is None or not t.is_floating_point():
-            continue
-        if bool(torch.isfinite(t.sum())):  # fast path: a finite total has finite entries
-            continue
-        bad = mask & ~torch.isfinite(t)
-        if bool(bad.any()):
-            p, g, tok = (int(i) for i in bad.nonzero()[0])
-            raise UsageError(f"{name} contains NaN or inf at valid token [p={p}, g={g}, "
-                             f"t={tok}] ({int(bad.sum())} such token(s)); pass finite values")
+        if t is not None:
+            check_finite_at(name, t, mask)
     if not (rewards.is_floating_point() and rewards.numel()):
         return
     G = rewards.shape[1]

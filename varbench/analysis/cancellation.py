@@ -25,10 +25,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import (
     UsageError,
     check_choice,
-    check_finite_number,
     check_nonempty,
     check_positive_int,
 )
@@ -148,11 +148,9 @@ def cancellation_plan(*, n_tasks: int = 1, n_prompts: int = 8, G: int = 8,
     responses, ``max(inner_steps)`` clipped-loss steps over them (one pass per response each)
     and, with a sketch, one pass per response for the per-token gradient vectors."""
     check_positive_int("n_tasks", n_tasks)
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G, minimum=2)
-    steps = sorted({int(k) for k in inner_steps})
-    if steps and steps[0] < 0:
-        raise UsageError(f"inner_steps={list(inner_steps)!r} is not valid; expected integers >= 0")
+    check_knob("n_prompts", n_prompts)
+    check_knob("G", G, minimum=2)
+    steps = sorted({check_knob("inner_steps", k) for k in inner_steps})
     n = n_tasks * n_prompts * G
     k = max(steps, default=0)
     grads = sketch_dim is not None
@@ -195,17 +193,21 @@ def cancellation(
     of the most frequent ids). ``sketch_dim=None`` skips per-token gradient vectors (the
     gradient ratio is then NaN). Each task is one cached cell.
     """
+    check_knob("seed", seed)
+    check_knob("top_tokens", top_tokens)
+    if sketch_dim is not None:
+        check_knob("sketch_dim", sketch_dim)
     cancellation_plan(n_tasks=max(len(tasks), 1), n_prompts=n_prompts, G=G,
                       inner_steps=inner_steps, sketch_dim=sketch_dim)  # the notice's checks
     modes, ratios = check_nonempty("modes", modes), check_nonempty("ratios", ratios)
-    check_finite_number("lr", lr, minimum=0, strict=True)
+    check_knob("lr", lr)
     for m in modes:
         check_choice("modes", m, AGGREGATION_MODES)
     for r in ratios:
         check_choice("ratios", r, RATIO_KINDS)
     for t in transforms:
         check_choice("transforms", t, TRANSFORMS)
-    steps = sorted({int(k) for k in inner_steps})
+    steps = sorted({check_knob("inner_steps", k) for k in inner_steps})
     if not tasks:
         raise UsageError("tasks is empty; pass at least one Task")
     pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))

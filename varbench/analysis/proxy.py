@@ -28,7 +28,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.checks import UsageError, check_positive_int
+from varbench._util.bounds import check_knob
+from varbench._util.checks import UsageError
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
@@ -184,8 +185,8 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
 def proxy_plan(*, n_prompts: int = 8, G: int = 8) -> Plan:
     """What :func:`proxy_correlation` spends per policy state: ``n_prompts x G`` responses,
     each one forward+backward pass of the exact per-token norms (same checks as the call)."""
-    check_positive_int("n_prompts", n_prompts)
-    check_positive_int("G", G)
+    check_knob("n_prompts", n_prompts)
+    check_knob("G", G)
     n = n_prompts * G
     return Plan("proxy", n, passes=n, details=(f"{n_prompts} prompts x G = {G}",))
 
@@ -212,6 +213,8 @@ def proxy_correlation(
     Caveat: at random init pi is near uniform and w_t nearly constant, so per-token correlations
     there are not meaningful; read the warm-started state.
     """
+    for key, value in (("seed", seed), ("n_boot", n_boot), ("n_bins", n_bins)):
+        check_knob(key, value)
     proxy_plan(n_prompts=n_prompts, G=G)  # its checks: the cost notice reads the same
     if isinstance(policies, Policy):
         policies = {policies.name: policies}

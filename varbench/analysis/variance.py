@@ -43,7 +43,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from varbench._util.checks import UsageError, check_choice, check_nonempty, check_positive_int
+from varbench._util.bounds import check_knob
+from varbench._util.checks import UsageError, check_choice, check_nonempty
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
@@ -422,14 +423,12 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
     for s in schemes:
         check_choice("schemes", scheme_of(s), sorted(known))
     for G in Gs:
-        check_positive_int("Gs", G, minimum=2)
-    check_positive_int("M", M, minimum=3)
-    M_cap = M if M_cap is None else check_positive_int("M_cap", M_cap, minimum=M)
-    if target_rel_se is not None and not (isinstance(target_rel_se, (int, float))
-                                          and not isinstance(target_rel_se, bool)
-                                          and target_rel_se > 0):
-        raise UsageError(f"target_rel_se={target_rel_se!r} is not valid; expected a number > 0")
-    check_positive_int("n_prompts", n_prompts)
+        check_knob("G", G, arg="Gs", minimum=2)
+    check_knob("M", M, minimum=3)
+    M_cap = M if M_cap is None else check_knob("M_cap", M_cap, minimum=M)
+    if target_rel_se is not None:
+        check_knob("target_rel_se", target_rel_se)
+    check_knob("n_prompts", n_prompts)
     details = []
     if min_responses == "auto":
         proxy = [s for s in schemes if reads_proxy_weights(s)]
@@ -441,10 +440,10 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
         raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
                          "integer >= 0")
     else:
-        check_positive_int("min_responses", min_responses, minimum=0)
+        check_knob("min_responses", min_responses)
     check_choice("reference", reference, ("auto", "exact", "sampled"))
     check_choice("exact", exact, ("auto", "never"))
-    check_positive_int("table_limit", table_limit)
+    check_knob("table_limit", table_limit)
     V, T = int(vocab_size), int(task.max_new_tokens)
     enumerable = task.fixed_length and V**T <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
@@ -454,7 +453,7 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
         )
     use_exact = reference == "exact" or (reference == "auto" and enumerable)
     if not use_exact:
-        check_positive_int("n_ref", n_ref, minimum=2)
+        check_knob("n_ref", n_ref, minimum=2)
     use_table = use_exact and exact == "auto" and V**T * T <= table_limit
     Gs = sorted(set(int(g) for g in Gs))
     # the floor: whole rounds of M groups (round 0 stays the historical sample)
@@ -542,16 +541,15 @@ def estimator_variance(
     for mode in modes:
         check_choice("modes", mode, AGGREGATION_MODES)
     check_choice("interval", interval, INTERVAL_METHODS)
-    check_positive_int("n_boot", n_boot, minimum=0)
-    check_positive_int("sketch_seed", sketch_seed, minimum=0)
-    if isinstance(level, bool) or not (isinstance(level, (int, float)) and 0 < level < 1):
-        raise UsageError(f"level={level!r} is not valid; expected a number in (0, 1)")
+    for key, value in (("n_boot", n_boot), ("sketch_seed", sketch_seed), ("level", level),
+                       ("seed", seed), ("topk_k", topk_k)):
+        check_knob(key, value)
     reward = task.check_reward(reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
         sketch_dim = None if n_params <= _FLAT_LIMIT else 1024
     elif sketch_dim is not None:
-        check_positive_int("sketch_dim", sketch_dim)
+        check_knob("sketch_dim", sketch_dim, minimum=1)
     # the sizes (response floor, adaptive cap, reference) from the one function the cost
     # notice reads too: what it prints is what this run samples
     V = int(policy.model.get_output_embeddings().weight.shape[0])
@@ -735,8 +733,8 @@ def table_cells(
     groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
     coverage, exact against Monte Carlo) is a loop over seeds.
     """
-    check_positive_int("G", G, minimum=2)
-    check_positive_int("M", M, minimum=3)
+    check_knob("G", G, minimum=2)
+    check_knob("M", M, minimum=3)
     T = table.mask.shape[1]
     data = table.sample(M * G, torch.Generator().manual_seed(seed))
     return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,

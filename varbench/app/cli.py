@@ -27,11 +27,25 @@ _COMMAND_MODULES: list[str] = [
 ]
 
 
+class _ArgumentsError(UsageError):
+    """A command line argparse refused; the message is the whole line to print."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (exit 2), like every other bad input: the
+    flag, the value and what is valid (a bound from :mod:`varbench._util.bounds`, a choice),
+    then where the usage is, instead of the usage block above the line."""
+
+    def error(self, message: str):
+        """Raise the line ``<prog>: error: <message> (see <prog> --help)`` (main: exit 2)."""
+        raise _ArgumentsError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every subcommand registered."""
     from varbench._util.version import VERSION as __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="varbench",
         description="Measure gradient variance and credit assignment in RL fine-tuning of LMs.",
     )
@@ -45,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `varbench` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ArgumentsError as err:
+        print(err, file=sys.stderr)
+        return 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

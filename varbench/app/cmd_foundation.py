@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from varbench._util.bounds import argtype
 from varbench._util.checks import UsageError
 from varbench.app.specs import (
     add_policy_flags,
@@ -28,16 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default="sort", help=TASK_HELP)
     p.add_argument("--policy", default="tiny",
                    help=f"a preset {presets()} or a local checkpoint directory (default tiny)")
-    p.add_argument("-G", type=int, default=8, help="responses per prompt (default 8)")
-    p.add_argument("--prompts", type=int, default=2, help="number of prompts P (default 2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-G", type=argtype("G", "-G"), default=8,
+                   help="responses per prompt (default 8)")
+    p.add_argument("--prompts", type=argtype("n_prompts", "--prompts"), default=2,
+                   help="number of prompts P (default 2)")
+    p.add_argument("--seed", type=argtype("seed", "--seed"), default=0)
     p.add_argument("--split", default="heldout", choices=["train", "heldout"])
     p.add_argument("--reward", default=None, help="reward name (default: the task's first)")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--warm", action="store_true",
                    help="warm-start the policy on the task's demonstrations first (cached)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=argtype("temperature", "--temperature"), default=1.0)
     add_policy_flags(p)
     p.set_defaults(func=_sample)
 
@@ -48,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal, e.g. --knob n=4 (repeatable)")
     p.add_argument("--target", type=float, nargs=2, default=(0.2, 0.6), metavar=("LO", "HI"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--seed", type=argtype("seed", "--seed"), default=0)
+    p.add_argument("--max-steps", type=argtype("max_steps", "--max-steps"), default=2000)
     p.add_argument("--cache-dir", default=None, help="default $VARBENCH_CACHE or ~/.cache/varbench")
     p.add_argument("--out", default=None, help="also save the policy to this directory")
     add_policy_flags(p)

@@ -16,6 +16,7 @@ import sys
 
 import pandas as pd
 
+from varbench._util.bounds import argtype
 from varbench.app.specs import DEVICE_HELP, DTYPES, STATES, add_policy_flags, resolve_device
 
 
@@ -49,11 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "regression beyond tolerance)")
     p.add_argument("baseline", metavar="BASELINE", help="report directory or summary.json")
     p.add_argument("new", metavar="NEW", help="report directory or summary.json")
-    p.add_argument("--tolerance", type=float, default=3.0,
+    p.add_argument("--tolerance", type=argtype("tolerance", "--tolerance"), default=3.0,
                    help="allowed difference in combined standard errors (default 3)")
-    p.add_argument("--rel-tolerance", type=float, default=0.01,
+    p.add_argument("--rel-tolerance", type=argtype("rel_tolerance", "--rel-tolerance"),
+                   default=0.01,
                    help="allowed relative difference added to it (default 0.01)")
-    p.add_argument("--abs-tolerance", type=float, default=1e-9)
+    p.add_argument("--abs-tolerance", type=argtype("abs_tolerance", "--abs-tolerance"),
+                   default=1e-9)
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("check", help="regression-test advantage estimators (exit 0 pass, "
@@ -61,20 +64,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("estimators", nargs="+", metavar="MODULE:FUNCTION",
                    help="a function (scheme-, keyword- or verl-shaped) or a registered scheme "
                    "name")
-    p.add_argument("-G", type=int, default=4, help="group size (default 4)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("-G", type=argtype("G", "-G"), default=4, help="group size (default 4)")
+    p.add_argument("--steps", type=argtype("num_steps", "--steps"), default=None,
                    help="sampled steps (groups per prompt) for the bias test (default 3000 on "
                    "the toy task, 64 with --policy/--task)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--alpha", type=float, default=1e-3,
+    p.add_argument("--seed", type=argtype("seed", "--seed"), default=0)
+    p.add_argument("--alpha", type=argtype("alpha", "--alpha"), default=1e-3,
                    help="false-alarm rate of each bias test (default 0.001)")
-    p.add_argument("--tolerance", type=float, default=0.05,
+    p.add_argument("--tolerance", type=argtype("tolerance", "--tolerance"), default=0.05,
                    help="relative bias that is flagged when significant (default 0.05)")
     p.add_argument("--baselines", default="centered,otb",
                    help="comma-separated schemes for the variance comparison")
     p.add_argument("--require-unbiased", action="store_true",
                    help="also require the raw (unrescaled) bias test to pass")
-    p.add_argument("--max-variance-ratio", type=float, default=None,
+    p.add_argument("--max-variance-ratio", default=None,
+                   type=argtype("max_variance_ratio", "--max-variance-ratio"),
                    help="fail when the variance ratio to a baseline exceeds this")
     p.add_argument("--device", default=None,
                    help="where the estimators run (the toy task stays on the cpu; with --policy "
@@ -93,8 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal (repeatable)")
     g.add_argument("--reward", default=None, help="task reward (default: the task's first)")
-    g.add_argument("--prompts", type=int, default=None, help="prompts (default 4)")
-    g.add_argument("--n-ref", type=int, default=None,
+    g.add_argument("--prompts", type=argtype("n_prompts", "--prompts"), default=None,
+                   help="prompts (default 4)")
+    g.add_argument("--n-ref", type=argtype("n_ref", "--n-ref"), default=None,
                    help="reference responses per prompt (default 1024)")
     g.add_argument("--sketch-dim", type=int, default=None,
                    help="count-sketch dim of the gradients, 0: flat (default 256)")

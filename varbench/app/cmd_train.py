@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from varbench._util.bounds import KNOBS, argtype
 from varbench._util.checks import UsageError, check_positive_int
 from varbench.app.specs import DEVICE_HELP, add_policy_flags, parse_knobs, resolve_device
 from varbench.train.config import TrainConfig, field_docs
@@ -43,7 +44,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, default=None, metavar="DEVICE",
                            help=DEVICE_HELP.replace("%", "%%"))
         else:
-            conv = {"int": int, "float": float}.get(kind, str)
+            conv = (argtype(f.name, names[-1]) if f.name in KNOBS  # bounds: one declaration
+                    else {"int": int, "float": float}.get(kind, str))
             g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
                            help=f"{docs.get(f.name, '')} (default: "
                            f"{getattr(defaults, f.name)})".replace("%", "%%"))
@@ -59,11 +61,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     by the flags given."""
     saved = Path(args.out) / "config.json" if getattr(args, "out", None) else None
     if getattr(args, "config", None):
+        _refuse_config_code(args.config, allow_code=getattr(args, "allow_code", False))
         base = TrainConfig.from_toml(args.config)
         device_set = _toml_sets_device(args.config)
     elif getattr(args, "resume", False) and saved is not None and saved.is_file():
         # --resume without --config continues the run with the settings it was started with
-        base = TrainConfig.from_dict(json.loads(saved.read_text()), source=str(saved))
+        try:
+            data = json.loads(saved.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UsageError(f"{str(saved)!r} is not valid JSON ({err}): the run's config is "
+                             "damaged; restore it, or pass --config with the run's settings"
+                             ) from None
+        base = TrainConfig.from_dict(data, source=str(saved))
         device_set = True  # the run's own device
     else:
         base = TrainConfig()
@@ -81,6 +90,30 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     register_estimators(data)  # a user's MODULE:FUNCTION scheme, imported by name
     return TrainConfig.from_dict(data, source="command line")
+
+
+def _refuse_config_code(path: str, *, allow_code: bool) -> None:
+    """A ``--config`` file naming code (a ``MODULE:ATTR`` task, scheme or verifier,
+    ``trust_remote_code = true``) is refused, with the list of entries, unless
+    ``--allow-code`` is given: the rule of a suite file (:func:`varbench.app.suite.code_refs`).
+    The command line's own flags are the user's and need no opt-in."""
+    import sys
+
+    from varbench.app.suite import code_refs, refuse_code
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    file = Path(path)
+    if not file.is_file():
+        return  # TrainConfig.from_toml names the missing file
+    try:
+        data = tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return  # TrainConfig.from_toml names the error
+    refuse_code(path, code_refs("config", data), allow_code=allow_code, what="config",
+                how="--allow-code")
 
 
 def _toml_sets_device(path: str) -> bool:
@@ -351,6 +384,10 @@ def register(subparsers) -> None:
         description="Train a policy (docs/science.md section 7). Flags override --config.",
     )
     p.add_argument("--config", metavar="TOML", help="TrainConfig as TOML (field = value)")
+    p.add_argument("--allow-code", action="store_true",
+                   help="let the --config file name code: MODULE:ATTR tasks, schemes and "
+                   "verifiers, trust_remote_code = true (without it such a file is refused, "
+                   "with the list of entries)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (records, ckpts)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out")

@@ -102,14 +102,19 @@ class CaseKind:
         out.update({k: _setting(k, v) for k, v in self.settings})
         return out
 
-    def placement(self, params: dict[str, Any]) -> dict[str, str]:
-        """``{"device": type, "dtype": spec}`` the case computes on (a check: no dtype), with the
-        device resolved now (:func:`~varbench.app.specs.resolve_device`): part of the case's
-        cache key, since CPU and CUDA generators draw different tokens from one seed."""
+    def placement(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``{"device": type, "dtype": spec, "threads": n}`` the case computes on (a check: no
+        dtype), with the device resolved now (:func:`~varbench.app.specs.resolve_device`):
+        part of the case's cache key, since CPU and CUDA generators draw different tokens from
+        one seed, and torch's intra-op thread count changes the order of CPU reductions
+        (results differ at ~1e-9 between 1 and 2 threads)."""
+        import torch
+
         from varbench.app.specs import resolve_device
 
+        threads = torch.get_num_threads()
         if self.name == "check":  # no model: the estimators run there on toy tensors
-            return {"device": resolve_device(params.get("device")).type}
+            return {"device": resolve_device(params.get("device")).type, "threads": threads}
         if self.name == "validate":
             base = params.get("base") or {}
             device = params.get("device") or base.get("device")
@@ -117,7 +122,7 @@ class CaseKind:
         else:
             device = params.get("device")
             dtype = params.get("dtype", "float32" if self.name == "train" else "auto")
-        return {"device": resolve_device(device).type, "dtype": str(dtype)}
+        return {"device": resolve_device(device).type, "dtype": str(dtype), "threads": threads}
 
     def execute(self, name: str, params: dict[str, Any], work_dir: Path,
                 progress: bool | None, *, cache: bool = True) -> list:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from varbench._util.checks import UsageError
+from varbench._util.checks import UsageError, check_device
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -117,21 +117,7 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     if isinstance(name, torch.device):
         name = str(name)
     name = default_device() if name in (None, "", "auto") else name
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"--device={name!r} is not valid; use cpu, cuda, cuda:N or mps") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device={name!r}: no CUDA device is visible here; use cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device={name!r}: only {torch.cuda.device_count()} CUDA "
-                             "device(s) are visible")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device={name!r}: MPS is not available here; use cpu")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device={name!r} is not valid; use cpu, cuda, cuda:N or mps")
-    return dev
+    return check_device("--device", name)
 
 
 def resolve_policy(spec: str, *, task=None, warm: bool = False, seed: int = 0,

@@ -130,14 +130,10 @@ def parse_suite(data: dict[str, Any], path: Path, *, device: str | None = None,
     """Validate the parsed TOML ``data`` of the file ``path`` (``allow_code``: see
     :func:`load_suite`)."""
     _keys(path, "top level", data, TOP_KEYS)
-    entries = code_entries(data)
-    if entries and not allow_code:
-        raise SuiteError(
-            f"{path}: this suite names code that would run on this machine: "
-            f"{'; '.join(entries)}. A suite file is data: it runs code only when the command "
-            "line says so; if you trust this file, pass --allow-code (varbench run, varbench "
-            "validate --suite) or "
-            "allow_code=True (load_suite / run_suite)")
+    refuse_code(path, code_entries(data), allow_code=allow_code, what="suite",
+                how="--allow-code (varbench run, varbench validate --suite) or "
+                    "allow_code=True (load_suite / run_suite)",
+                error=SuiteError)
     head = data.get("suite")
     if not isinstance(head, dict):
         raise SuiteError(f"{path}: missing [suite] table (with at least name = \"...\")")
@@ -184,26 +180,46 @@ def code_entries(data: dict[str, Any]) -> list[str]:
     value"``: a ``MODULE:ATTR`` string anywhere under ``[defaults]`` or a case (any key, any
     depth: tasks, schemes, estimators, verifier knobs, a validate case's base config), and a
     ``trust_remote_code`` that is not false. Nothing is imported to find them."""
-    out: list[str] = []
-
-    def walk(at: str, key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(at, f"{key}.{k}" if key else str(k), v)
-        elif isinstance(value, list):
-            for v in value:
-                walk(at, key, v)
-        elif key.rsplit(".", 1)[-1] == "trust_remote_code" and value is not False:
-            out.append(f"{at} key {key!r} = {value!r} (a checkpoint's own code)")
-        elif is_reference(value):
-            out.append(f"{at} key {key!r} = {value!r}")
-
-    walk("[defaults]", "", data.get("defaults"))
+    out = code_refs("[defaults]", data.get("defaults"))
     cases = data.get("cases")
     for i, raw in enumerate(cases if isinstance(cases, list) else []):
         name = raw.get("name") if isinstance(raw, dict) else None
-        walk(f"cases[{i}]" + (f" ({name!r})" if isinstance(name, str) else ""), "", raw)
+        out += code_refs(f"cases[{i}]" + (f" ({name!r})" if isinstance(name, str) else ""), raw)
     return out
+
+
+def code_refs(at: str, value: Any) -> list[str]:
+    """Every place the parsed TOML ``value`` (a table, at any depth) names code, as ``"<at>
+    key 'k' = value"``: a ``MODULE:ATTR`` string under any key and a ``trust_remote_code``
+    that is not false. Nothing is imported to find them. The one walker of a suite's cases and
+    of ``varbench train --config``'s file."""
+    out: list[str] = []
+
+    def walk(key: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, item in v.items():
+                walk(f"{key}.{k}" if key else str(k), item)
+        elif isinstance(v, list):
+            for item in v:
+                walk(key, item)
+        elif key.rsplit(".", 1)[-1] == "trust_remote_code" and v is not False:
+            out.append(f"{at} key {key!r} = {v!r} (a checkpoint's own code)")
+        elif is_reference(v):
+            out.append(f"{at} key {key!r} = {v!r}")
+
+    walk("", value)
+    return out
+
+
+def refuse_code(path: Path | str, entries: list[str], *, allow_code: bool, what: str,
+                how: str, error: type[UsageError] = UsageError) -> None:
+    """Raise ``error`` listing ``entries`` (:func:`code_refs`) unless ``allow_code``: a file is
+    data, and runs code only when the command line says so (``how``: the opt-in's spelling)."""
+    if entries and not allow_code:
+        raise error(
+            f"{path}: this {what} names code that would run on this machine: "
+            f"{'; '.join(entries)}. A {what} file is data: it runs code only when the command "
+            f"line says so; if you trust this file, pass {how}")
 
 
 def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
@@ -407,53 +423,32 @@ def _check_estimator_ref(at: str, ref: str) -> None:
 
 
 # Ranges of the numeric keys, by name, whatever the kind (suite keys and command-line flags):
-# checked for every case before the first one runs. The upper bounds are sizes no run of this
-# suite could allocate (a typo like M = 3200000000), not tuning advice.
-_AT_LEAST_1 = {"G", "M", "n_prompts", "n_ref", "n_boot", "n_bins", "groups_per_call",
-               "top_tokens", "topk_k", "steps", "prompts_per_step", "epochs", "minibatches",
-               "eval_every", "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window",
-               "hacking_G", "variance_M", "variance_prompts", "eval_responses"}
-_AT_LEAST_0 = {"seed", "sketch_dim", "token_budget", "checkpoint_every", "warmup_steps",
-               "warm_start_seed", "eval_seed"}
-_AT_LEAST_1 |= {"M_cap", "table_limit"}  # variance knobs
-_AT_LEAST_0 |= {"sketch_seed", "min_responses"}
-_AT_LEAST = {"num_steps": 3}
+# declared once in varbench._util.bounds and checked for every case before the first one runs.
 # knobs taking an integer or the string "auto", and how their errors name the integer
 _INT_OR_AUTO = {"sketch_dim": "a non-negative integer (0: flat vectors)",
                 "min_responses": "an integer >= 0"}
-_AT_MOST = {"G": 1 << 16, "M": 1 << 20, "n_prompts": 1 << 20, "n_ref": 1 << 24,
-            "n_boot": 1 << 20, "num_steps": 1 << 27, "groups_per_call": 1 << 20,
-            "sketch_dim": 1 << 24, "min_responses": 1 << 24, "prompts_per_step": 1 << 20,
-            "eval_prompts": 1 << 20, "eval_samples": 1 << 16, "hacking_G": 1 << 16,
-            "variance_M": 1 << 20}
-_NONEMPTY = {"schemes", "Gs", "modes", "states", "tasks", "ratios", "transforms",
-             "inner_steps", "seeds", "hacking_seeds", "hacking_rewards"}
-_OPEN_RANGE = {"level": (0, 1), "target_rel_se": (0, math.inf)}  # floats, bounds excluded
-_ELEMENT_RANGE = {"Gs": (1, 1 << 16), "inner_steps": (0, 1 << 20), "seeds": (0, None),
-                  "hacking_seeds": (0, None)}
 
 
 def _check_range(at: str, key: str, value: Any) -> None:
-    """Finite numbers everywhere, integer ranges by key, non-empty lists, devices that exist."""
+    """Finite numbers everywhere, ranges by key (:data:`varbench._util.bounds.KNOBS`),
+    non-empty lists, devices that exist."""
+    from varbench._util.bounds import ELEMENT_OF, KNOBS, NONEMPTY
+
     _check_finite(at, value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        lo = _AT_LEAST.get(key, 1 if key in _AT_LEAST_1 else 0 if key in _AT_LEAST_0 else None)
-        hi = _AT_MOST.get(key)
-        _int_range(at, value, lo, hi)
-    if key in _OPEN_RANGE and isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = _OPEN_RANGE[key]
-        if not lo < value < hi:
-            raise SuiteError(f"{at} = {value!r} is not valid; expected a number in ({lo}, {hi})")
+    bound = KNOBS.get(key)
+    if (bound is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not (bound.kind is int and isinstance(value, float))):  # a type: _check_value
+        _bounded(at, bound, value)
     if isinstance(value, list):
-        if key in _NONEMPTY and not value:
+        if key in NONEMPTY and not value:
             raise SuiteError(f"{at} = [] is empty; give at least one value (an empty list "
                              "would run nothing and report nothing)")
-        if key in _ELEMENT_RANGE:
-            lo, hi = _ELEMENT_RANGE[key]
+        if key in ELEMENT_OF:
+            element = KNOBS[ELEMENT_OF[key]]
             for v in value:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise SuiteError(f"{at}: element {v!r} must be an integer")
-                _int_range(at, v, lo, hi, element=True)
+                _bounded(at, element, v, element=True)
     if key == "device" and value not in (None, "", "auto"):  # "" / auto: the default device
         from varbench._util.checks import check_device
 
@@ -463,12 +458,10 @@ def _check_range(at: str, key: str, value: Any) -> None:
             raise SuiteError(f"{at}: {err}") from None
 
 
-def _int_range(at: str, v: int, lo: int | None, hi: int | None, element: bool = False) -> None:
-    what = f"{at}: element {v!r}" if element else f"{at} = {v!r}"
-    if lo is not None and v < lo:
-        raise SuiteError(f"{what} is not valid; expected an integer >= {lo}")
-    if hi is not None and v > hi:
-        raise SuiteError(f"{what} is too large; expected at most {hi}")
+def _bounded(at: str, bound, v: Any, element: bool = False) -> None:
+    problem = bound.problem(v)
+    if problem:
+        raise SuiteError(f"{at}: element {v!r} {problem}" if element else f"{at} = {v!r} {problem}")
 
 
 def _check_finite(at: str, value: Any) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from varbench._util.checks import UsageError, check_choice
+from varbench._util.checks import UsageError, check_choice, check_finite_at
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.kl import kl_penalty
 
@@ -77,6 +77,9 @@ def _terms(
         raise UsageError(f"clip_ratio_c={clip_ratio_c!r} is not valid; expected a float > 1 "
                          "(or None: no dual clip)")
     m = mask != 0
+    # a NaN/inf advantage would make the loss NaN silently (one host read); non-finite
+    # log-probs are the model's and propagate: the training loop's collapse detector reads them
+    check_finite_at("adv", adv.detach(), m)
     omega = aggregation_weights(mask, mode, max_len=max_len, dtype=logp.dtype,
                                 conventions=conventions, per_group=per_group)
     diff = torch.where(m, logp - logp_old.detach(), 0)
@@ -122,7 +125,9 @@ def policy_loss(
     ``max_len``: the constant of ``seq-mean-token-sum-norm`` (TRL's dr_grpo:
     ``max_completion_length``; default the mask width T). ``conventions``: ``"verl"`` leaves
     fully masked rows out of the sequence count (:func:`aggregation_weights`).
-    ``logp_old`` and ``adv`` are detached here.
+    ``logp_old`` and ``adv`` are detached here. A NaN or inf advantage at a valid token is a
+    UsageError naming it; non-finite log-probs (the model's own) propagate into the loss, where
+    the training loop's collapse detector reads them.
 
     Metrics (0-dim tensors, over valid tokens): ``clip_frac`` (fraction whose gradient the clip
     removes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``approx_kl`` (k3 estimate of

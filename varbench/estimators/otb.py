@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 
-from varbench._util.checks import UsageError
+from varbench._util.checks import UsageError, check_finite_at, check_shape
 from varbench.estimators.registry import (
     SchemeOptions,
+    _binary_mask,
     _build_options,
     _check_rewards_mask,
     _lookup,
     register_scheme,
-    reward_to_go,
+    togo_of,
 )
 from varbench.models.logits import proxy_from_logprobs
 
@@ -36,8 +37,17 @@ def cumulative_weights(mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     """``[P, G, T]`` W_t from the options: ``cumulative_weights`` as given, else the cumsum of
     ``w * rho^2`` over valid tokens (w = ``token_weights`` or the proxy). 0 where mask is False.
 
-    ``mask``: bool ``[P, G, T]``; ``opts``: a :class:`SchemeOptions`.
+    ``mask``: ``[P, G, T]`` of 0/1 (bool, int or float); ``opts``: a :class:`SchemeOptions`
+    whose tensors are ``[P, G, T]`` and finite where mask is 1 (UsageError naming them).
     """
+    check_shape("mask", mask, [None, None, None])
+    mask = _binary_mask(mask)
+    tensors = {f: getattr(opts, f) for f in ("cumulative_weights", "token_weights", "logprobs",
+                                             "sum_pi_sq", "importance_weights")}
+    for name, t in tensors.items():
+        if t is not None:
+            check_shape(name, t, list(mask.shape))
+            check_finite_at(name, t, mask)
     return _cumulative(mask, _float_mask(mask, _weight_dtype(opts)), opts)
 
 
@@ -195,7 +205,7 @@ def _otb_parts(
     need_count = leave_one_out or opts.handle_zero_tail
     cnt = _group_sum(mf, idx) if need_count else None
     if rewards.dim() == 3:
-        Gt = reward_to_go(rewards, mask)
+        Gt = togo_of(rewards, mask)
     else:
         Gt = torch.where(mask, rewards.unsqueeze(-1), 0)
     GW = Gt * W

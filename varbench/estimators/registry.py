@@ -50,6 +50,8 @@ __all__ = [
     "scheme_info",
     "outcome_rewards",
     "reward_to_go",
+    "returns_of",
+    "togo_of",
     "valid_lengths",
 ]
 
@@ -231,14 +233,28 @@ def _lookup(name: str) -> _Entry:
 
 
 def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[P, G]`` return R_i: the outcome reward itself, or ``sum_t r_t m_t`` for token rewards."""
+    """``[P, G]`` return R_i: the outcome reward itself, or ``sum_t r_t m_t`` for token rewards.
+
+    ``rewards`` ``[P, G]`` or ``[P, G, T]``, ``mask`` ``[P, G, T]`` of 0/1 (bool, int or float);
+    checked as :func:`advantages` checks them (shapes, a 0/1 mask, finite rewards)."""
+    return returns_of(*_check_rewards_mask(rewards, mask))
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[P, G, T]`` G_t = sum_{k >= t} r_k m_k, 0 where mask is 0 (= R_i for outcomes); the
+    arguments checked as :func:`outcome_rewards` checks them."""
+    return togo_of(*_check_rewards_mask(rewards, mask))
+
+
+def returns_of(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`outcome_rewards` of arguments already checked (``mask`` bool): the schemes'."""
     if rewards.dim() == 2:
         return rewards
     return torch.where(mask, rewards, 0).sum(-1)
 
 
-def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[P, G, T]`` G_t = sum_{k >= t} r_k m_k, 0 where mask is False (= R_i for outcomes)."""
+def togo_of(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`reward_to_go` of arguments already checked (``mask`` bool): the schemes'."""
     if rewards.dim() == 2:
         return torch.where(mask, rewards.unsqueeze(-1), 0)
     r = torch.where(mask, rewards, 0)

@@ -22,8 +22,8 @@ import torch
 from varbench._util.checks import UsageError
 from varbench.estimators.registry import (
     SchemeOptions,
-    outcome_rewards,
     register_scheme,
+    returns_of,
     valid_lengths,
 )
 
@@ -53,7 +53,7 @@ def _lone(R: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions, varbench: st
 @register_scheme("raw")
 def raw(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     """REINFORCE without baseline: ``A_{i,t} = R_i``. Unbiased; every all-agree group keeps R."""
-    return _broadcast(outcome_rewards(rewards, mask), mask)
+    return _broadcast(returns_of(rewards, mask), mask)
 
 
 @register_scheme("centered")
@@ -62,7 +62,7 @@ def centered(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> 
 
     Caveat: the mean contains sample i, so ``E[g_hat] = (G-1)/G g*`` (a positive rescaling).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     if R.shape[1] == 1:
         return _lone(R, mask, opts, "0")
     return _broadcast(group_centered(R), mask)
@@ -79,7 +79,7 @@ def normalized(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -
     gets O(1) advantages, not ~0: normalisation amplifies tiny reward differences to full size.
     Biased estimator of the policy gradient (1/sigma depends on the sample).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     if R.shape[1] == 1:
         # verl's lone std is torch.tensor(1.0), float32: its divisor is float32(1 + eps)
         scale = float(torch.tensor(1.0, dtype=torch.float32) + opts.eps)
@@ -95,7 +95,7 @@ def rloo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torc
 
     G = 1 returns A = R (an empty leave-one-out mean: no baseline).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     G = R.shape[1]
     if G == 1:
         return _lone(R, mask, opts, "R")
@@ -110,7 +110,7 @@ def topk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torc
     is permutation-equivariant. Caveat: this changes the objective (it is not an unbiased
     gradient of expected reward); measure its bias.
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     k = min(opts.k, R.shape[1])
     kth = R.topk(k, dim=1).values[:, k - 1 : k]
     return _broadcast(torch.where(R >= kth, group_centered(R), 0), mask)
@@ -123,7 +123,7 @@ def opo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch
     ``|o_j|`` is the number of valid tokens of response j. Caveat: the baseline contains the
     sample (O(1/G) bias, as for centered).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     if R.shape[1] == 1:
         return _lone(R, mask, opts, "0")
     L = valid_lengths(mask).to(R.dtype)  # [P, G]
@@ -144,7 +144,7 @@ def reinforce_pp_baseline(
     re-centring gives an all-agree group ``-mean(c)/std`` rather than 0 (0 when all responses
     have equal length, since then mean(c) = 0).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     lone = R.shape[1] == 1 and opts.conventions == "verl"  # verl: a lone response keeps R
     c = R if lone else group_centered(R)  # [P, G]
     L = valid_lengths(mask).to(c.dtype)
@@ -194,7 +194,7 @@ def passk(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> tor
     (sigma = 0) get 0. Option ``k`` (1; k = 1 equals normalized with the biased std, eps 0).
     Raises ValueError for rewards outside {0, 1} or k > G.
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     N = R.shape[1]
     if opts.k > N:
         raise UsageError(f"k={opts.k} is not valid for passk with G={N}; expected 1 <= k <= G")
@@ -220,7 +220,7 @@ def normalized_batch(
     through sigma_batch), and biased like normalized. G = 1 follows ``conventions`` (varbench and
     trl: 0, the group mean is the response; verl has no such estimator: R / (sigma + eps)).
     """
-    R = outcome_rewards(rewards, mask)
+    R = returns_of(rewards, mask)
     lone = R.shape[1] == 1 and opts.conventions == "verl"
     c = R if lone else group_centered(R)
     return _broadcast(c / (batch_std(R) + opts.eps), mask)

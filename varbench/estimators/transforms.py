@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from varbench._util.checks import UsageError, check_choice
+from varbench._util.checks import UsageError, check_choice, check_finite_at
 
 __all__ = ["ADV_ORTHOGONAL_FORMS", "min_replace", "adv_orthogonal"]
 
@@ -37,6 +37,7 @@ def min_replace(weights: torch.Tensor, mask: torch.Tensor | None = None) -> torc
     detached, 0 where mask is 0 (and at positions with no valid member).
     """
     m = _valid(weights, mask)
+    check_finite_at("weights", weights.detach(), m)
     big = torch.finfo(weights.dtype).max
     vmin = torch.where(m, weights.detach(), big).amin(dim=1, keepdim=True)
     return torch.where(m, vmin.expand_as(weights), 0)
@@ -75,6 +76,8 @@ def adv_orthogonal(
     m = _valid(weights, mask)
     if adv.shape != weights.shape:
         raise UsageError(f"adv has shape {list(adv.shape)}, expected {list(weights.shape)}")
+    check_finite_at("weights", weights.detach(), m)
+    check_finite_at("adv", adv.detach(), m)
     v = torch.where(m, weights.detach(), 0)
     a = torch.where(m, adv.detach(), 0)
     if per == "response" and v.dim() > 2:

@@ -146,7 +146,12 @@ def load_policy(
                 str(p), dtype=dtype if dtype is not None else "auto", **kwargs
             )
     except Exception as err:  # noqa: BLE001
-        raise UsageError(f"cannot load the model from {str(p)!r}: {err}") from err
+        first = " ".join(str(err).split())[:300]  # one line, like the tokenizer's
+        if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
+            first = ("its config.json asks for the checkpoint's own code (auto_map), which "
+                     "runs only with --trust-remote-code (trust_remote_code=True) when you trust "
+                     "it")
+        raise UsageError(f"cannot load the model from {str(p)!r}: {first}") from err
     check_policy(model, tokenizer, str(path))
     if tokenizer.pad_token_id is None:
         # Batched sampling needs a pad id; reusing eos (the usual convention) changes nothing

@@ -447,6 +447,10 @@ def sum_pi_sq(logits: torch.Tensor) -> torch.Tensor:
     Shapes: ``[..., V] -> [...]``, in float32 at least; logits of magnitude 1e4 give a value
     in ``(0, 1]``, never inf or NaN. Not differentiable.
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or logits.shape[-1] < 1:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise UsageError(f"logits has shape {got}, expected [..., V] with V >= 1")
+    _check_logits(logits)
     zeros = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     return pi_stats(logits, zeros).sum_pi_sq
 
@@ -458,18 +462,41 @@ def proxy_from_logprobs(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torc
     It ignores everything below the logits (for an untied head, the head's own gradient of the
     token has squared norm ``w * ||h||^2``).
     """
+    for name, t in (("logprobs", logprobs), ("sum_pi_sq", sum_pi_sq)):
+        if not isinstance(t, torch.Tensor):
+            raise UsageTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if logprobs.shape != sum_pi_sq.shape:  # host metadata only: no sync on the hot path
+        raise UsageError(f"sum_pi_sq has shape {list(sum_pi_sq.shape)}, expected logprobs' "
+                         f"{list(logprobs.shape)}")
     w = torch.exp(logprobs)
     if torch.is_grad_enabled() and (logprobs.requires_grad or sum_pi_sq.requires_grad):
         return 1 - 2 * w + sum_pi_sq  # differentiable (e.g. logit_proxy under autograd)
     return torch.add(sum_pi_sq, w, alpha=-2, out=w).add_(1)  # in place: one allocation
 
 
+def _check_logits(logits: torch.Tensor) -> None:
+    """UsageError for NaN or +inf logits (public entry points only: one host read); -inf is a
+    token ruled out (top-k, a banned id), which the statistics handle."""
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.numel():
+        z = logits.detach()
+        if bool(torch.isnan(z).any() | torch.isposinf(z).any()):
+            raise UsageError("logits contain NaN or +inf; pass finite logits (-inf rules a "
+                             "token out)")
+
+
 def logit_proxy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Logit-Gradient Proxy ``w = ||e_y - softmax(z)||^2 = 1 - 2 p(y) + sum_pi_sq``, in [0, 2).
 
     Shapes: ``logits [..., V]``, ``tokens [...]`` (integer ids) ``-> [...]``. Differentiable
-    when ``logits`` requires grad (then through the full ``[..., V]`` softmax).
+    when ``logits`` requires grad (then through the full ``[..., V]`` softmax). UsageError for
+    NaN or +inf logits and for ids outside ``[0, V)``.
     """
+    _check_logits(logits)
+    if tokens.numel() and logits.dim() and not tokens.is_floating_point():
+        lo, hi = (int(v) for v in torch.aminmax(tokens))  # one read
+        if lo < 0 or hi >= logits.shape[-1]:
+            raise UsageError(f"tokens holds ids in [{lo}, {hi}], outside the vocabulary "
+                             f"[0, {logits.shape[-1]}) of logits")
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return pi_stats(logits, tokens).proxy
     if tokens.shape != logits.shape[:-1]:

@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
+from varbench._util.bounds import check_knob, check_memory
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.models.arch import stepper
@@ -59,24 +60,41 @@ from varbench.tasks.base import Prompt, Task
 from varbench.tasks.verifiers import note_responses
 
 
-def _check_args(policy, task, prompts, G, temperature, top_k, top_p) -> None:
+def _check_args(policy, task, prompts, G, seed, temperature, top_k, top_p) -> None:
     if not isinstance(policy, Policy):
         raise UsageTypeError(f"policy must be a varbench Policy, got {type(policy).__name__}")
     if not isinstance(task, Task):
         raise UsageTypeError(f"task must be a varbench Task, got {type(task).__name__}")
-    check_positive_int("G", G)
+    check_knob("G", G)
+    check_knob("generator_seed", seed, arg="seed")
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise UsageError(f"prompts must be a non-empty list of Prompt, got {prompts!r}")
     bad = [p for p in prompts if not isinstance(p, Prompt)]
     if bad:
         raise UsageTypeError(
             f"prompts must hold varbench Prompt objects, got {type(bad[0]).__name__}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise UsageError(f"temperature={temperature!r} is not valid; expected a number > 0")
+    check_knob("temperature", temperature)
     if top_k is not None:
-        check_positive_int("top_k", top_k)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise UsageError(f"top_p={top_p!r} is not valid; expected a number in (0, 1]")
+        check_knob("top_k", top_k)
+    if top_p is not None:
+        check_knob("top_p", top_p)
+
+
+def check_rollout_memory(policy: Policy, P: int, G: int, T: int, *, arg: str = "G",
+                         device: str | torch.device | None = None) -> None:
+    """UsageError, before any model call, when sampling ``G`` responses of up to ``T`` tokens
+    to each of ``P`` prompts cannot fit the memory of ``device`` (default: the model's):
+    :func:`varbench._util.bounds.check_memory` of a lower bound of what sampling holds at once
+    (one decoding step's logits ``[P*G, V]`` in the model's dtype, and the ``[P*G, T]``
+    outputs: tokens, mask, rewards, log-probs, sum pi^2, entropies). The KV cache and the
+    model come on top, so a size this refuses can never run; one it admits still may not."""
+    B = P * G
+    V = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
+    elsize = next(policy.model.parameters()).element_size()
+    need = B * V * elsize + B * T * (8 + 4 + 4 + 3 * 4)
+    check_memory(arg, G, need, policy.device if device is None else device,
+                 what=f"P={P} prompts x G={G} responses: one step's logits over V={V} tokens "
+                      f"and the outputs of T={T} tokens")
 
 
 def _filtered(z: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
@@ -193,10 +211,11 @@ def sample(
     attention, :func:`can_sample_differentiably`). Raises ValueError before any model call on
     bad arguments, prompts longer than the context, or a tokenizer missing a symbol of the task.
     """
-    _check_args(policy, task, prompts, G, temperature, top_k, top_p)
+    _check_args(policy, task, prompts, G, seed, temperature, top_k, top_p)
     reward = task.check_reward(reward)
     T = task.max_new_tokens if max_new_tokens is None else check_positive_int(
         "max_new_tokens", max_new_tokens)
+    check_rollout_memory(policy, len(prompts), G, T)  # before encoding the prompts
     tok, model = policy.tokenizer, policy.model
     _check_covers(tok, task)
     if differentiable:

@@ -174,16 +174,14 @@ def _start(fn_or_name: Any, *, G: int, num_steps: int, alpha: float, tolerance: 
            device: Any) -> tuple:
     """The checks of both entry points before any sampling: arguments, the estimator and
     baselines loaded, the contract rows; ``(est, base, guarded candidate, rows, device)``."""
-    from varbench._util.checks import UsageError, check_finite_number, check_positive_int
+    from varbench._util.bounds import check_knob
 
-    check_positive_int("G", G)
-    check_positive_int("num_steps", num_steps, minimum=3)
-    check_positive_int("groups_per_call", groups_per_call)
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
-        raise UsageError(f"alpha={alpha!r} is not valid; expected a number in (0, 1)")
-    check_finite_number("tolerance", tolerance, minimum=0)  # inf would pass any bias
+    for key, value in (("G", G), ("num_steps", num_steps), ("groups_per_call", groups_per_call),
+                       ("alpha", alpha), ("seed", seed),
+                       ("tolerance", tolerance)):  # an infinite tolerance would pass any bias
+        check_knob(key, value)
     if max_variance_ratio is not None:
-        check_finite_number("max_variance_ratio", max_variance_ratio, minimum=0, strict=True)
+        check_knob("max_variance_ratio", max_variance_ratio)
     import torch
 
     dev = torch.device("cpu") if device is None else torch.device(device)

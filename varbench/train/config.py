@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from varbench._util.bounds import KNOBS, check_knob
 from varbench._util.checks import UsageError, UsageFileNotFoundError, UsageTypeError
 from varbench.estimators.coefficients import TRANSFORMS
 from varbench.estimators.kl import KL_KINDS
@@ -207,6 +207,8 @@ class TrainConfig:
     def from_toml(cls, path: str | Path, *, section: str | None = None) -> TrainConfig:
         """Load from a TOML file (optionally from one ``[section]`` of it)."""
         path = Path(path)
+        if path.is_dir():
+            raise UsageError(f"config file {str(path)!r} is a directory, not a TOML file")
         if not path.is_file():
             raise UsageFileNotFoundError(f"config file {str(path)!r} does not exist")
         try:
@@ -287,35 +289,15 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _validate(c: TrainConfig) -> None:
-    for name in ("G", "prompts_per_step", "steps", "epochs", "minibatches", "eval_every",
-                 "eval_prompts", "eval_samples", "keep_checkpoints", "surge_window"):
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UsageError(f"{name}={v!r} is not valid; expected an integer >= 1")
-    for name in ("token_budget", "checkpoint_every", "warmup_steps", "seed", "warm_start_seed",
-                 "eval_seed"):
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise UsageError(f"{name}={v!r} is not valid; expected an integer >= 0")
+    # every numeric field by its one declaration (varbench._util.bounds), as a suite's keys
+    for f in dataclasses.fields(c):
+        if f.name in KNOBS:
+            check_knob(f.name, getattr(c, f.name))
     if c.minibatches > c.prompts_per_step:
         raise UsageError(
             f"minibatches={c.minibatches} is not valid; a minibatch holds whole groups, so it "
             f"must be <= prompts_per_step={c.prompts_per_step}"
         )
-    for name in ("clip_low", "clip_high", "kl_coef", "weight_decay", "grad_clip"):
-        v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
-            raise UsageError(f"{name}={v!r} is not valid; expected a finite number >= 0")
-    if c.clip_low >= 1:
-        raise UsageError(f"clip_low={c.clip_low!r} is not valid; expected 0 <= clip_low < 1")
-    for name in ("lr", "temperature", "adam_eps", "surge_factor"):
-        v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
-            raise UsageError(f"{name}={v!r} is not valid; expected a finite number > 0")
-    for name in ("adam_beta1", "adam_beta2", "entropy_floor"):
-        v = getattr(c, name)
-        if not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise UsageError(f"{name}={v!r} is not valid; expected 0 <= {name} < 1")
     _choice("lr_schedule", c.lr_schedule, LR_SCHEDULES)
     _choice("ratio", c.ratio, RATIO_KINDS)
     _choice("kl_kind", c.kl_kind, KL_KINDS)

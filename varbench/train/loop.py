@@ -46,6 +46,7 @@ from varbench.estimators.coefficients import sample_weights
 from varbench.grads import token_grad_norms
 from varbench.models import Policy
 from varbench.rollout import check_differentiable, response_logprobs, sample
+from varbench.rollout.sampler import check_rollout_memory
 from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
@@ -167,6 +168,11 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         policy.model.to(device=config.device, dtype=dtype)
     else:
         policy = setup.own_policy(policy, config, task)
+    # a step samples prompts_per_step x G responses, an evaluation eval_prompts x eval_samples:
+    # refused before the first step when either cannot fit this device's memory
+    T = task.max_new_tokens
+    check_rollout_memory(policy, config.prompts_per_step, config.G, T)
+    check_rollout_memory(policy, config.eval_prompts, config.eval_samples, T, arg="eval_samples")
     model = policy.model
     ref_model = None
     if config.kl_coef > 0:

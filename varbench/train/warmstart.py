@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_positive_int
 from varbench._util.io import atomic_dir, verify_digest, write_digest, writing
 from varbench._util.locks import dir_lock
@@ -174,9 +175,9 @@ def warm_start(
         raise UsageError(
             f"target={target!r} is not valid; expected (lo, hi) with 0 <= lo < hi <= 1"
         )
-    for arg, v in (("max_steps", max_steps), ("batch_size", batch_size),
-                   ("eval_every", eval_every), ("eval_prompts", eval_prompts)):
-        check_positive_int(arg, v)
+    for arg, v in (("max_steps", max_steps), ("batch_size", batch_size), ("seed", seed),
+                   ("eval_every", eval_every), ("eval_prompts", eval_prompts), ("lr", lr)):
+        check_knob(arg, v)
     reward = task.check_reward(reward)
     cfg = _config(preset, task, (lo, hi), seed, max_steps, batch_size, lr, eval_every,
                   eval_prompts, tie_embeddings, reward)
