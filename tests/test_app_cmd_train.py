@@ -98,7 +98,7 @@ def test_validate_refuses_a_threshold_frac_outside_0_1(tmp_path, capsys, frac):
     assert main(["validate", "--threshold-frac", frac, "--tasks", "nope",
                  "--out", str(tmp_path / "v")]) == 2
     err = capsys.readouterr().err
-    assert "--threshold-frac=" in err and "expected a number in (0, 1]" in err
+    assert "--threshold-frac=" in err and "expected a finite number in (0, 1]" in err
     assert not (tmp_path / "v").exists()
 
 

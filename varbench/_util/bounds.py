@@ -142,6 +142,8 @@ KNOBS: dict[str, Bound] = {
     "tolerance": Bound(float, 0), "rel_tolerance": Bound(float, 0),
     "abs_tolerance": Bound(float, 0),
     "max_variance_ratio": Bound(float, 0, None, lo_open=True),
+    # validate: the threshold acc0 + frac x (1 - acc0) lies above the warm start, at most at 1
+    "threshold_frac": Bound(float, 0, 1, lo_open=True),
 }
 
 # list knobs: each element is bounded by KNOBS[ELEMENT_OF[key]]; the list must be non-empty

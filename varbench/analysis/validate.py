@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice, check_positive_int
 from varbench._util.progress import show_progress
 from varbench.analysis import validate_stats as vs
@@ -63,17 +64,6 @@ CLAIM_KINDS = ("tokens", "proxy", "compute", "stability")
 # the calibrated detector
 STABILITY_MEASURES = {"collapse": "collapsed", "surge": "flag_surge"}
 _ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
-
-
-def check_threshold_frac(arg: str, value: Any) -> float:
-    """``value`` as a float in (0, 1]: the threshold ``acc0 + frac x (1 - acc0)`` must lie above
-    the warm start and at most at accuracy 1; UsageError naming ``arg`` otherwise."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and 0 < value <= 1)
-    if not ok:
-        raise UsageError(f"{arg}={value!r} is not valid; expected a number in (0, 1] (the "
-                         "fraction of the gap from the warm start's accuracy to 1)")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -145,7 +135,7 @@ class ValidateConfig:
     """Whether this is the reduced setting (recorded in the report)."""
 
     def __post_init__(self) -> None:
-        check_threshold_frac("threshold_frac", self.threshold_frac)
+        check_knob("threshold_frac", self.threshold_frac)
 
     @classmethod
     def reduced_default(cls) -> ValidateConfig:

@@ -179,10 +179,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def validate_config(args: argparse.Namespace):
     """The validation experiment's config: reduced or full defaults, overridden by the flags."""
-    from varbench.analysis.validate import ValidateConfig, check_threshold_frac
+    from varbench._util.bounds import check_knob
+    from varbench.analysis.validate import ValidateConfig
 
     if args.threshold_frac is not None:  # before anything else is asked for
-        check_threshold_frac("--threshold-frac", args.threshold_frac)
+        check_knob("threshold_frac", args.threshold_frac, arg="--threshold-frac")
     own = _user_tasks(args)  # --task LABEL=SPEC: checked before --budget is asked for
     cfg = ValidateConfig.reduced_default() if args.reduced else ValidateConfig()
     if getattr(args, "suite", None):
