@@ -98,11 +98,19 @@ def test_cell_keys_name_device_and_dtype(tmp_path):
     cfg = {"M": 4}
     model = torch.nn.Linear(2, 2)
     cpu32 = placement_of({"a": model})
-    assert cpu32 == {"device": ["cpu"], "dtype": ["float32"]}
+    threads = torch.get_num_threads()
+    assert cpu32 == {"device": ["cpu"], "dtype": ["float32"], "threads": [threads]}
     cpu64 = placement_of(model.double())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if threads != 1 else 2)
+    try:  # the thread count moves reductions at ~1e-9 (issue 32): another key
+        other_threads = placement_of(model.float())
+    finally:
+        torch.set_num_threads(before)
+    assert other_threads["threads"] != cpu32["threads"]
     base = CellCache(tmp_path, cfg, placement=cpu32)
     base.save("c", _frame())
-    for other in (cpu64, {"device": ["cuda"], "dtype": ["float32"]}, None):
+    for other in (cpu64, other_threads, {"device": ["cuda"], "dtype": ["float32"]}, None):
         moved = CellCache(tmp_path, cfg, placement=other)
         assert moved.tag != base.tag and moved.load("c") is None
     assert CellCache(tmp_path, cfg, placement=dict(cpu32)).load("c") is not None

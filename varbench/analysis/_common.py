@@ -73,7 +73,11 @@ class CellCache:
 def placement_of(policies: Any) -> dict[str, list[str]]:
     """``{"device": [types], "dtype": [names]}`` of a Policy, a model or a ``{name: Policy}``
     mapping (sorted, distinct): the part of a cell key that says where the cell was computed.
-    The device *type* only: ``cuda:0`` and ``cuda:1`` draw alike, so torchrun ranks agree."""
+    The device *type* only: ``cuda:0`` and ``cuda:1`` draw alike, so torchrun ranks agree. On
+    the CPU also ``"threads"``: torch's intra-op thread count changes reduction orders (results
+    move at ~1e-9), so a cell computed with 2 threads is not reused under 1."""
+    import torch
+
     items = policies.values() if isinstance(policies, dict) else [policies]
     devices, dtypes = set(), set()
     for pol in items:
@@ -81,7 +85,10 @@ def placement_of(policies: Any) -> dict[str, list[str]]:
         p = next(model.parameters())
         devices.add(p.device.type)
         dtypes.add(str(p.dtype).removeprefix("torch."))
-    return {"device": sorted(devices), "dtype": sorted(dtypes)}
+    out: dict[str, list] = {"device": sorted(devices), "dtype": sorted(dtypes)}
+    if "cpu" in devices:
+        out["threads"] = [torch.get_num_threads()]
+    return out
 
 
 def concat(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
