@@ -105,6 +105,19 @@ def _offline_variance(model, out, loss_type: str, max_len: int = 6) -> float:
                                                             max_len=max_len))
 
 
+def _measured_and_offline(tmp_path, loss_type: str, **config) -> tuple[dict, float]:
+    """(the callback's grad_var_split record of a one-step run, the float64 offline value of
+    the same batch and weights)."""
+    trainer = _trainer(tmp_path, steps=1, loss_type=loss_type, **config)
+    cb = VarbenchCallback(every=1, measures=("variance",))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
+    return rec, _offline_variance(ref, keep.out, loss_type)
+
+
 def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
     trainer = _trainer(tmp_path)
     cb = VarbenchCallback(every=1, proxy_rows=3,
@@ -139,15 +152,8 @@ def test_grpo_trainer_run_with_varbench_callback_renders_a_report(tmp_path):
 def test_callback_variance_equals_an_offline_measurement_fp32(tmp_path, loss_type):
     """The record of the first batch = the split-half variance computed offline, by varbench's
     formulas in float64, on the same batch and the weights that generated it."""
-    trainer = _trainer(tmp_path, steps=1, bf16=False, loss_type=loss_type)
-    cb = VarbenchCallback(every=1, measures=("variance",))
-    keep = _Keep(cb.attach(trainer))
-    trainer.train()
-    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
+    rec, want = _measured_and_offline(tmp_path, loss_type, bf16=False)
     assert rec["dtype"] == "torch.float32" and rec["loss_type"] == loss_type
-    ref = build_policy("micro", seed=0, dtype=torch.float64).model
-    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
-    want = _offline_variance(ref, keep.out, loss_type)
     assert want > 0
     assert abs(rec["value"] - want) <= 1e-5 * want  # float32 arithmetic against float64
 
@@ -155,14 +161,7 @@ def test_callback_variance_equals_an_offline_measurement_fp32(tmp_path, loss_typ
 def test_callback_variance_in_bf16_tracks_the_fp32_measurement(tmp_path):
     """bf16=True: measured in what TRL trains in (its autocast forward), near the float64
     offline value within bf16's rounding (unit roundoff 2^-8 = 3.9e-3; measured 3.0e-3)."""
-    trainer = _trainer(tmp_path, steps=1, bf16=True, loss_type="grpo")
-    cb = VarbenchCallback(every=1, measures=("variance",))
-    keep = _Keep(cb.attach(trainer))
-    trainer.train()
-    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
-    ref = build_policy("micro", seed=0, dtype=torch.float64).model
-    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
-    want = _offline_variance(ref, keep.out, "grpo")
+    rec, want = _measured_and_offline(tmp_path, "grpo", bf16=True)
     assert rec["value"] > 0
     assert abs(rec["value"] - want) <= 1e-2 * want
 
@@ -172,15 +171,9 @@ def test_callback_variance_in_fp16_tracks_the_fp32_measurement(tmp_path):
     On the CPU accelerate sets no loss scaler and its forward stays float32 (measured 1.1e-7),
     so this checks the callback under TRL's fp16 setting; fp16 arithmetic and the scaler's
     scale (split_variance multiplies by it) are exercised only on a GPU."""
-    trainer = _trainer(tmp_path, steps=1, bf16=False, fp16=True, loss_type="grpo")
-    assert trainer.accelerator.mixed_precision == "fp16"
-    cb = VarbenchCallback(every=1, measures=("variance",))
-    keep = _Keep(cb.attach(trainer))
-    trainer.train()
-    (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
-    ref = build_policy("micro", seed=0, dtype=torch.float64).model
-    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
-    want = _offline_variance(ref, keep.out, "grpo")
+    assert _trainer(tmp_path / "probe", steps=1, bf16=False,
+                    fp16=True).accelerator.mixed_precision == "fp16"
+    rec, want = _measured_and_offline(tmp_path, "grpo", bf16=False, fp16=True)
     print(f"fp16 rel err {abs(rec['value'] - want) / want:.2e}")
     assert rec["value"] > 0
     assert abs(rec["value"] - want) <= 5e-3 * want
