@@ -499,7 +499,11 @@ def _issue29_cases(root: Path) -> list[Case]:
     run.mkdir()
     (run / "records.csv").write_text("step\n0\n")
     (run / "config.json").write_text("{}")
+    trap = _suite(root, "trap", body='[suite]\nname = "trap"\n[defaults]\npolicy = "micro"\n'
+                  '[[cases]]\nname = "p"\nkind = "proxy"\nstates = ["random"]\n')
     return [
+        Case("run: [defaults] policy beside a proxy case (it reads preset/checkpoint)",
+             ["run", trap, "--out", str(d / "trap_out")], "does not apply to a 'proxy' case"),
         Case("sample: non-UTF-8 .jsonl", ["sample", "--task", str(d / "latin.jsonl")],
              "line 2 is not UTF-8"),
         Case("sample: non-UTF-8 .csv", ["sample", "--task", str(d / "latin.csv")],

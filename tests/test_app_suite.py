@@ -253,3 +253,37 @@ def test_a_knob_annotated_int_or_str_takes_both(tmp_path):
             assert load_suite(p).cases[0].params[key] == want
     msg = _bad(tmp_path, HEAD + '[[cases]]\nname = "v"\nkind = "variance"\nM = "auto"\n')
     assert "key 'M' must be a int" in msg  # M: int only
+
+
+_TRAP = HEAD + """
+[defaults]
+{default}
+[[cases]]
+name = "a"
+kind = "{kind}"
+{body}
+"""
+
+
+@pytest.mark.parametrize("default, kind, body, named", [
+    # the issue's trap: the analyses read preset/checkpoint, so they fell back to tiny
+    ('policy = "micro"', "proxy", 'states = ["random"]', ("'policy'", "'preset' or 'checkpoint'")),
+    ('checkpoint = "runs/ck"', "train", "steps = 1", ("'checkpoint'", "'policy'")),
+    ('knobs = { n = 2 }', "train", "steps = 1", ("'knobs'", "'task_options'")),
+    ('task_options = { n = 2 }', "variance", "", ("'task_options'", "'knobs'")),
+    ('steps = 5', "check", 'estimator = "rloo"', ("'steps'", "'num_steps'")),
+])
+def test_a_default_a_kind_spells_another_way_is_refused(tmp_path, default, kind, body, named):
+    msg = _bad(tmp_path, _TRAP.format(default=default, kind=kind, body=body))
+    assert "does not apply to a" in msg and all(n in msg for n in named)
+
+
+def test_a_default_applies_where_the_case_spells_the_concept_itself(tmp_path):
+    """[defaults] preset beside a train case that names its own policy (the quickstart's
+    shape) is fine: nothing falls back."""
+    p = tmp_path / "ok.toml"
+    p.write_text(HEAD + '[defaults]\npreset = "micro"\n[[cases]]\nname = "p"\nkind = "proxy"\n'
+                 'states = ["random"]\n[[cases]]\nname = "t"\nkind = "train"\n'
+                 'policy = "micro"\nsteps = 1\nwarm_start = false\n')
+    suite = load_suite(p)
+    assert suite.cases[0].params["preset"] == "micro" and suite.cases[1].params["policy"] == "micro"

@@ -222,6 +222,34 @@ def refuse_code(path: Path | str, entries: list[str], *, allow_code: bool, what:
             f"line says so; if you trust this file, pass {how}")
 
 
+SPELLINGS: dict[str, tuple[str, ...]] = {
+    "policy": ("preset", "checkpoint"), "preset": ("policy",), "checkpoint": ("policy",),
+    "task_options": ("knobs",), "knobs": ("task_options",),
+    "steps": ("num_steps",), "num_steps": ("steps",),
+}
+"""The concepts the case kinds spell differently: the model (``train``: ``policy``; the
+analyses: ``preset`` or ``checkpoint``), the task's knobs (``task_options`` / ``knobs``) and the
+number of steps (``steps`` / ``check``'s ``num_steps``). The CLI spells them ``--policy``,
+``--knob`` and ``--steps`` everywhere (README: "Suites")."""
+
+
+def _check_spellings(where: str, at: str, kind: str, defaults: dict[str, Any],
+                     body: dict[str, Any], valid: dict[str, inspect.Parameter]) -> None:
+    """A ``[defaults]`` key that this case's kind spells another way is an error, not a silent
+    fallback to the kind's own default (``[defaults] policy = "ckA"`` used to leave the
+    analysis cases on the built-in ``tiny``)."""
+    for key in defaults:
+        if key in valid:
+            continue
+        theirs = [k for k in SPELLINGS.get(key, ()) if k in valid]
+        if theirs and not any(k in body or k in defaults for k in theirs):
+            raise SuiteError(
+                f"{where}: {at}: [defaults] key {key!r} does not apply to a {kind!r} case, "
+                f"which spells it {' or '.join(map(repr, theirs))}: set that key in "
+                f"[defaults] or in the case (otherwise the case would run on the kind's own "
+                "default)")
+
+
 def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
                defaults: dict[str, Any] | None = None, seed: int | None = None,
                params_of: dict[str, dict[str, inspect.Parameter]] | None = None) -> Case:
@@ -250,6 +278,7 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
     valid = params_of[kind]
     body = {k: v for k, v in raw.items() if k not in ("name", "kind")}
     _keys(where, at, body, sorted(valid))
+    _check_spellings(where, at, kind, defaults, body, valid)
     merged = {k: v for k, v in defaults.items() if k in valid}
     merged.update(body)
     if "seed" in valid and "seed" not in merged and seed is not None:
