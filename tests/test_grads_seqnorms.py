@@ -79,3 +79,36 @@ def test_argument_errors():
         sequence_grad_norms(model, ids, rm, am, coefficients=torch.full(rm.shape, float("nan")))
     with pytest.raises(ValueError, match="response_mask"):
         sequence_grad_norms(model, ids, rm[:, :3], am)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_row_chunks_equal_one_batch_and_the_budget_picks_them(monkeypatch, padding):
+    """rows=1, 2, B: the same norms (float64), the same routes, one forward per chunk; with a
+    CPU budget of one sequence's estimate the default is one row per chunk (issue 27 point 3:
+    every response in one backward does not fit at scale)."""
+    model = exact_float64(tiny_llama(tied=True))
+    ids, rm, am = batch(padding, B=5)
+    c = torch.randn(rm.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want, routes = sequence_grad_norms(model, ids, rm, am, coefficients=c, rows=5,
+                                       with_methods=True)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    try:
+        for rows in (1, 2):
+            calls.clear()
+            got, r = sequence_grad_norms(model, ids, rm, am, coefficients=c, rows=rows,
+                                         with_methods=True)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+            assert r == routes and len(calls) >= -(-5 // rows)
+    finally:
+        hook.remove()
+    from varbench.grads.chunking import cotangent_bytes
+
+    L = ids.shape[1]
+    assert seqnorms.sequence_rows(model, 5, L, "cpu") == 5  # a tiny model: one chunk
+    monkeypatch.setattr(seqnorms, "SEQUENCE_CPU_BYTES", 3 * cotangent_bytes(model, L))
+    assert seqnorms.sequence_rows(model, 5, L, "cpu") == 1
+    torch.testing.assert_close(sequence_grad_norms(model, ids, rm, am, coefficients=c), want,
+                               rtol=RTOL, atol=0)
+    with pytest.raises(ValueError, match="rows"):
+        sequence_grad_norms(model, ids, rm, am, rows=0)

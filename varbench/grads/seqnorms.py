@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call, vjp, vmap
 
-from varbench._util.checks import UsageError, check_shape
+from varbench._util.checks import UsageError, check_positive_int, check_shape
 from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.ghost import (
     _QUIET,
@@ -260,8 +260,10 @@ def sequence_grad_norms(
     device: str | torch.device | None = None,
     accumulate: torch.dtype | None = None,
     with_methods: bool = False,
+    rows: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, str]]:
-    """Exact ``||sum_t c_{b,t} grad log p_{b,t}||^2`` per sequence: ``[B]``, one backward.
+    """Exact ``||sum_t c_{b,t} grad log p_{b,t}||^2`` per sequence: ``[B]``, one backward per
+    chunk of ``rows`` sequences.
 
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask``, ``coefficients`` ``[B, L]``
     (``coefficients`` e.g. from :func:`varbench.token_coefficients`, aligned like the inputs;
@@ -270,8 +272,11 @@ def sequence_grad_norms(
     float32 (default; float64 for a float64 model) or float64. ``with_methods=True`` also
     returns ``{parameter name: route}`` (ghost / formed / per-module vjp / per-sequence).
     Equals ``sequence_grads(...).pow(2).sum(-1)`` (c = mask) to rounding. Cost: one forward,
-    one activation-only backward, the Gram products; memory: the cotangent of every module
-    output at once plus ``B t^2`` per Gram.
+    one activation-only backward, the Gram products per chunk; memory: the cotangent of every
+    module output of a chunk at once plus ``rows t^2`` per Gram. ``rows`` (default
+    :func:`sequence_rows`: from the free device memory on CUDA, a fixed byte budget on the CPU)
+    bounds the sequences per forward+backward; the norms are per sequence, so chunks change
+    nothing but rounding.
     """
     model, input_ids, response_mask, attention_mask = prepare(
         model, input_ids, response_mask, attention_mask, dtype, device
@@ -288,6 +293,47 @@ def sequence_grad_norms(
             raise UsageError("coefficients contains NaN or inf")
         c = c * response_mask.to(acc)
     chosen = select_params(model, params)
+    n = sequence_rows(model, B, L, dev, rows)
+    totals, methods = [], {}
+    for s in range(0, B, n):
+        mask = None if attention_mask is None else attention_mask[s:s + n]
+        total, route = _norms_block(model, input_ids[s:s + n], mask, c[s:s + n], chosen, acc)
+        totals.append(total)
+        for name, how in route.items():  # a slower route in any chunk is the route
+            if methods.get(name, "").startswith("per-sequence"):
+                continue
+            methods[name] = how
+    total = torch.cat(totals) if totals else torch.zeros(0, dtype=acc, device=dev)
+    if with_methods:
+        return total, methods
+    return total
+
+
+SEQUENCE_CPU_BYTES = 1 << 30
+"""CPU: activation memory one :func:`sequence_grad_norms` chunk may hold (1 GiB)."""
+
+
+def sequence_rows(model: torch.nn.Module, B: int, L: int, device: torch.device | str,
+                  rows: int | None = None) -> int:
+    """Sequences per forward+backward of :func:`sequence_grad_norms`: ``rows`` when given,
+    else the budget (CUDA: ``MEMORY_FRACTION`` of the free memory; CPU:
+    :data:`SEQUENCE_CPU_BYTES`) over three cotangents of a length-``L`` sequence (the kept
+    activations, their gradients, the Gram work), at least 1 and at most ``B``."""
+    from varbench.grads.chunking import MEMORY_FRACTION, cotangent_bytes, free_device_bytes
+
+    if rows is not None:
+        return min(check_positive_int("rows", rows), max(B, 1))
+    per_row = 3 * cotangent_bytes(model, L)
+    free = free_device_bytes(device)
+    budget = SEQUENCE_CPU_BYTES if free is None else int(MEMORY_FRACTION * free)
+    return max(1, min(max(B, 1), budget // max(1, per_row)))
+
+
+def _norms_block(model, input_ids, attention_mask, c, chosen, acc
+                 ) -> tuple[torch.Tensor, dict[str, str]]:
+    """``[b]`` norms of one chunk of sequences and each chosen parameter's route."""
+    dev = input_ids.device
+    B, L = input_ids.shape
     chosen_name = {id(p): n for n, p in chosen}
     owners = [m for m in model.modules()
               if any(id(p) in chosen_name for p in m.parameters(recurse=False))]
@@ -377,9 +423,7 @@ def sequence_grad_norms(
                 total += _slow_norms(lp, c, slow, acc)
     finally:
         rec.remove()
-    if with_methods:
-        return total, {n: route.get(id(p), "unused") for n, p in chosen}
-    return total
+    return total, {n: route.get(id(p), "unused") for n, p in chosen}
 
 
 def _param_norm(wk: _ParamWork) -> torch.Tensor:
