@@ -51,29 +51,17 @@ def test_reference_module_collects_every_area() -> None:
     assert hasattr(reference, "per_sequence_response_logprobs")
 
 
-def test_the_old_runner_path_warns_and_resolves() -> None:
-    """varbench.runner is a deprecated shim over varbench.app (kept for one release)."""
-    import varbench.app
-    import varbench.runner
-
-    for name in ("run_suite", "load_suite", "Suite", "compare_reports"):
-        with pytest.warns(DeprecationWarning, match=rf"varbench\.runner\.{name} moved to "
-                                                    rf"varbench\.app\.{name}"):
-            assert getattr(varbench.runner, name) is getattr(varbench.app, name)
-    with pytest.raises(AttributeError, match="module 'varbench.runner' has no attribute 'nope'"):
-        varbench.runner.nope  # noqa: B018
-
-
-def test_the_old_cli_path_warns_and_resolves(monkeypatch) -> None:
-    """varbench.cli is a deprecated shim over varbench.app.cli (kept for one release)."""
+def test_the_deprecated_shims_are_gone() -> None:
+    """varbench.runner and varbench.cli (shims over varbench.app, kept for one release) are
+    deleted (issue 25): one home for the suite runner and the command line."""
     import importlib
 
-    import varbench.app.cli
+    for old in ("varbench.runner", "varbench.cli"):
+        with pytest.raises(ModuleNotFoundError, match=old.replace(".", r"\.")):
+            importlib.import_module(old)
+    import varbench.app
 
-    monkeypatch.delitem(sys.modules, "varbench.cli", raising=False)
-    with pytest.warns(DeprecationWarning, match=r"varbench\.cli moved to varbench\.app\.cli"):
-        old = importlib.import_module("varbench.cli")
-    assert old.main is varbench.app.cli.main and old.build_parser is varbench.app.cli.build_parser
+    assert varbench.app.run_suite and varbench.app.load_suite
 
 
 def test_public_functions_name_nan_and_wrong_shapes():

@@ -19,7 +19,7 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
     try:
         rc = main(["train", "--no-warm-start", "--steps", "2", "--eval-every", "1",
                    "--eval-prompts", "4", "-G", "2", "--prompts-per-step", "2",
-                   "--task-option", "n=2", "--checkpoint-every", "1",
+                   "--knob", "n=2", "--checkpoint-every", "1",
                    "--out", str(tmp_path / "run")])
         assert rc == 0
         assert "held-out accuracy" in capsys.readouterr().out
@@ -37,7 +37,7 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
         assert main(["train", "--resume", "--overwrite", "--out", str(run)]) == 2
         assert main(["train", "--no-warm-start", "--steps", "1", "--eval-every", "1",
                      "--eval-prompts", "2", "-G", "2", "--prompts-per-step", "2",
-                     "--task-option", "n=2", "--overwrite", "--out", str(run)]) == 0
+                     "--knob", "n=2", "--overwrite", "--out", str(run)]) == 0
         assert "moved to" in capsys.readouterr().out
         assert (tmp_path / "run.replaced-1" / "records.csv").read_bytes() == before
         assert (tmp_path / "run.replaced-1" / "checkpoints").is_dir()

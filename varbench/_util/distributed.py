@@ -100,11 +100,6 @@ def rank_device() -> torch.device | None:
     return torch.device("cpu")
 
 
-def backend_reason() -> str | None:
-    """Why :func:`init_from_env` chose its backend (None when it joined no group)."""
-    return _STATE.get("reason") if dist.is_available() and dist.is_initialized() else None
-
-
 def shutdown() -> None:
     """Leave the process group (no-op when none was joined)."""
     if dist.is_available() and dist.is_initialized():

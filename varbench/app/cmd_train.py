@@ -49,9 +49,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
                            help=f"{docs.get(f.name, '')} (default: "
                            f"{getattr(defaults, f.name)})".replace("%", "%%"))
-    g.add_argument("--knob", "--task-option", dest="task_option", action="append", default=[],
+    g.add_argument("--knob", dest="task_option", action="append", default=[],
                    metavar="KEY=VALUE", help="task knob, VALUE a TOML literal, e.g. --knob n=4 "
-                   "(repeatable; --task-option is the old spelling)")
+                   "(repeatable)")
     g.add_argument("--scheme-option", action="append", default=[], metavar="KEY=VALUE",
                    help="scheme option, e.g. --scheme-option k=2 (repeatable)")
 
