@@ -153,6 +153,11 @@ def test_sequence_grad_norms_match_brute_force(name, padding):
     _close(got, want, RTOL_64)
     _close(sequence_grad_norms(m64, ids, rm, am), _last(norms_from_grads(g, rm)[1], rm), RTOL_64)
     assert set(methods) == set(names)
+    # one sequence per forward+backward (the row chunks of a large batch): same norms, routes
+    one, routes = sequence_grad_norms(m64, ids, rm, am, coefficients=c, with_methods=True,
+                                      rows=1)
+    _close(one, want, RTOL_64)
+    assert routes == methods
 
 
 @pytest.mark.parametrize("name", NAMES)

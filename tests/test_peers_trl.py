@@ -158,6 +158,31 @@ def test_callback_variance_equals_an_offline_measurement_fp32(tmp_path, loss_typ
     assert abs(rec["value"] - want) <= 1e-5 * want  # float32 arithmetic against float64
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_halves_run_in_trls_micro_batches(tmp_path, loss_type):
+    """A generation batch 4x TRL's micro-batch (per_device_train_batch_size=2,
+    steps_per_generation=4): each half runs 2 rows per forward+backward, never more, and the
+    record still equals the offline value of the whole batch."""
+    import trl as _trl
+
+    sizes = []
+    real = _trl.GRPOTrainer._compute_loss
+
+    def spy(self, model, inputs):
+        sizes.append(inputs["completion_ids"].shape[0])
+        return real(self, model, inputs)
+
+    orig = _trl.GRPOTrainer._compute_loss
+    _trl.GRPOTrainer._compute_loss = spy
+    try:
+        rec, want = _measured_and_offline(tmp_path, loss_type, bf16=False,
+                                          per_device_train_batch_size=2, steps_per_generation=4)
+    finally:
+        _trl.GRPOTrainer._compute_loss = orig
+    assert sizes and max(sizes) == 2
+    assert abs(rec["value"] - want) <= 1e-5 * want
+
+
 def test_callback_variance_in_bf16_tracks_the_fp32_measurement(tmp_path):
     """bf16=True: measured in what TRL trains in (its autocast forward), near the float64
     offline value within bf16's rounding (unit roundoff 2^-8 = 3.9e-3; measured 3.0e-3)."""
@@ -442,3 +467,59 @@ def test_trl_losses_and_gradients_match_varbench_policy_loss(tmp_path, loss_type
         wide, _ = E.policy_loss(logp, old, A, mask, TRL_LOSSES[loss_type][0], clip=(0.2, 0.28),
                                 max_len=12)
         assert rel_diff(wide, theirs.detach()) > 1e-3
+
+
+def _bpe_tokenizer():
+    """A byte-level BPE (trained here in well under a second) with eos and pad tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["<sort>3,1,2 1,2,3", "<add>1+2=3", "<sum>4: 4"] * 50,
+                           trainers.BpeTrainer(vocab_size=300,
+                                               special_tokens=["<unk>", "<eos>", "<pad>"],
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+@pytest.mark.parametrize("arch", ["qwen2-tied", "gpt-neox"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_callback_on_other_architectures_with_a_bpe_tokenizer(tmp_path, arch, bf16):
+    """A tied-head Qwen2 and a GPT-NeoX with a byte-level BPE: the record equals the float64
+    offline value (measured 7e-9 / 4e-8 in fp32, 1.4e-3 / 3e-5 in bf16)."""
+    import transformers as tf
+
+    tok = _bpe_tokenizer()
+    V = len(tok)
+    torch.manual_seed(0)
+    if arch == "qwen2-tied":
+        cfg = tf.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True, eos_token_id=1, pad_token_id=2)
+        model = tf.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = tf.GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, eos_token_id=1,
+                               pad_token_id=2)
+        model = tf.GPTNeoXForCausalLM(cfg)
+    ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2=", "<sort>2,2,1",
+                                                "<sum>4:"] * 4})
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=6, max_steps=1,
+                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+                          seed=0, bf16=bf16, loss_type="grpo", disable_tqdm=True)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds,
+                              processing_class=tok)
+    cb = VarbenchCallback(every=1, measures=("counts", "variance", "proxy_seq"))
+    keep = _Keep(cb.attach(trainer))
+    trainer.train()
+    rec = {r["metric"]: r["value"] for r in cb.records}
+    ref = type(model)(cfg).double()  # built anew: a copy of the trained model keeps TRL's patch
+    ref.load_state_dict({k: v.double() for k, v in keep.weights.items()}, strict=False)
+    ref.tie_weights()
+    want = _offline_variance(ref, keep.out, "grpo")
+    assert want > 0 and "proxy_seq_spearman" in rec
+    assert abs(rec["grad_var_split"] - want) <= (1e-2 if bf16 else 1e-5) * want

@@ -133,7 +133,8 @@ def split_variance(trainer: Any, inputs: dict[str, Any], G: int) -> dict[str, fl
     so the estimate is that of the global batch. Returns ``{"var", "sq", "groups",
     "params"}`` (``sq`` = ``||g||^2``; ``groups`` over all ranks) or None with fewer than 2
     groups on a rank. Memory: two gradients of the trainable parameters in their own dtype;
-    sums in float64.
+    sums in float64. Each half runs ``per_device_train_batch_size`` rows at a time, as TRL's
+    own micro-batches do.
     """
     acc = trainer.accelerator
     mask = inputs["completion_mask"]
@@ -160,13 +161,25 @@ def split_variance(trainer: Any, inputs: dict[str, Any], G: int) -> dict[str, fl
     # fp16 on an accelerator: the loss scale TRL's backward uses, so small gradients survive
     scaler = getattr(acc, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+    # a half runs in chunks of the rows TRL itself puts through one forward+backward (the
+    # generation batch can be steps_per_generation times larger); a chunk's loss weighs in by
+    # its share of the half (rows for the per-row means, tokens for bnpo, 1 for the sums)
+    step = max(1, int(trainer.args.per_device_train_batch_size))
     grads = []
     with torch.enable_grad():
-        for h, rows in enumerate((slice(0, n), slice(n, 2 * n))):
-            loss = _trl_loss(trainer, _slice(used, rows, 2 * n)) * (undo * weights[h] / K)
-            grads.append([torch.zeros_like(p) if g is None else g / scale for g, p in
-                          zip(torch.autograd.grad(loss * scale, params, allow_unused=True),
-                              params, strict=True)])
+        for h in range(2):
+            acc_h = [torch.zeros_like(p) for p in params]
+            for s in range(h * n, (h + 1) * n, step):
+                rows = slice(s, min(s + step, (h + 1) * n))
+                share = {"mean": (rows.stop - rows.start) / n, "sum": 1.0,
+                         "tokens": float(lm[rows].sum()) / max(tokens[h], 1.0)}[kind]
+                loss = _trl_loss(trainer, _slice(used, rows, 2 * n)) * (
+                    undo * weights[h] * share / K)
+                for a, g in zip(acc_h, torch.autograd.grad(loss * scale, params,
+                                                           allow_unused=True), strict=True):
+                    if g is not None:
+                        a.add_(g, alpha=1 / scale)
+            grads.append(acc_h)
     diff = [a - b for a, b in zip(*grads, strict=True)]
     total = [a + b for a, b in zip(*grads, strict=True)]
     del grads
