@@ -445,3 +445,234 @@ def test_verl_variance_proxy_against_exact_norms():
     with pytest.raises(UsageError, match="sum_pi_squared"):
         del t["sum_pi_squared"]
         verl_proxy_records(data, model, step=0)
+
+
+# ---- inside verl's update: varbench_loss around verl's own ppo_loss ------------------------
+
+
+def _micro_batches(seed: int = 0, *, per: int = 8):
+    """verl's own pipeline from a trainer's DataProto to the actor's micro-batches:
+    ``to_tensordict``, ``left_right_2_no_padding``, the global token count and dp size the FSDP
+    engine assigns, ``prepare_micro_batches`` (fixed micro-batch size)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    data = _actor_batch(seed)
+    t = data.batch
+    B = t["attention_mask"].shape[0]
+    t["position_ids"] = (t["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    t["input_ids"] = torch.cat([t["prompts"], t["responses"]], 1)
+    gen = torch.Generator().manual_seed(seed + 7)
+    t["old_log_probs"] = -1.5 + 0.3 * torch.randn(t["response_mask"].shape, generator=gen,
+                                                  dtype=torch.float64)
+    t["advantages"] = t["advantages"].double()
+    td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1,
+                         global_batch_size=B, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=per)
+    return prepare_micro_batches(td)[0]
+
+
+def _forward(model, mb, *, grad_rows=None):
+    """log_probs as verl's FSDP engine returns them with remove-padding: one jagged nested
+    tensor over the packed sequences, position i scoring token i + 1 (the packed ids rolled by
+    one). ``grad_rows``: only those rows' log-probs carry a graph (the others run under
+    no_grad: an independent per-row reference)."""
+    ids = mb["input_ids"]
+    vals = []
+    for i, row in enumerate(ids.unbind()):
+        with torch.set_grad_enabled(grad_rows is None or i in grad_rows):
+            lp = torch.log_softmax(model(row[None]).logits[0].double(), -1)
+            vals.append(lp.gather(-1, torch.roll(row, -1)[:, None])[:, 0])
+    return {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(vals), ids.offsets())}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_varbench_loss_in_verls_ppo_loss_equals_per_row_gradients(mode):
+    """varbench_loss around verl's ppo_loss on verl's micro-batches (float64): the loss and the
+    training gradient are verl's unchanged, and varbench/grad_var_split equals ||sum_A g_i -
+    sum_B g_i||^2 from per-row gradients of independent forwards (every other row under
+    no_grad), halves = whole groups alternately by first appearance in the micro-batch."""
+    from functools import partial
+
+    from verl.utils.metric.utils import Metric
+    from verl.workers.utils.losses import ppo_loss
+
+    from varbench.integrations.verl import split_halves, varbench_loss
+    from varbench.models import build_policy
+
+    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    params = list(model.parameters())
+    inner = partial(ppo_loss, config=_actor(loss_agg_mode=mode, clip_ratio=0.2))
+    wrapped = varbench_loss(inner)
+    collected: dict[str, list] = {}
+    for mb in _micro_batches():
+        plain, _ = inner(model_output=_forward(model, mb), data=mb, dp_group=None)
+        want = torch.autograd.grad(plain, params)
+        loss, metrics = wrapped(model_output=_forward(model, mb), data=mb, dp_group=None)
+        assert float(loss.detach()) == float(plain.detach())
+        got = torch.autograd.grad(loss, params)
+        assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)) == 0
+        uid = [u for u in mb["uid"]]
+        a, b = split_halves(uid)
+        d = [torch.zeros_like(p) for p in params]
+        for i in np.nonzero(a | b)[0]:
+            gi = torch.autograd.grad(inner(model_output=_forward(model, mb, grad_rows={i}),
+                                           data=mb, dp_group=None)[0], params)
+            for acc, g in zip(d, gi, strict=True):
+                acc.add_(g if a[i] else -g)
+        ref = sum(float(x.pow(2).sum()) for x in d)
+        assert ref > 0
+        assert metrics["varbench/grad_var_split"].values == [pytest.approx(ref, rel=1e-10)]
+        assert metrics["varbench/split_groups"].values == [2.0 * (len(set(uid)) // 2)]
+        for k, v in metrics.items():
+            collected.setdefault(k, []).append(v)
+    # verl's own aggregation of the micro-batches' metrics (one data-parallel rank)
+    per_micro = collected["varbench/grad_var_split"]
+    rank = per_micro[0].init_list()
+    for m in per_micro:
+        rank.extend(m)
+    assert Metric.aggregate_dp([rank]) == pytest.approx(np.mean([m.values[0] for m in per_micro]))
+
+
+def test_varbench_loss_cadence_missing_uid_and_bad_options():
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from varbench.integrations.verl import varbench_loss
+    from varbench.models import build_policy
+
+    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    inner = partial(ppo_loss, config=_actor(loss_agg_mode="token-mean"))
+    every2 = varbench_loss(inner, every=2)
+    mbs = _micro_batches(1, per=4)
+    seen = [("varbench/grad_var_split" in every2(model_output=_forward(model, mb), data=mb)[1])
+            for mb in mbs]
+    assert seen == [True, False, True, False]
+    # positional as the signature reads; verl's logits-processor call (no model_output) passes
+    _, m = varbench_loss(inner)(_forward(model, mbs[0]), mbs[0], None)
+    assert "varbench/grad_var_split" in m
+    assert varbench_loss(lambda **kw: sorted(kw))(student_logits=1, data=2) == [
+        "data", "student_logits"]
+    with torch.no_grad():  # a forward-only call (compute_log_prob) measures nothing
+        _, m = varbench_loss(inner)(model_output=_forward(model, mbs[0]), data=mbs[0])
+    assert not any(k.startswith("varbench/") for k in m)
+    mb = mbs[0]
+    del mb["uid"]
+    fn = varbench_loss(inner)
+    with pytest.warns(UserWarning, match="no 'uid'"):
+        _, m = fn(model_output=_forward(model, mb), data=mb)
+    assert not any(k.startswith("varbench/") for k in m)
+    for bad in (0, 1.5, True):
+        with pytest.raises(UsageError, match="every="):
+            varbench_loss(inner, every=bad)
+
+
+def test_varbench_training_worker_wraps_the_loss_verl_installs():
+    """The worker class for ActorRolloutRefWorker.actor_worker_cls: verl's TrainingWorker
+    whose set_loss_fn (still registered for verl's dispatch) stores the wrapped loss."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from varbench.integrations.verl import varbench_training_worker
+
+    cls = varbench_training_worker(every=3)
+    assert issubclass(cls, TrainingWorker)
+    assert hasattr(cls.set_loss_fn, MAGIC_ATTR)
+
+    class Worker(ActorRolloutRefWorker):
+        actor_worker_cls = cls
+
+    w = object.__new__(Worker.actor_worker_cls)  # TrainingWorker.__init__ needs a GPU engine
+    w.set_loss_fn(lambda model_output, data, dp_group=None: (torch.tensor(0.0), {}))
+    assert w.loss_fn.__name__ == "wrapped" and w.loss_fn.__qualname__.startswith("varbench_loss")
+
+
+_FSDP2_RANKS = r"""
+import pickle, sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from test_peers_verl import _actor, _forward, _micro_batches
+from verl.workers.utils.losses import ppo_loss
+
+from varbench.integrations.verl import varbench_loss
+from varbench.models import build_policy
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = Path(sys.argv[1])
+mb = _micro_batches()[rank]  # each rank its own micro-batch of the global batch
+inner = partial(ppo_loss, config=_actor(loss_agg_mode="token-mean"))
+# unsharded: this rank's own ||d_r||^2
+plain = build_policy("micro", seed=0, dtype=torch.float64).model
+_, m = varbench_loss(inner)(model_output=_forward(plain, mb), data=mb)
+local = m["varbench/grad_var_split"].values[0]
+
+
+def sharded(wrap):
+    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    fn = varbench_loss(inner) if wrap else inner
+    loss, metrics = fn(model_output=_forward(model, mb), data=mb, dp_group=dist.group.WORLD)
+    loss.backward()
+    return metrics, [p.grad.to_local().clone() for p in model.parameters()]
+
+
+metrics, grads = sharded(True)
+_, want = sharded(False)
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from varbench._util.checks import UsageError
+
+fsdp1 = FullyShardedDataParallel(build_policy("micro", seed=0, dtype=torch.float64).model,
+                                 device_id=torch.device("cpu"), use_orig_params=True)
+try:
+    varbench_loss(inner)(model_output=_forward(fsdp1, mb), data=mb, dp_group=dist.group.WORLD)
+    refused = ""
+except UsageError as e:
+    refused = str(e)
+diff = max(float((a - b).abs().max()) for a, b in zip(grads, want, strict=True))
+(out / f"rank{rank}.pkl").write_bytes(pickle.dumps(
+    {"local": local, "value": metrics["varbench/grad_var_split"].values[0],
+     "groups": metrics["varbench/split_groups"].values[0], "grad_diff": diff,
+     "refused": refused}))
+"""
+
+
+def test_varbench_loss_under_fsdp2_on_two_ranks(tmp_path):
+    """torchrun, 2 gloo ranks, the micro Llama under FSDP2 (fully_shard per decoder layer and
+    the root), each rank one micro-batch: the extra backward runs on the unsharded parameters
+    the forward used and leaves FSDP's sharded training gradients bit-identical; every rank
+    records (||d_0||^2 + ||d_1||^2) / 4 with ||d_r||^2 the rank's own unsharded value. FSDP1
+    (whose hooks reshard on a second backward: measured to crash verl's own backward) is
+    refused with a message naming it."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "fsdp2_ranks.py"
+    script.write_text(_FSDP2_RANKS)
+    tests = str(Path(__file__).resolve().parent)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{Path(tests).parent}:{tests}"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(script), str(tmp_path)],
+                         env=env, text=True, capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    assert all(r["grad_diff"] == 0 for r in ranks)
+    want = (ranks[0]["local"] + ranks[1]["local"]) / 4
+    assert want > 0 and ranks[0]["local"] != ranks[1]["local"]
+    for r in ranks:
+        assert r["value"] == pytest.approx(want, rel=1e-10)
+        assert r["groups"] == 4
+        assert "FSDP1" in r["refused"] and "fsdp2" in r["refused"]

@@ -7,11 +7,18 @@ the same keys. Groups are the ``uid`` values in order of first appearance, so re
 uids changes nothing; the batch's own ``advantages`` are measured when present; the model
 attends to what ``attention_mask`` says (tool tokens of a multi-turn batch included) while
 only ``response_mask`` tokens are trained.
+
+Inside verl's update, ``varbench_loss(loss_fn)`` wraps the actor's loss function (verl's
+``set_loss_fn`` extension point; ``varbench_training_worker()`` is a ``TrainingWorker`` that
+wraps whatever loss verl installs, for ``ActorRolloutRefWorker.actor_worker_cls``) and adds
+the split-half gradient variance of each micro-batch to verl's metrics under ``varbench/*``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,7 @@ from varbench.integrations.measure import (
 )
 
 __all__ = ["batch_records", "records_result", "batch_fields", "verl_proxy_records",
-           "verl_proxy_rows"]
+           "verl_proxy_rows", "varbench_loss", "varbench_training_worker", "split_halves"]
 
 _WEIGHTED = ("cancellation_residual", "grad_var_split", "proxy_exact_corr",
              "proxy_seq_spearman", "proxy_seq_scale")
@@ -184,3 +191,178 @@ def verl_proxy_records(batch: Any, model: torch.nn.Module, *, step: int,
         out.append({"step": step, "metric": "verl_proxy_spearman",
                     "value": float(spearmanr(p, e).statistic), "n": B})
     return out
+
+
+# ---- inside verl's update: a loss-function wrapper ------------------------------------------
+
+
+def split_halves(uid: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Row masks ``(A, B)`` [rows] of a micro-batch's whole groups: its uids' groups in order of
+    first appearance go alternately to A and B; with an odd count the last group is in neither,
+    so both halves hold the same number of groups."""
+    inverse, counts = _groups(uid)
+    n = 2 * (len(counts) // 2)
+    return (inverse < n) & (inverse % 2 == 0), (inverse < n) & (inverse % 2 == 1)
+
+
+def _uids(data: Any) -> list | None:
+    try:
+        v = data.get("uid", None) if hasattr(data, "get") else None
+    except (KeyError, RuntimeError):
+        return None
+    if v is None:
+        return None
+    v = v.tolist() if hasattr(v, "tolist") else v
+    return [getattr(x, "data", x) for x in v]
+
+
+def _rows_live(t: Any, keep: torch.Tensor, n_rows: int, offsets: torch.Tensor | None) -> Any:
+    """``t`` with the rows outside ``keep`` detached (same values, no gradient through them).
+    Rows: a jagged nested tensor's components, a dense tensor's dim 0 of size ``n_rows``, or a
+    packed ``(total_nnz, ...)`` tensor cut by ``offsets`` (the micro-batch's sequences)."""
+    if not isinstance(t, torch.Tensor) or not t.requires_grad:
+        return t
+    if t.is_nested:
+        vals, off = t.values(), t.offsets()
+    elif t.dim() >= 1 and t.shape[0] == n_rows:
+        m = keep.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+        return torch.where(m, t, t.detach())
+    elif offsets is not None and t.dim() >= 1 and t.shape[0] == int(offsets[-1]):
+        vals, off = t, offsets.to(t.device)
+    else:
+        raise ValueError(f"model output of shape {list(t.shape)} has no row layout varbench "
+                         f"knows ({n_rows} rows)")
+    row = torch.repeat_interleave(torch.arange(len(off) - 1, device=vals.device), off.diff())
+    m = keep.to(vals.device)[row].view(-1, *([1] * (vals.dim() - 1)))
+    mixed = torch.where(m, vals, vals.detach())
+    return torch.nested.nested_tensor_from_jagged(mixed, off) if t.is_nested else mixed
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors ``t``'s graph accumulates gradients into (the parameters the forward
+    used: under FSDP2 the unsharded ones), in a fixed order."""
+    seen, out, stack = set(), [], [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            out.append(var)
+            continue
+        stack.extend(g for g, _ in fn.next_functions)
+    return out
+
+
+def _check_every(every: Any) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UsageError(f"every={every!r} is not valid; give an int >= 1")
+
+
+def varbench_loss(loss_fn: Callable, *, every: int = 1) -> Callable:
+    """verl's actor loss function ``loss_fn(model_output, data, dp_group=None) -> (loss,
+    metrics)`` that also puts the split-half gradient variance of every ``every``-th call's
+    micro-batch into ``metrics``.
+
+    The micro-batch's whole groups (``data["uid"]``) are split in halves A and B
+    (:func:`split_halves`); ``L_A`` is ``loss_fn`` with B's rows (and the groups in neither)
+    detached in every differentiable model output, ``L_B`` likewise, so ``g_A + g_B`` is the
+    gradient of those groups' part of the loss (the chain rule sums over rows, whatever
+    ``loss_agg_mode``, clipping, entropy or KL term the loss has) and one extra backward gives
+    ``d = grad(L_A - L_B)`` over the parameters the forward used (the trainable ones; under
+    FSDP2 their unsharded copies, local to the rank, leaving FSDP's own gradients untouched).
+    With groups independent and the halves equal in count, ``E||d||^2 = tr Cov(g_A + g_B)``.
+    With ``dp_group``, ranks' ``||d_r||^2`` are summed and divided by ``dp^2`` (FSDP averages
+    the ranks' gradients; independent ranks have no cross terms in expectation).
+
+    Metrics (verl ``Metric``s, mean over micro-batches and ranks): ``varbench/grad_var_split``
+    (per micro-batch), ``varbench/split_groups`` (groups in A and B, summed over ranks);
+    NaN where no rank had two groups. Needs ``uid`` in the micro-batch (verl's trainer passes
+    the DataProto's ``non_tensor_batch``); without it nothing is recorded and one warning
+    says so. FSDP1 (verl's strategy ``fsdp``) is refused at the first measured micro-batch,
+    before any update. Cost per measured micro-batch: two calls of ``loss_fn`` on the same
+    outputs and one backward; memory: one gradient of the used parameters; sums in float64.
+    """
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    _check_every(every)
+    state = {"calls": 0, "warned": False}
+
+    def wrapped(*args: Any, **kwargs: Any):
+        call = dict(zip(("model_output", "data", "dp_group"), args, strict=False)) | kwargs
+        if "model_output" not in call:
+            return loss_fn(*args, **kwargs)  # verl's logits-processor call (distillation top-k)
+        model_output, data = call.pop("model_output"), call.pop("data", None)
+        dp_group = call.pop("dp_group", None)
+        kw = call
+        loss, metrics = loss_fn(model_output=model_output, data=data, dp_group=dp_group, **kw)
+        state["calls"] += 1
+        if (state["calls"] - 1) % every or not torch.is_grad_enabled() or not loss.requires_grad:
+            return loss, metrics
+        uid = _uids(data)
+        if uid is None:
+            if not state["warned"]:
+                warnings.warn("varbench_loss: the micro-batch has no 'uid' (groups unknown); "
+                              "no varbench/* metrics are recorded", stacklevel=2)
+                state["warned"] = True
+            return loss, metrics
+        sq, n_groups = _split_sq(loss_fn, model_output, data, dp_group, uid, kw)
+        world = 1
+        if dp_group is not None and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size(dp_group)
+            t = torch.tensor([sq, float(n_groups)], dtype=torch.float64, device=loss.device)
+            torch.distributed.all_reduce(t, group=dp_group)
+            sq, n_groups = float(t[0]), int(t[1])
+        value = sq / world**2 if n_groups >= 2 else float("nan")
+        metrics = dict(metrics)
+        metrics["varbench/grad_var_split"] = Metric(AggregationType.MEAN, value)
+        metrics["varbench/split_groups"] = Metric(AggregationType.MEAN, float(n_groups))
+        return loss, metrics
+
+    return wrapped
+
+
+def _split_sq(loss_fn, model_output, data, dp_group, uid, kw) -> tuple[float, int]:
+    """``(||grad(L_A - L_B)||^2, groups in A and B)`` on this rank (float64)."""
+    a, b = split_halves(uid)
+    n_groups = len(np.unique(np.asarray(uid, dtype=object)[a | b]))
+    if n_groups < 2:
+        return 0.0, 0
+    ids = data.get("input_ids", None) if hasattr(data, "get") else None
+    offsets = ids.offsets() if isinstance(ids, torch.Tensor) and ids.is_nested else None
+    n_rows = len(uid)
+
+    def half(keep: np.ndarray) -> torch.Tensor:
+        k = torch.as_tensor(keep)
+        out = {key: _rows_live(v, k, n_rows, offsets) for key, v in model_output.items()}
+        return loss_fn(model_output=out, data=data, dp_group=dp_group, **kw)[0]
+
+    diff = half(a) - half(b)
+    leaves = [p for p in _leaves(diff) if p.requires_grad]
+    if any(getattr(p, "_is_flat_param", False) for p in leaves):  # torch FlatParameter
+        # FSDP1 reshards in its gradient hooks: a second backward would free what verl's
+        # own backward still needs
+        raise UsageError("varbench_loss cannot measure under FSDP1 (FlatParameter, verl's "
+                         "strategy 'fsdp'); use actor strategy 'fsdp2'")
+    grads = torch.autograd.grad(diff, leaves, retain_graph=True, allow_unused=True)
+    sq = math.fsum(float(g.double().pow(2).sum()) for g in grads if g is not None)
+    return sq, n_groups
+
+
+def varbench_training_worker(base: type | None = None, *, every: int = 1) -> type:
+    """A verl ``TrainingWorker`` (or ``base``) whose ``set_loss_fn`` wraps the loss verl
+    installs in :func:`varbench_loss`: set it as ``ActorRolloutRefWorker.actor_worker_cls`` in
+    a subclass to get ``varbench/*`` in the actor's update metrics."""
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    if base is None:
+        from verl.workers.engine_workers import TrainingWorker as base
+    _check_every(every)
+
+    class VarbenchTrainingWorker(base):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_loss_fn(self, loss_fn):
+            super().set_loss_fn(varbench_loss(loss_fn, every=every))
+
+    return VarbenchTrainingWorker
