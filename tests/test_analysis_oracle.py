@@ -122,6 +122,48 @@ def test_exact_moments_known_answers(table1):
         assert c.loc["centered", "frac_zero"] == pytest.approx(q**G + (1 - q) ** G, rel=1e-9)
 
 
+def test_exact_cells_of_a_sketch_say_their_error(table1):
+    """A table small enough to contract flat (D = its parameter count) against the same table
+    count-sketched to K = 64 under 40 sketch seeds: flat cells are ``exact`` with SE 0; sketched
+    ones ``exact-sketched``, their SE the sketch's (> 0) and their 95% intervals covering the
+    flat value in >= 36 of 40 draws for variance, MSE and projection of every reward-only
+    scheme and for the paired ratios (the SEs are upper bounds, so coverage >= nominal, minus
+    two binomial SEs of 40 draws: 0.95 - 2 * 0.034 = 0.88 -> 36 / 40)."""
+    from dataclasses import replace
+
+    from varbench.analysis.variance import table_cells
+    from varbench.grads.vectors import CountSketch
+
+    schemes = ["centered", "rloo", "normalized", "topk"]
+    G = 4
+    flat, fpair = table_cells(table1, G, 8, schemes=schemes, exact=True)
+    assert table1.sketch_k is None and set(flat["method"]) == {"exact"}
+    assert (flat[[f"{k}_se" for k in ("variance", "mse", "projection")]] == 0).all().all()
+    flat, fpair = flat.set_index("scheme"), fpair.set_index(["scheme", "baseline", "stat"])
+    hits: dict[tuple, int] = {}
+    off = []
+    for seed in range(40):
+        S = CountSketch([table1.vec.shape[-1]], 64, seed=100 + seed)
+        tab = replace(table1, vec=S.apply(table1.vec.double()), sketch=S.description)
+        assert tab.sketch_k == 64
+        sk, spair = table_cells(tab, G, 8, schemes=schemes, exact=True)
+        assert set(sk["method"]) == {"exact-sketched"} and set(spair["method"]) == {
+            "exact-sketched"}
+        for r in sk.itertuples():
+            for k in ("variance", "mse", "projection"):
+                assert getattr(r, f"{k}_se") > 0
+                lo, hi = getattr(r, f"{k}_ci_low"), getattr(r, f"{k}_ci_high")
+                hits[r.scheme, k] = hits.get((r.scheme, k), 0) + (
+                    lo <= flat.loc[r.scheme, k] <= hi)
+            off.append(abs(r.variance / flat.loc[r.scheme, "variance"] - 1))
+        for r in spair.itertuples():
+            want = fpair.loc[(r.scheme, r.baseline, r.stat), "ratio"]
+            hits[r.scheme, r.baseline, r.stat] = hits.get((r.scheme, r.baseline, r.stat), 0) + (
+                r.ratio_ci_low <= want <= r.ratio_ci_high)
+    assert max(off) > 1e-3  # the sketch does move the values: the test can fail
+    assert len(hits) == 4 * 3 + 3 * 2 and min(hits.values()) >= 36, hits
+
+
 def test_exact_cells_equal_a_large_monte_carlo(table1):
     """Exact variance, MSE and projection of every reward-only scheme lie within 4 SE of a
     Monte Carlo over 3,000 groups drawn from the same table (sketched to K = 64)."""
@@ -134,7 +176,7 @@ def test_exact_cells_equal_a_large_monte_carlo(table1):
         mc, _ = table_cells(tab, G, 3_000, schemes=schemes, seed=G, n_boot=0,
                             interval="normal")
         ex, mc = ex.set_index("scheme"), mc.set_index("scheme")
-        assert set(ex["method"]) == {"exact"} and set(mc["method"]) == {"mc"}
+        assert set(ex["method"]) == {"exact-sketched"} and set(mc["method"]) == {"mc"}
         for s in schemes:
             for k in ("variance", "mse", "projection"):
                 se = mc.loc[s, f"{k}_se"]

@@ -196,7 +196,7 @@ def test_variance_runs_under_the_meta_default_device(policy):
               modes=["seq-mean-token-sum", "token-mean"], min_responses=0)  # M as given
     # the exact oracle (enumerated table: exact cells and table draws)
     res = _strict_equal(lambda: estimator_variance(policy, task, M=3, **kw).records)
-    assert set(res["cells"]["method"]) == {"exact", "mc"}
+    assert set(res["cells"]["method"]) == {"exact-sketched", "mc"}  # K = 1024 < D: sketched
     # a sampled reference and sketched vectors (Monte Carlo cells, sketch widening)
     skw = dict(kw, reference="sampled", n_ref=6, sketch_dim=16, exact="never")
     _strict_equal(lambda: estimator_variance(policy, task, M=3, **skw).records)

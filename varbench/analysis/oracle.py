@@ -174,6 +174,11 @@ class ResponseTable:
     def n_tokens(self) -> int:
         return int(self.mask.sum())
 
+    @property
+    def sketch_k(self) -> int | None:
+        """The count sketch's bucket count K, None for flat vectors (K = D, no sketch error)."""
+        return None if self.sketch == "flat" else int(self.vec.shape[-1])
+
     def reference(self) -> torch.Tensor:
         """g* = sum_y pi(y) R(y) grad log pi(y) [K] in the table's vector space (float64)."""
         w = (self.probs * self.rewards)[:, None, None] * self.mask[..., None].double()

@@ -231,6 +231,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     agree = (rewards == rewards[:, :1]).all(1).double().mean()
     z = float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(
         torch.tensor((1 + level) / 2, device="cpu")))
+    table_k = None if table is None else table.sketch_k
+    exact_label = "exact" if table_k is None else "exact-sketched"
     rows, paired, est = [], [], {}
     for label in labels:
         adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)
@@ -248,11 +250,13 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             row["tokens_per_group"] = float(tokens.mean())
             ex = None if table is None else _exact_cell(table, label, mode, G, r,
                                                         topk_k=topk_k, max_len=max_len)
-            row["method"] = "mc" if ex is None else "exact"
+            row["method"] = "mc" if ex is None else exact_label
             row["distinct_groups"] = distinct_estimates(e)
             row["degenerate_ci"] = 0.0
             if ex is not None:
-                _set_exact(row, ex)
+                # an exact contraction of sketched vectors is exact for the sketch, not for the
+                # gradients: its one draw's error (read from the sampled groups) is its SE
+                _set_exact(row, ex, sketch_sd(e, r, table_k) if table_k else None, z)
             elif r is not None and intervals:
                 iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
                                      method=interval)
@@ -266,7 +270,7 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                 # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
                 row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
                     row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
-            est[label, mode] = (e, r, ex)
+            est[label, mode] = (e, r, None if ex is None else row)
             rows.append(row)
     for label, base in headline_pairs(labels):
         for mode in modes:
@@ -276,9 +280,7 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     continue
                 row = {"scheme": label, "baseline": base, "G": G, "mode": mode, "stat": stat}
                 if ex is not None and exb is not None:
-                    ratio = ex[stat] / exb[stat] if exb[stat] else float("nan")
-                    row.update(ratio=ratio, ratio_se=0.0, diff=ex[stat] - exb[stat], diff_se=0.0,
-                               ratio_ci_low=ratio, ratio_ci_high=ratio, method="exact")
+                    row.update(_exact_ratio(ex, exb, stat, z), method=exact_label)
                 else:
                     c = paired_compare(e, eb, r, stat=stat)
                     row.update(ratio=c["ratio"], ratio_se=c["ratio_se"], diff=c["diff"],
@@ -295,8 +297,24 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     return pd.DataFrame(rows), pd.DataFrame(paired)
 
 
-def _set_exact(row: dict, ex: dict[str, float]) -> None:
-    """Overwrite a cell's moment statistics with their exact values (SE 0)."""
+def _exact_ratio(row: dict, base: dict, stat: str, z: float) -> dict[str, float]:
+    """Ratio and difference of two exact cells' ``stat``; with sketched vectors (both cells
+    share one sketch draw) an SE from their sketch SEs that holds whatever the two errors'
+    correlation: ``sd(log a - log b) <= sd_a / a + sd_b / b`` (first order)."""
+    a, b = row[stat], base[stat]
+    sa, sb = row[f"{stat}_se"], base[f"{stat}_se"]
+    ratio = a / b if b else float("nan")
+    rel = sa / a + sb / b if a > 0 and b > 0 else (0.0 if sa == sb == 0 else float("nan"))
+    return {"ratio": ratio, "ratio_se": abs(ratio) * rel, "diff": a - b, "diff_se": sa + sb,
+            "ratio_ci_low": ratio * math.exp(-z * rel), "ratio_ci_high": ratio * math.exp(z * rel)}
+
+
+def _set_exact(row: dict, ex: dict[str, float], sketch: dict[str, float] | None = None,
+               z: float = 1.96) -> None:
+    """Overwrite a cell's moment statistics with their exact values: SE 0, or with
+    ``sketch`` (the sketch's SD of variance, MSE and projection, ``exact-sketched``) those as
+    SEs and ``value -/+ z sd`` as intervals, and NaN SEs for the statistics derived from them
+    (their sketch error is not modelled)."""
     var = ex["variance"]
     vals = {
         "variance": var, "mse": ex["mse"], "projection": ex["projection"],
@@ -310,10 +328,14 @@ def _set_exact(row: dict, ex: dict[str, float]) -> None:
     for k, v in vals.items():
         row[k] = v
         if f"{k}_se" in row:
-            row[f"{k}_se"] = 0.0
+            row[f"{k}_se"] = 0.0 if sketch is None else float("nan")
     for k in INTERVAL_STATS:
-        row[f"{k}_ci_low"] = row[f"{k}_ci_high"] = vals[k]
-        row[f"{k}_sketch_sd"] = 0.0
+        sd = 0.0 if sketch is None else sketch[k]
+        row[f"{k}_se"] = sd
+        lo = vals[k] - z * sd
+        row[f"{k}_ci_low"] = max(lo, 0.0) if k in ("variance", "mse") else lo
+        row[f"{k}_ci_high"] = vals[k] + z * sd
+        row[f"{k}_sketch_sd"] = sd
 
 
 def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:

@@ -127,7 +127,9 @@ def variance_headlines(
         f"({ref_kind}); gradients are {ref['sketch'].iloc[0] if len(ref) else '?'} of "
         f"{int(ref['n_params'].iloc[0]) if len(ref) else '?'} parameters.",
         "Cells with method = exact are expectations over groups of G i.i.d. draws from the "
-        "enumerated response distribution (no sampling error); method = mc cells are Monte "
+        "enumerated response distribution (no sampling error); exact-sketched cells are the "
+        "same expectations of count-sketched vectors, whose one sketch draw's error is their "
+        "SE and interval; method = mc cells are Monte "
         f"Carlo over M groups with {100 * level:.4g}% studentized bootstrap intervals over groups "
         "(log scale "
         "for variance, MSE and ratios) that condition on the reference gradient; a sketch's "
