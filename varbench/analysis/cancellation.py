@@ -229,6 +229,8 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
     missing = [t.name for t in tasks if t.name not in pols]
     if missing:
         raise UsageError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
+    for t in tasks:  # each task's own reward names (before any work)
+        t.check_reward(c.reward)
     steps = sorted(set(c.inner_steps))
     modes, ratios, transforms = list(c.modes), list(c.ratios), list(c.transforms)
     t0 = time.perf_counter()

@@ -56,7 +56,7 @@ def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
             "dtype": args.dtype, "device": args.device,
             "trust_remote_code": args.trust_remote_code or None,
             "add_task_tokens": args.add_task_tokens or None,
-            "knobs": parse_knobs(args.knob), "reward": args.reward, "seed": args.seed, **keys}
+            "knobs": parse_knobs(args.knob), **keys}
     return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
 

@@ -20,7 +20,7 @@ import importlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,7 @@ class CaseKind:
         ``work_dir`` is the case's private scratch space (analysis cells under ``cells/``,
         a training run under ``run/``); ``cache=False`` keeps no analysis cells (no resume).
         """
-        run = _EXECUTORS[self.name]
+        run = _analysis if self.analysis is not None else _EXECUTORS[self.name]
         if self.name == "check" or _world_size() > 1:  # no scratch / torchrun ranks share it
             return run(self, name, dict(params), Path(work_dir), progress, cache)
         from varbench._util.locks import dir_lock
@@ -155,24 +155,51 @@ def _world_size() -> int:
     return rank_world()[1]
 
 
-def _kinds() -> dict[str, CaseKind]:
-    from varbench.analysis.kinds import ANALYSES
-
-    out = {k.name: CaseKind(k.name, f"{k.run.__module__}:run", k.summary, analysis=k)
-           for k in ANALYSES.values()}
-    for k in (
-        CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
-        CaseKind("validate", "varbench.analysis.validate:run_validation",
-                 "the training validation experiment (schemes x G x seeds, claims)"),
-        CaseKind("check", "varbench.testing.check:check_estimator",
-                 "regression checks of an advantage estimator"),
-    ):
-        out[k.name] = k
-    return out
+_FIXED = {k.name: k for k in (
+    CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
+    CaseKind("validate", "varbench.analysis.validate:run_validation",
+             "the training validation experiment (schemes x G x seeds, claims)"),
+    CaseKind("check", "varbench.testing.check:check_estimator",
+             "regression checks of an advantage estimator"),
+)}
 
 
-KINDS: dict[str, CaseKind] = _kinds()
-PLANNED = tuple(k for k, v in KINDS.items() if v.analysis is not None)  # with a cost plan
+class _Kinds(Mapping):
+    """The case kinds: every registered analysis kind (read live from
+    :data:`varbench.analysis.kinds.ANALYSES`, so one registered later is a suite kind and a
+    subcommand too), then ``train``, ``validate`` and ``check``."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, CaseKind] = {}  # by name, rebuilt when the name is re-declared
+
+    def _analyses(self) -> dict[str, Any]:
+        from varbench.analysis.kinds import ANALYSES
+
+        return ANALYSES
+
+    def __getitem__(self, name: str) -> CaseKind:
+        ak = self._analyses().get(name)
+        if ak is None:
+            return _FIXED[name]
+        made = self._made.get(name)
+        if made is None or made.analysis is not ak:
+            made = self._made[name] = CaseKind(ak.name, f"{ak.run.__module__}:run",
+                                               ak.summary, analysis=ak)
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._analyses(), *_FIXED])
+
+    def __len__(self) -> int:
+        return len(self._analyses()) + len(_FIXED)
+
+
+KINDS: Mapping[str, CaseKind] = _Kinds()
+
+
+def planned() -> list[str]:
+    """The kinds with a cost plan (the analyses)."""
+    return [k for k, v in KINDS.items() if v.analysis is not None]
 
 
 def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> dict[str, Any]:
@@ -216,7 +243,7 @@ def split_case(kind: CaseKind, params: dict) -> tuple[Any, Any, list[str]]:
     ak = kind.analysis
     if ak is None:
         raise UsageError(f"case kind {kind.name!r} has no cost plan; kinds with one: "
-                         f"{list(PLANNED)}")
+                         f"{planned()}")
     keys = PolicySpec.keys()
     policy = {k: v for k, v in params.items() if k in keys}
     policy.setdefault("states", list(ak.states))
@@ -446,5 +473,4 @@ def _read_report(out: Path, name: str) -> list:
     return results
 
 
-_EXECUTORS = {**{k: _analysis for k, v in KINDS.items() if v.analysis is not None},
-              "train": _train, "validate": _validate, "check": _check}
+_EXECUTORS = {"train": _train, "validate": _validate, "check": _check}

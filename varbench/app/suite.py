@@ -333,6 +333,11 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tupl
             task = check_task_spec(spec, knobs)
         except UsageError as err:
             raise SuiteError(f"{where}: {at} key 'task' = {spec!r}: {err}") from None
+        if task is not None and merged.get("reward") is not None and kind != "train":
+            try:  # the task's own reward names, as the analysis checks them
+                task.check_reward(merged["reward"])
+            except UsageError as err:
+                raise SuiteError(f"{where}: {at} key 'reward': {err}") from None
         if isinstance(task, DatasetTask):
             out.append(task.fingerprint())
         elif task is None and is_reference(spec):
