@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from varbench._util.bounds import check_knob
-from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench._util.checks import UsageError, check_choice
 from varbench._util.config import Config, each, knob, text
 from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
@@ -203,15 +203,6 @@ def plan(tasks: Sequence[Task], config: CancellationConfig, vocab_size=None) -> 
     if grads:
         why.append("per-token gradient sketches of every response")
     return Plan("cancellation", n, passes=n * (k + grads), details=tuple(why))
-
-
-def cancellation_plan(*, n_tasks: int = 1, n_prompts: int = 8, G: int = 8,
-                      inner_steps: Sequence[int] = (0, 4), sketch_dim: int | None = 256) -> Plan:
-    """:func:`plan` of the keyword call on ``n_tasks`` tasks (same checks as the call)."""
-    check_positive_int("n_tasks", n_tasks)
-    cfg = CancellationConfig(n_prompts=n_prompts, G=G, inner_steps=tuple(inner_steps),
-                             sketch_dim=sketch_dim)
-    return plan([None] * n_tasks, cfg)
 
 
 def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: CancellationConfig, *,

@@ -210,11 +210,6 @@ def plan(tasks: Sequence[Task], config: ProxyConfig, vocab_size=None) -> Plan:
     return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",))
 
 
-def proxy_plan(*, n_prompts: int = 8, G: int = 8) -> Plan:
-    """:func:`plan` of the keyword call (same checks as the call)."""
-    return plan((), ProxyConfig(n_prompts=n_prompts, G=G))
-
-
 def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConfig, *,
         cache_dir: str | None = None, progress: bool | None = None,
         settings: dict[str, Any] | None = None) -> list[AnalysisResult]:

@@ -1,16 +1,16 @@
 """Case kinds a suite may name, and how the runner executes each one.
 
-A kind points at one library function by ``"module:function"``; the suite keys a case may set
-are that function's keyword parameters (read from its signature, so the schema cannot drift
-from the code), minus the ones the runner supplies itself (cache directory, progress). Every
-kind returns a list of :class:`~varbench.report.result.AnalysisResult` for the report.
-
-Kinds: ``proxy``, ``variance``, ``cancellation`` (the analyses; besides the function's keywords
-a case sets ``preset``/``checkpoint``, ``states`` (random, warm), ``task`` or ``tasks`` and
-``knobs``, from which the runner builds the Policy and Task objects), ``train`` (one training
-run; keys are :class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training
-validation experiment; keys are :class:`~varbench.analysis.validate.ValidateConfig` fields plus
-``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's ``MODULE:FUNCTION``).
+The analysis kinds are the registered ones (:data:`varbench.analysis.kinds.ANALYSES`, read
+live): a case's keys are the kind's config fields, its task(s) and the
+:class:`~varbench.app.specs.PolicySpec` keys, validated by ``config.from_dict`` and
+``PolicySpec.from_dict`` (:func:`split_case`); one executor builds the policies as the kind
+lays them out and calls its ``run(policies, tasks, config)``. The other kinds point at one
+library function by ``"module:function"``: ``train`` (one training run; keys are
+:class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training validation
+experiment; keys are :class:`~varbench.analysis.validate.ValidateConfig` fields plus
+``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's
+``MODULE:FUNCTION``; its keys are the function's keyword parameters). Every kind returns a list
+of :class:`~varbench.report.result.AnalysisResult` for the report.
 """
 
 from __future__ import annotations
