@@ -4,21 +4,27 @@ Each analysis returns an :class:`AnalysisResult` (tidy pandas records + headline
 standard errors + provenance) that ``varbench.report.write_report`` renders.
 """
 
-from varbench.analysis.cancellation import cancellation
+from varbench.analysis.cancellation import CancellationConfig, cancellation
+from varbench.analysis.kinds import ANALYSES, AnalysisKind, register_analysis
 from varbench.analysis.oracle import ExactDistribution, enumerate_distribution
-from varbench.analysis.proxy import proxy_correlation
+from varbench.analysis.proxy import ProxyConfig, proxy_correlation
 from varbench.analysis.trie import prefix_node_ids, shared_steps, token_net_weight
-from varbench.analysis.variance import DEFAULT_SCHEMES, estimator_variance
+from varbench.analysis.variance import DEFAULT_SCHEMES, VarianceConfig, estimator_variance
 from varbench.grads.vectors import TokenVectors, token_vectors
 from varbench.report.result import AnalysisResult, Headline
 from varbench.stats.estimates import correlations, paired_compare, variance_stats
 
 __all__ = [
+    "ANALYSES",
     "DEFAULT_SCHEMES",
+    "AnalysisKind",
     "AnalysisResult",
+    "CancellationConfig",
     "ExactDistribution",
     "Headline",
+    "ProxyConfig",
     "TokenVectors",
+    "VarianceConfig",
     "cancellation",
     "correlations",
     "enumerate_distribution",
@@ -26,6 +32,7 @@ __all__ = [
     "paired_compare",
     "prefix_node_ids",
     "proxy_correlation",
+    "register_analysis",
     "shared_steps",
     "token_net_weight",
     "token_vectors",

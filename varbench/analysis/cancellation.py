@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,14 +27,12 @@ import pandas as pd
 import torch
 
 from varbench._util.bounds import check_knob
-from varbench._util.checks import (
-    UsageError,
-    check_choice,
-    check_nonempty,
-    check_positive_int,
-)
+from varbench._util.checks import UsageError, check_choice
+from varbench._util.config import Config, each, knob, text
+from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
+from varbench.analysis.kinds import AnalysisKind, register_analysis
 from varbench.analysis.plan import Plan
 from varbench.analysis.trie import shared_steps, token_net_weight
 from varbench.estimators.aggregation import AGGREGATION_MODES
@@ -42,6 +41,7 @@ from varbench.estimators.loss import RATIO_KINDS, policy_loss
 from varbench.estimators.registry import advantages
 from varbench.grads.vectors import token_vectors
 from varbench.models.presets import Policy
+from varbench.report.figures import cancellation_figures
 from varbench.report.headline import fmt, with_se
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
@@ -142,19 +142,62 @@ def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ra
     return pd.DataFrame(confs), concat(nodes), concat(tokens), batch
 
 
-def cancellation_plan(*, n_tasks: int = 1, n_prompts: int = 8, G: int = 8,
-                      inner_steps: Sequence[int] = (0, 4), sketch_dim: int | None = 256) -> Plan:
-    """What :func:`cancellation` spends on ``n_tasks`` tasks: per task ``n_prompts x G``
-    responses, ``max(inner_steps)`` clipped-loss steps over them (one pass per response each)
-    and, with a sketch, one pass per response for the per-token gradient vectors."""
-    check_positive_int("n_tasks", n_tasks)
-    check_knob("n_prompts", n_prompts)
-    check_knob("G", G, minimum=2)
-    steps = sorted({check_knob("inner_steps", k) for k in inner_steps})
-    n = n_tasks * n_prompts * G
-    k = max(steps, default=0)
-    grads = sketch_dim is not None
-    why = [f"{n_tasks} task(s) x {n_prompts} prompts x G = {G}"]
+def _registered() -> list[str]:
+    from varbench.estimators.registry import schemes
+
+    return schemes()
+
+
+@dataclass(frozen=True)
+class CancellationConfig(Config):
+    """The shared-step cancellation diagnostics (:func:`run`)."""
+
+    n_prompts: int = knob(8, flags=("--prompts",))
+    """Prompts sampled per task (seeded)."""
+    G: int = knob(8, minimum=2, flags=("-G",))
+    """Responses per prompt (at least 2: a shared step needs two responses)."""
+    reward: str | None = text(None)
+    """Task reward (None: the task's first)."""
+    scheme: str = text("centered")
+    """Advantage scheme (a registered name, or MODULE:FUNCTION registered by the caller)."""
+    modes: tuple[str, ...] = each(AGGREGATION_MODES, choices=AGGREGATION_MODES)
+    """Loss aggregation modes compared."""
+    ratios: tuple[str, ...] = each(RATIO_KINDS, choices=RATIO_KINDS)
+    """Importance ratios compared: token (PPO) and sequence (GSPO)."""
+    inner_steps: tuple[int, ...] = each((0, 4), key="inner_steps")
+    """PPO inner steps k after which the coefficients are read (0: ratio 1)."""
+    transforms: tuple[str, ...] = each(TRANSFORMS, choices=TRANSFORMS)
+    """Exchangeability transforms of the per-sample weights compared."""
+    clip: tuple[float, float] = each((0.2, 0.2), key="clip_high", length=2)
+    """PPO clip epsilons (low, high) of the inner steps and the coefficients."""
+    lr: float = knob(3e-3)
+    """Adam learning rate of the inner steps."""
+    top_tokens: int = knob(15)
+    """Most frequent token ids in the ``token_ids`` records."""
+    sketch_dim: int | None = knob(256, none=True)
+    """Gradient sketch dimension of the gradient cancellation ratio (0 or None: no sketch,
+    the ratio is then NaN)."""
+    seed: int = knob(0)
+    """Seed of the prompts, the samples and the sketch."""
+
+    def check_together(self) -> None:
+        """A registered scheme (or MODULE:FUNCTION); clip's low end in [0, 1)."""
+        if not is_reference(self.scheme):
+            check_choice("scheme", self.scheme, _registered())
+        check_knob("clip_low", self.clip[0], arg="clip")
+        if self.sketch_dim == 0:  # one spelling of "no sketch" inside the run
+            object.__setattr__(self, "sketch_dim", None)
+
+
+def plan(tasks: Sequence[Task], config: CancellationConfig, vocab_size=None) -> Plan:
+    """What :func:`run` spends on ``tasks``: per task ``n_prompts x G`` responses,
+    ``max(inner_steps)`` clipped-loss steps over them (one pass per response each) and, with a
+    sketch, one pass per response for the per-token gradient vectors."""
+    n_tasks = max(len(tasks), 1)
+    n = n_tasks * config.n_prompts * config.G
+    k = max(config.inner_steps, default=0)
+    grads = config.sketch_dim is not None
+    why = [f"{n_tasks} task(s) x {config.n_prompts} prompts x G = {config.G}"]
     if k:
         why.append(f"{k} PPO inner step(s) over each task's batch")
     if grads:
@@ -162,75 +205,43 @@ def cancellation_plan(*, n_tasks: int = 1, n_prompts: int = 8, G: int = 8,
     return Plan("cancellation", n, passes=n * (k + grads), details=tuple(why))
 
 
-def cancellation(
-    policy: Policy | Mapping[str, Policy],
-    tasks: Sequence[Task],
-    *,
-    n_prompts: int = 8,
-    G: int = 8,
-    reward: str | None = None,
-    scheme: str = "centered",
-    modes: Sequence[str] = AGGREGATION_MODES,
-    ratios: Sequence[str] = RATIO_KINDS,
-    inner_steps: Sequence[int] = (0, 4),
-    transforms: Sequence[str] = TRANSFORMS,
-    clip: tuple[float, float] = (0.2, 0.2),
-    lr: float = 3e-3,
-    top_tokens: int = 15,
-    sketch_dim: int | None = 256,
-    seed: int = 0,
-    cache_dir: str | None = None,
-    progress: bool | None = None,
-    config: dict[str, Any] | None = None,
-) -> AnalysisResult:
-    """Shared-step cancellation diagnostics for every configuration on each task.
-
-    ``policy``: one Policy for every task, or ``{task name: Policy}`` (e.g. a policy
-    warm-started on each task).
-    Records: ``configs`` (one row per task x configuration: mean relative residual at
-    full-group and at all shared steps, weighting-induced residual, gradient cancellation ratio,
-    each with a cluster SE over groups), ``nodes`` (every shared step), ``token_ids`` (net weight
-    of the most frequent ids). ``sketch_dim=None`` skips per-token gradient vectors (the
-    gradient ratio is then NaN). Each task is one cached cell.
-    """
-    check_knob("seed", seed)
-    check_knob("top_tokens", top_tokens)
-    if sketch_dim is not None:
-        check_knob("sketch_dim", sketch_dim)
-    cancellation_plan(n_tasks=max(len(tasks), 1), n_prompts=n_prompts, G=G,
-                      inner_steps=inner_steps, sketch_dim=sketch_dim)  # the notice's checks
-    modes, ratios = check_nonempty("modes", modes), check_nonempty("ratios", ratios)
-    check_knob("lr", lr)
-    for m in modes:
-        check_choice("modes", m, AGGREGATION_MODES)
-    for r in ratios:
-        check_choice("ratios", r, RATIO_KINDS)
-    for t in transforms:
-        check_choice("transforms", t, TRANSFORMS)
-    steps = sorted({check_knob("inner_steps", k) for k in inner_steps})
+def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: CancellationConfig, *,
+        cache_dir: str | None = None, progress: bool | None = None,
+        settings: dict[str, Any] | None = None) -> list[AnalysisResult]:
+    """Shared-step cancellation diagnostics for every configuration on each task, with the
+    policy ``policies[task.name]``; one result (records ``configs``, ``nodes``,
+    ``token_ids``). ``settings``: what else identifies the run (cache keys, provenance)."""
+    if not isinstance(config, CancellationConfig):
+        raise UsageError(f"config={config!r} is not valid; expected a CancellationConfig")
+    c = config
     if not tasks:
         raise UsageError("tasks is empty; pass at least one Task")
-    pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))
+    pols = dict(policies)
     missing = [t.name for t in tasks if t.name not in pols]
     if missing:
         raise UsageError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
+    for t in tasks:  # each task's own reward names (before any work)
+        t.check_reward(c.reward)
+    steps = sorted(set(c.inner_steps))
+    modes, ratios, transforms = list(c.modes), list(c.ratios), list(c.transforms)
     t0 = time.perf_counter()
     cfg = {"analysis": "cancellation",
            "policies": {k: {"name": v.name, "meta": v.meta} for k, v in pols.items()},
-           "tasks": {t.name: t.knobs for t in tasks}, "n_prompts": n_prompts, "G": G,
-           "reward": reward, "scheme": scheme, "modes": list(modes), "ratios": list(ratios),
-           "inner_steps": steps, "transforms": list(transforms), "clip": list(clip), "lr": lr,
-           "top_tokens": top_tokens, "sketch_dim": sketch_dim, "seed": seed, **(config or {})}
+           "tasks": {t.name: t.knobs for t in tasks}, "n_prompts": c.n_prompts, "G": c.G,
+           "reward": c.reward, "scheme": c.scheme, "modes": modes, "ratios": ratios,
+           "inner_steps": steps, "transforms": transforms, "clip": list(c.clip), "lr": c.lr,
+           "top_tokens": c.top_tokens, "sketch_dim": c.sketch_dim, "seed": c.seed,
+           **(settings or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(pols))
     out: dict[str, list[pd.DataFrame]] = {"configs": [], "nodes": [], "token_ids": []}
     for task in tasks:
         cells = {k: cache.load(f"{task.name}__{k}") for k in out}
         if any(v is None for v in cells.values()):
             conf, nodes, toks, _ = _task_records(
-                pols[task.name], task, n_prompts=n_prompts, G=G, reward=reward, seed=seed,
-                scheme=scheme, modes=modes, ratios=ratios, steps=steps, transforms=transforms,
-                clip=clip, lr=lr, top_tokens=top_tokens, sketch_dim=sketch_dim,
-                progress=show_progress(progress))
+                pols[task.name], task, n_prompts=c.n_prompts, G=c.G, reward=c.reward,
+                seed=c.seed, scheme=c.scheme, modes=modes, ratios=ratios, steps=steps,
+                transforms=transforms, clip=tuple(c.clip), lr=c.lr, top_tokens=c.top_tokens,
+                sketch_dim=c.sketch_dim, progress=show_progress(progress))
             cells = {"configs": conf, "nodes": nodes, "token_ids": toks}
             for k, v in cells.items():
                 cache.save(f"{task.name}__{k}", v)
@@ -238,15 +249,39 @@ def cancellation(
             out[k].append(v)
     records = {k: concat(v) for k, v in out.items()}
     heads, notes = _headlines(records["configs"])
-    return AnalysisResult(
+    return [AnalysisResult(
         kind="cancellation", name="cancellation", records=records,
         summary={h.key: {"value": h.value, "se": h.se} for h in heads}, headlines=heads,
         config=cfg, notes=notes,
-        provenance=provenance(config=cfg, seeds={"prompts": seed, "sample": seed,
-                                                 "sketch": seed},
+        provenance=provenance(config=cfg, seeds={"prompts": c.seed, "sample": c.seed,
+                                                 "sketch": c.seed},
                               device=str(next(iter(pols.values())).device),
                               wall_time_s=time.perf_counter() - t0),
-    )
+    )]
+
+
+def cancellation(
+    policy: Policy | Mapping[str, Policy],
+    tasks: Sequence[Task],
+    *,
+    cache_dir: str | None = None,
+    progress: bool | None = None,
+    config: dict[str, Any] | None = None,
+    **knobs: Any,
+) -> AnalysisResult:
+    """Shared-step cancellation diagnostics for every configuration on each task.
+
+    ``policy``: one Policy for every task, or ``{task name: Policy}`` (e.g. a policy
+    warm-started on each task); ``knobs``: :class:`CancellationConfig` fields.
+    Records: ``configs`` (one row per task x configuration: mean relative residual at
+    full-group and at all shared steps, weighting-induced residual, gradient cancellation ratio,
+    each with a cluster SE over groups), ``nodes`` (every shared step), ``token_ids`` (net weight
+    of the most frequent ids). ``sketch_dim=None`` (or 0) skips per-token gradient vectors (the
+    gradient ratio is then NaN). Each task is one cached cell. A thin wrapper of :func:`run`.
+    """
+    cfg = CancellationConfig(**knobs)
+    pols = ({t.name: policy for t in tasks} if isinstance(policy, Policy) else dict(policy))
+    return run(pols, tasks, cfg, cache_dir=cache_dir, progress=progress, settings=config)[0]
 
 
 MIN_STEPS = 10  # a headline resting on fewer active shared steps carries a warning
@@ -313,3 +348,13 @@ def _headlines(conf: pd.DataFrame) -> tuple[list[Headline], list[str]]:
                          "configuration (an all-agree group's steps have A = 0: nothing to "
                          "cancel).")
     return heads, notes
+
+
+KIND = register_analysis(AnalysisKind(
+    "cancellation", CancellationConfig, run, cancellation_figures, plan,
+    "token gradient cancellation at shared steps",
+    policies="per_task", tasks=("arith", "toolsum"), states=("warm",),
+    cli_defaults={"n_prompts": 4, "G": 6, "inner_steps": (0, 3)},
+    description="Prefix-trie shared steps: residuals, weighting-induced residuals, gradient "
+                "cancellation ratios and per-token net weights across aggregation modes, "
+                "token vs sequence ratios, PPO inner steps and restoring transforms."))

@@ -1,10 +1,9 @@
 """What an analysis will spend, decided before any work: the cost notice and ``--plan``.
 
-Each analysis has one pure function computing its sizes from its own arguments
-(:func:`varbench.analysis.variance.variance_plan`,
-:func:`varbench.analysis.proxy.proxy_plan`,
-:func:`varbench.analysis.cancellation.cancellation_plan`); the analysis itself runs on the
-sizes that function returns, so a notice printed from it is what the run samples.
+Each analysis kind declares one pure function ``plan(tasks, config, vocab_size)`` computing its
+sizes from its config (:mod:`varbench.analysis.kinds`; the variance analysis's sizes are
+:func:`varbench.analysis.variance.sizes`); the analysis itself runs on the sizes that function
+returns, so a notice printed from it is what the run samples.
 
 Units: a *response* is one sampled completion of one prompt; a *pass* is one forward and
 backward pass over one response (per-token gradients are taken response by response, batched

@@ -21,23 +21,26 @@ one-process order, so every rank returns the same records as a one-process run.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError
+from varbench._util.config import Config, knob, text
 from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
+from varbench.analysis.kinds import AnalysisKind, one_task, register_analysis
 from varbench.analysis.plan import Plan
 from varbench.estimators.otb import otb_baseline
 from varbench.estimators.registry import advantages
 from varbench.grads import forward_stats, token_grad_norms
 from varbench.models.presets import Policy
+from varbench.report.figures import proxy_figures
 from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
@@ -182,62 +185,62 @@ def otb_baseline_records(batch, tok: pd.DataFrame, *, state: str) -> pd.DataFram
     }])
 
 
-def proxy_plan(*, n_prompts: int = 8, G: int = 8) -> Plan:
-    """What :func:`proxy_correlation` spends per policy state: ``n_prompts x G`` responses,
-    each one forward+backward pass of the exact per-token norms (same checks as the call)."""
-    check_knob("n_prompts", n_prompts)
-    check_knob("G", G)
-    n = n_prompts * G
-    return Plan("proxy", n, passes=n, details=(f"{n_prompts} prompts x G = {G}",))
+@dataclass(frozen=True)
+class ProxyConfig(Config):
+    """The proxy-vs-true analysis (:func:`run`); defaults: 8 prompts x G = 8 per state."""
+
+    n_prompts: int = knob(8, flags=("--prompts",))
+    """Train prompts sampled per policy state (seeded)."""
+    G: int = knob(8, flags=("-G",))
+    """Responses per prompt."""
+    reward: str | None = text(None)
+    """Task reward (None: the task's first)."""
+    seed: int = knob(0)
+    """Seed of the prompts, the samples and the bootstrap."""
+    n_boot: int = knob(200, flags=("--boot",))
+    """Bootstrap draws of the correlation intervals (resampling sequences)."""
+    n_bins: int = knob(10)
+    """Quantile bins of the calibration table."""
 
 
-def proxy_correlation(
-    policies: Policy | Mapping[str, Policy],
-    task: Task,
-    *,
-    n_prompts: int = 8,
-    G: int = 8,
-    reward: str | None = None,
-    seed: int = 0,
-    n_boot: int = 200,
-    n_bins: int = 10,
-    cache_dir: str | None = None,
-    progress: bool | None = None,
-    config: dict[str, Any] | None = None,
-) -> AnalysisResult:
-    """Run the proxy-vs-true analysis for each named policy state; records side by side.
+def plan(tasks: Sequence[Task], config: ProxyConfig, vocab_size=None) -> Plan:
+    """What :func:`run` spends per policy state: ``n_prompts x G`` responses, each one
+    forward+backward pass of the exact per-token norms."""
+    n = config.n_prompts * config.G
+    return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",))
 
-    ``policies``: one Policy or ``{state name: Policy}`` (e.g. random init and warm-started).
-    Samples ``n_prompts`` train prompts x ``G`` responses per state (seeded). Returns an
-    AnalysisResult with records ``tokens``, ``correlations``, ``calibration``, ``otb_baseline``.
-    Caveat: at random init pi is near uniform and w_t nearly constant, so per-token correlations
-    there are not meaningful; read the warm-started state.
-    """
-    for key, value in (("seed", seed), ("n_boot", n_boot), ("n_bins", n_bins)):
-        check_knob(key, value)
-    proxy_plan(n_prompts=n_prompts, G=G)  # its checks: the cost notice reads the same
-    if isinstance(policies, Policy):
-        policies = {policies.name: policies}
+
+def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConfig, *,
+        cache_dir: str | None = None, progress: bool | None = None,
+        settings: dict[str, Any] | None = None) -> list[AnalysisResult]:
+    """The proxy-vs-true analysis of every named policy state on the one task; one result
+    with the states side by side (records ``tokens``, ``correlations``, ``calibration``,
+    ``otb_baseline``). ``settings``: what else identifies the run (cache keys, provenance)."""
+    if not isinstance(config, ProxyConfig):
+        raise UsageError(f"config={config!r} is not valid; expected a ProxyConfig")
+    task = one_task(tasks, "proxy")
     if not policies:
         raise UsageError("policies is empty; pass a Policy or a {state: Policy} mapping")
+    c = config
     t0 = time.perf_counter()
-    cfg = {"analysis": "proxy", "task": task.name, "knobs": task.knobs, "n_prompts": n_prompts,
-           "G": G, "reward": task.check_reward(reward), "seed": seed, "n_boot": n_boot,
-           "n_bins": n_bins, "states": list(policies), **(config or {})}
+    cfg = {"analysis": "proxy", "task": task.name, "knobs": task.knobs, "n_prompts": c.n_prompts,
+           "G": c.G, "reward": task.check_reward(c.reward), "seed": c.seed, "n_boot": c.n_boot,
+           "n_bins": c.n_bins, "states": list(policies), **(settings or {})}
+    seed, reward = c.seed, c.reward
     cache = CellCache(cache_dir, cfg, placement=placement_of(policies))
-    prompts = task.prompts(n_prompts, seed=seed)
+    prompts = task.prompts(c.n_prompts, seed=seed)
     kinds = ("tokens", "correlations", "calibration", "otb_baseline")
     recs: dict[str, list[pd.DataFrame]] = {k: [] for k in kinds}
     for state, pol in policies.items():
         cells = {k: cache.load(f"{state}__{k}") for k in recs}
         # Under torchrun every rank must take the same branch (token_records gathers).
         if any(gather_objects(any(v is None for v in cells.values()))):
-            batch = sample(pol, task, prompts, G, seed=seed, reward=reward)
+            batch = sample(pol, task, prompts, c.G, seed=seed, reward=reward)
             tok = token_records(pol, batch, state=state, progress=show_progress(progress))
             cells = {
                 "tokens": tok,
-                "correlations": correlation_records(tok, n_boot=n_boot, seed=seed),
-                "calibration": calibration_records(tok, n_bins=n_bins),
+                "correlations": correlation_records(tok, n_boot=c.n_boot, seed=seed),
+                "calibration": calibration_records(tok, n_bins=c.n_bins),
                 "otb_baseline": otb_baseline_records(batch, tok, state=state),
             }
             for k, v in cells.items():
@@ -248,14 +251,40 @@ def proxy_correlation(
     heads, notes = _headlines(records)
     wall = time.perf_counter() - t0
     device = str(next(iter(policies.values())).device)
-    return AnalysisResult(
+    return [AnalysisResult(
         kind="proxy", name="proxy", records=records,
         summary={h.key: {"value": h.value, "se": h.se} for h in heads},
         headlines=heads, config=cfg, notes=notes,
         provenance=provenance(config=cfg, seeds={"prompts": seed, "sample": seed,
                                                  "bootstrap": seed},
                               device=device, wall_time_s=wall),
-    )
+    )]
+
+
+def proxy_correlation(
+    policies: Policy | Mapping[str, Policy],
+    task: Task,
+    *,
+    cache_dir: str | None = None,
+    progress: bool | None = None,
+    config: dict[str, Any] | None = None,
+    **knobs: Any,
+) -> AnalysisResult:
+    """Run the proxy-vs-true analysis for each named policy state; records side by side.
+
+    ``policies``: one Policy or ``{state name: Policy}`` (e.g. random init and warm-started);
+    ``knobs``: :class:`ProxyConfig` fields (``n_prompts``, ``G``, ``reward``, ``seed``,
+    ``n_boot``, ``n_bins``). Samples ``n_prompts`` train prompts x ``G`` responses per state
+    (seeded). Returns an AnalysisResult with records ``tokens``, ``correlations``,
+    ``calibration``, ``otb_baseline``. Caveat: at random init pi is near uniform and w_t nearly
+    constant, so per-token correlations there are not meaningful; read the warm-started state.
+    A thin wrapper of :func:`run`.
+    """
+    cfg = ProxyConfig(**knobs)
+    if isinstance(policies, Policy):
+        policies = {policies.name: policies}
+    return run(dict(policies), [task], cfg, cache_dir=cache_dir, progress=progress,
+               settings=config)[0]
 
 
 def _headlines(records: dict[str, pd.DataFrame]) -> tuple[list[Headline], list[str]]:
@@ -322,3 +351,12 @@ def _headlines(records: dict[str, pd.DataFrame]) -> tuple[list[Headline], list[s
             f"{fmt(r.mean_abs_dB)}."))
     return heads, notes
 
+
+
+KIND = register_analysis(AnalysisKind(
+    "proxy", ProxyConfig, run, proxy_figures, plan,
+    "proxy w_t / W_t against exact per-token and prefix gradient norms",
+    policies="states", tasks=("sort",), states=("random", "warm"),
+    cli_defaults={"n_prompts": 4, "G": 6},
+    description="Correlate the Logit-Gradient Proxy with exact per-token, prefix and sequence "
+                "gradient norms at random init and warm-started, side by side."))

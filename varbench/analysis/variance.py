@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,13 @@ import torch
 from tqdm.auto import tqdm
 
 from varbench._util.bounds import check_knob
-from varbench._util.checks import UsageError, check_choice, check_nonempty
+from varbench._util.checks import UsageError, check_choice
+from varbench._util.config import Config, choice, each, knob, text
 from varbench._util.distributed import gather_objects, rank_world
+from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
+from varbench.analysis.kinds import AnalysisKind, one_task, register_analysis
 from varbench.analysis.oracle import (
     ResponseTable,
     enumerate_distribution,
@@ -64,11 +67,12 @@ from varbench.analysis.variance_report import (
 )
 from varbench.estimators.aggregation import AGGREGATION_MODES, aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
-from varbench.estimators.registry import advantages
+from varbench.estimators.registry import advantages, reads
 from varbench.estimators.registry import schemes as registered_schemes
 from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.vectors import combine, token_vectors
 from varbench.models.presets import Policy
+from varbench.report.figures import variance_figures
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
 from varbench.rollout.sampler import sample
@@ -430,27 +434,94 @@ class VarianceSizes:
                     passes_at_most=self.reference == "exact")
 
 
-def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAULT_SCHEMES,
-                  Gs: Sequence[int] = DEFAULT_GS, M: int = 32, M_cap: int | None = None,
-                  target_rel_se: float | None = None, min_responses: int | str = "auto",
-                  n_prompts: int = 2, reference: str = "auto", n_ref: int = 2048,
-                  exact: str = "auto", table_limit: int = 256) -> VarianceSizes:
-    """The sizes of :func:`estimator_variance` on ``task`` with a policy of ``vocab_size``
-    output tokens (same arguments, same checks; no model, no sampling): the response floor
-    (``min_responses``: M raised to whole rounds of ``M``), adaptive M's cap, the reference
-    (exact when enumerable, else ``n_ref`` sampled responses) and whether groups come from an
-    enumerated table. ``.plan`` is what the call spends."""
-    schemes, Gs = check_nonempty("schemes", schemes), check_nonempty("Gs", Gs)
-    known = set(registered_schemes())
-    for s in schemes:
-        check_choice("schemes", scheme_of(s), sorted(known))
-    for G in Gs:
-        check_knob("G", G, arg="Gs", minimum=2)
-    check_knob("M", M, minimum=3)
-    M_cap = M if M_cap is None else check_knob("M_cap", M_cap, minimum=M)
-    if target_rel_se is not None:
-        check_knob("target_rel_se", target_rel_se)
-    check_knob("n_prompts", n_prompts)
+@dataclass(frozen=True)
+class VarianceConfig(Config):
+    """The estimator-variance analysis (:func:`run`); library defaults (the command line's are
+    smaller: G 2 4 8, M 16, one prompt)."""
+
+    schemes: tuple[str, ...] = each(DEFAULT_SCHEMES)
+    """Scheme labels: registered scheme names, ``<scheme>_exact`` for a scheme that reads
+    token weights fed exact ||g_t||^2 (``token_weights="exact"``), or MODULE:FUNCTION."""
+    Gs: tuple[int, ...] = each(DEFAULT_GS, key="G", minimum=2, flags=("-G",))
+    """Group sizes (at least 2); every response is used at every G."""
+    modes: tuple[str, ...] = each(("seq-mean-token-sum",), choices=AGGREGATION_MODES)
+    """Loss aggregation modes."""
+    M: int = knob(32, minimum=3, flags=("-M",))
+    """Independent groups per prompt at the largest G (at least 3: an interval needs them);
+    the step of adaptive M."""
+    M_cap: int | None = knob(None, none=True)
+    """Adaptive M: the largest groups per prompt (None: M, no growth); at least M."""
+    target_rel_se: float | None = knob(None, none=True)
+    """Adaptive M: grow M until every headline figure's relative SE is at most this."""
+    min_responses: int | str = knob("auto", auto=True)
+    """Responses per prompt at least (M raised in steps of M); ``auto``: 4096 when a label
+    reads the proxy weights, else 0."""
+    n_prompts: int = knob(2, flags=("--prompts",))
+    """Prompts (independent; the pooled SE is over them)."""
+    reward: str | None = text(None)
+    """Task reward (None: the task's first)."""
+    reference: str = choice("auto", ("auto", "exact", "sampled"))
+    """g*: ``exact`` (enumerated), ``sampled`` (n_ref responses) or ``auto`` (exact when the
+    task is fixed-length with V**T <= 200k)."""
+    n_ref: int = knob(2048, minimum=2)
+    """Responses of the sampled reference."""
+    sketch_dim: int | str | None = knob(1024, auto=True, none=True)
+    """CountSketch dimension K; 0 (or None): flat vectors, an exact contraction; ``auto``:
+    flat up to 200k parameters, else 1024."""
+    sketch_seed: int = knob(0)
+    """Seed of the count sketch, independent of ``seed``."""
+    exact: str = choice("auto", ("auto", "never"))
+    """Exact cells from an enumerated response table (``auto``) or never."""
+    table_limit: int = knob(256)
+    """Largest enumerated token count for exact cells."""
+    interval: str = choice("studentized", INTERVAL_METHODS)
+    """Interval method of the Monte Carlo cells."""
+    n_boot: int = knob(1000)
+    """Bootstrap draws of the intervals."""
+    level: float = knob(0.95)
+    """Interval level."""
+    topk_k: int = knob(1)
+    """k of the topk scheme."""
+    seed: int = knob(0)
+    """Seed of the prompts and samples (prompt p samples with seed + 1000 p)."""
+
+    def check_together(self) -> None:
+        """Labels name registered schemes (``_exact`` only for those reading token weights);
+        M_cap at least M; one spelling of flat vectors (None) inside the run."""
+        known = registered_schemes()
+        for label in self.schemes:
+            if is_reference(label):
+                continue  # a user's estimator, registered by the caller (as the app does)
+            check_choice("schemes", scheme_of(label), sorted(known))
+            if label.endswith("_exact") and not exact_label_ok(label):
+                raise UsageError(f"schemes={label!r} is not valid: {scheme_of(label)!r} reads "
+                                 "no token weights, so it has no exact-weights variant")
+        if self.M_cap is not None:
+            check_knob("M_cap", self.M_cap, minimum=self.M)
+        if self.sketch_dim == 0:
+            object.__setattr__(self, "sketch_dim", None)
+
+
+def exact_label_ok(label: str) -> bool:
+    """Whether ``<scheme>_exact`` names a scheme that reads token weights."""
+    return reads(scheme_of(label), "token_weights")
+
+
+def variance_plan(task: Task, *, vocab_size: int, **knobs: Any) -> VarianceSizes:
+    """:func:`sizes` of the keyword call (``knobs``: :class:`VarianceConfig` fields)."""
+    return sizes(task, VarianceConfig(**knobs), vocab_size)
+
+
+def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
+    """The sizes :func:`run` samples on ``task`` with a policy of ``vocab_size`` output tokens
+    (no model, no sampling): the response floor (``min_responses``: M raised to whole rounds of
+    ``M``), adaptive M's cap, the reference (exact when enumerable, else ``n_ref`` sampled
+    responses) and whether groups come from an enumerated table. ``.plan`` is what it spends."""
+    c = config
+    schemes, M, target_rel_se, n_prompts = c.schemes, c.M, c.target_rel_se, c.n_prompts
+    reference, n_ref, exact, table_limit = c.reference, c.n_ref, c.exact, c.table_limit
+    M_cap = M if c.M_cap is None else c.M_cap
+    min_responses = c.min_responses
     details = []
     if min_responses == "auto":
         proxy = [s for s in schemes if reads_proxy_weights(s)]
@@ -458,14 +529,6 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
         if proxy:
             details.append(f"min_responses auto = {PROXY_MIN_RESPONSES} because {', '.join(proxy)} "
                            "read(s) the proxy weights (set --min-responses to change it)")
-    elif isinstance(min_responses, str):
-        raise UsageError(f"min_responses={min_responses!r} is not valid; expected 'auto' or an "
-                         "integer >= 0")
-    else:
-        check_knob("min_responses", min_responses)
-    check_choice("reference", reference, ("auto", "exact", "sampled"))
-    check_choice("exact", exact, ("auto", "never"))
-    check_knob("table_limit", table_limit)
     V, T = int(vocab_size), int(task.max_new_tokens)
     enumerable = task.fixed_length and V**T <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
@@ -474,10 +537,8 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
             f"{task.name!r} (V={V}, T={task.max_new_tokens}) is not; use reference='sampled'"
         )
     use_exact = reference == "exact" or (reference == "auto" and enumerable)
-    if not use_exact:
-        check_knob("n_ref", n_ref, minimum=2)
     use_table = use_exact and exact == "auto" and V**T * T <= table_limit
-    Gs = sorted(set(int(g) for g in Gs))
+    Gs = sorted(set(int(g) for g in c.Gs))
     # the floor: whole rounds of M groups (round 0 stays the historical sample)
     M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
     if M_floor > M:
@@ -496,35 +557,13 @@ def variance_plan(task: Task, *, vocab_size: int, schemes: Sequence[str] = DEFAU
                          details=tuple(details))
 
 
-def estimator_variance(
-    policy: Policy,
-    task: Task,
-    *,
-    schemes: Sequence[str] = DEFAULT_SCHEMES,
-    Gs: Sequence[int] = DEFAULT_GS,
-    modes: Sequence[str] = ("seq-mean-token-sum",),
-    M: int = 32,
-    M_cap: int | None = None,
-    target_rel_se: float | None = None,
-    min_responses: int | str = "auto",
-    n_prompts: int = 2,
-    reward: str | None = None,
-    reference: str = "auto",
-    n_ref: int = 2048,
-    sketch_dim: int | str | None = 1024,
-    sketch_seed: int = 0,
-    exact: str = "auto",
-    table_limit: int = 256,
-    interval: str = "studentized",
-    n_boot: int = 1000,
-    level: float = 0.95,
-    topk_k: int = 1,
-    seed: int = 0,
-    cache_dir: str | None = None,
-    progress: bool | None = None,
-    config: dict[str, Any] | None = None,
-) -> AnalysisResult:
+def estimator_variance(policy: Policy, task: Task, *, cache_dir: str | None = None,
+                       progress: bool | None = None, config: dict[str, Any] | None = None,
+                       **knobs: Any) -> AnalysisResult:
     """Variance statistics per scheme x G x mode, averaged over ``n_prompts`` prompts.
+
+    ``knobs``: :class:`VarianceConfig` fields (checked there). A thin wrapper of :func:`run`'s
+    per-policy body.
 
     ``schemes``: labels (registered scheme names, or ``<scheme>_exact`` for OTB-type schemes
     with exact ||g_t||^2 weights). ``reference``: "exact", "sampled" or "auto" (exact when the
@@ -559,29 +598,44 @@ def estimator_variance(
     (prompt ``p`` on rank ``p % world_size``) and gathered; every rank returns the full result.
     The gather is a collective: every rank must make the same call.
     """
-    modes = check_nonempty("modes", modes)
-    for mode in modes:
-        check_choice("modes", mode, AGGREGATION_MODES)
-    check_choice("interval", interval, INTERVAL_METHODS)
-    for key, value in (("n_boot", n_boot), ("sketch_seed", sketch_seed), ("level", level),
-                       ("seed", seed), ("topk_k", topk_k)):
-        check_knob(key, value)
-    reward = task.check_reward(reward)
+    return _variance(policy, task, VarianceConfig(**knobs), cache_dir=cache_dir,
+                     progress=progress, config=config)
+
+
+def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: VarianceConfig, *,
+        cache_dir: str | None = None, progress: bool | None = None,
+        settings: dict[str, Any] | None = None) -> list[AnalysisResult]:
+    """The variance analysis of each policy state on the one task: one result per state
+    (``settings`` plus ``state`` identify each one's cells)."""
+    if not isinstance(config, VarianceConfig):
+        raise UsageError(f"config={config!r} is not valid; expected a VarianceConfig")
+    task = one_task(tasks, "variance")
+    if not policies:
+        raise UsageError("policies is empty; pass a {state: Policy} mapping")
+    return [_variance(pol, task, config, cache_dir=cache_dir, progress=progress,
+                      config={**(settings or {}), "state": state})
+            for state, pol in policies.items()]
+
+
+def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str | None,
+              progress: bool | None, config: dict[str, Any] | None) -> AnalysisResult:
+    """One policy's variance analysis (:func:`estimator_variance`)."""
+    schemes, modes, M, target_rel_se = list(c.schemes), list(c.modes), c.M, c.target_rel_se
+    n_prompts, n_ref, sketch_dim, sketch_seed = c.n_prompts, c.n_ref, c.sketch_dim, c.sketch_seed
+    exact, interval, n_boot, level, topk_k, seed = (c.exact, c.interval, c.n_boot, c.level,
+                                                    c.topk_k, c.seed)
+    reward = task.check_reward(c.reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
         sketch_dim = None if n_params <= _FLAT_LIMIT else 1024
-    elif sketch_dim is not None:
-        check_knob("sketch_dim", sketch_dim, minimum=1)
     # the sizes (response floor, adaptive cap, reference) from the one function the cost
     # notice reads too: what it prints is what this run samples
     V = int(policy.model.get_output_embeddings().weight.shape[0])
-    sizes = variance_plan(task, vocab_size=V,
-                          schemes=schemes, Gs=Gs, M=M, M_cap=M_cap, target_rel_se=target_rel_se,
-                          min_responses=min_responses, n_prompts=n_prompts, reference=reference,
-                          n_ref=n_ref, exact=exact, table_limit=table_limit)
+    plan_sizes = sizes(task, c, V)
     t0 = time.perf_counter()
-    Gs, min_responses, M_floor, M_cap = sizes.Gs, sizes.min_responses, sizes.M_floor, sizes.M_cap
-    ref_kind, use_table = sizes.reference, sizes.table
+    Gs, min_responses = plan_sizes.Gs, plan_sizes.min_responses
+    M_floor, M_cap = plan_sizes.M_floor, plan_sizes.M_cap
+    ref_kind, use_table = plan_sizes.reference, plan_sizes.table
     cfg = {"analysis": "variance", "policy": policy.name, "policy_meta": policy.meta,
            "task": task.name, "knobs": task.knobs, "reward": reward, "schemes": list(schemes),
            "Gs": Gs, "modes": list(modes), "M": M, "M_cap": M_cap,
@@ -800,3 +854,18 @@ def _pool(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         out["method"] = g["method"].agg(lambda s: s.iloc[0] if s.nunique() == 1 else "mixed")
     out["n_prompts"] = g.size()
     return out.reset_index()
+
+
+def plan(tasks: Sequence[Task], config: VarianceConfig, vocab_size: Callable[[], int]) -> Plan:
+    """What :func:`run` spends per policy state (``vocab_size()``: the policy's vocabulary)."""
+    return sizes(one_task(tasks, "variance"), config, vocab_size()).plan
+
+
+KIND = register_analysis(AnalysisKind(
+    "variance", VarianceConfig, run, variance_figures, plan,
+    "estimator variance, bias, MSE per scheme x G x mode",
+    policies="states", tasks=("sort",), states=("warm",),
+    cli_defaults={"Gs": (2, 4, 8), "M": 16, "n_prompts": 1, "n_ref": 1024},
+    description="Variance, bias, MSE, cosine, SNR of group gradient estimates against an "
+                "exact (enumerated) or sampled reference. CLI defaults are smaller than the "
+                "library's (G 2 4 8 16 32, M 32, 2 prompts) to run in minutes on 2 cores."))

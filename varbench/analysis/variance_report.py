@@ -13,8 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from varbench._util.checks import UsageError
-from varbench.estimators.registry import advantages
+from varbench.estimators.registry import reads, schemes
 from varbench.report.headline import (
     DEGENERATE_CI,
     fmt,
@@ -49,14 +48,9 @@ def distinct_estimates(e: torch.Tensor) -> int:
 def reads_proxy_weights(label: str) -> bool:
     """Whether label ``label`` is fed the proxy token weights: its scheme needs token statistics
     beyond the rewards (OTB-type) and the label does not ask for exact weights (``_exact``)."""
-    if label.endswith("_exact"):
+    if label.endswith("_exact") or label not in schemes():
         return False
-    R = torch.tensor([[1.0, 0.0]], device="cpu")
-    try:
-        advantages(label, R, torch.ones((1, 2, 1), dtype=torch.bool, device="cpu"))
-    except UsageError:
-        return True
-    return False
+    return reads(label, "token_weights")  # declared at register_scheme(..., reads=...)
 
 
 def _ratio_se(a: float, sa: float, b: float, sb: float) -> float:

@@ -26,8 +26,6 @@ def _common(p: argparse.ArgumentParser, *, out: str, states: list[str]) -> None:
                    help=f"preset states side by side (default: {' '.join(states)})")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="task knob, VALUE a TOML literal, e.g. --knob n=3 (repeatable)")
-    p.add_argument("--reward", default=None, help="task reward (default: the task's first)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help=f"report directory (default: {out})")
     p.add_argument("--no-cache", action="store_true",
                    help="do not cache finished cells under OUT/cells (no resume)")
@@ -58,44 +56,49 @@ def _case(kind: str, args, keys: dict[str, Any]) -> dict[str, Any]:
             "dtype": args.dtype, "device": args.device,
             "trust_remote_code": args.trust_remote_code or None,
             "add_task_tokens": args.add_task_tokens or None,
-            "knobs": parse_knobs(args.knob), "reward": args.reward, "seed": args.seed, **keys}
+            "knobs": parse_knobs(args.knob), **keys}
     return parse_case({k: v for k, v in body.items() if v is not None}, where="command line")
 
 
-def _int_or_auto(flag: str, what: str, minimum: int | None = None):
-    """A converter for ``flag``: ``auto``, or an integer (at least ``minimum`` when given; else
-    the library checks its range); ``what`` names the integer in the error."""
-    def convert(value: str) -> int | str:
-        from varbench._util.checks import UsageError
+def _parser(f, flag: str):
+    """An argparse ``type=`` reading one value of config field ``f`` (an element of a list
+    field): an int or float for a numeric field (``auto`` too where it is one), else the
+    string. Only the spelling is checked here; the bounds are the config's, as in a suite."""
+    import argparse
 
-        if value == "auto":
-            return value
+    meta = f.metadata
+    numeric = "knob" in meta and (meta.get("knob") is not None or not meta.get("each"))
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    as_float = "float" in kind
+
+    def convert(text: str) -> Any:
+        if not numeric:
+            return text
+        if meta.get("auto") and text == "auto":
+            return text
         try:
-            n = int(value)
+            return float(text) if as_float else int(text)
         except ValueError:
-            n = None
-        if n is None or (minimum is not None and n < minimum):
-            raise UsageError(f"{flag}={value!r} is not valid; give {what} or 'auto'")
-        return n
+            what = "a number" if as_float else "an integer"
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} is not valid; give {what}"
+                + (" or 'auto'" if meta.get("auto") else "")) from None
+
+    convert.__name__ = "float" if as_float and numeric else "int" if numeric else "str"
     return convert
 
 
-_sketch_dim_flag = _int_or_auto("--sketch-dim", "a non-negative integer K (0: flat vectors)")
-
-
-def _run_case(kind: str, keys: dict[str, Any], convert: dict[str, Any] | None = None):
-    """A handler running the case these flags describe inside torchrun's process group
-    (one process outside torchrun); rank 0 writes the report and prints. ``convert``: per
-    key, a function from the flag's string to the case's value (raising UsageError)."""
+def _run_case(kind: str, keys: list[str]):
+    """A handler running the case these flags (``keys``: the case keys they set, each its
+    flag's dest) describe inside torchrun's process group (one process outside torchrun);
+    rank 0 writes the report and prints."""
 
     def handler(args) -> int:
         from varbench._util.distributed import init_from_env, shutdown
         from varbench.app.executors import KINDS
         from varbench.report import write_report
 
-        vals = {k: getattr(args, a) for k, a in keys.items()}
-        for k, fn in (convert or {}).items():
-            vals[k] = fn(vals[k])
+        vals = {k: getattr(args, k) for k in keys}
         case = _case(kind, args, vals)
         if args.plan:
             from varbench.app.executors import KINDS, analysis_plan, register_estimators
@@ -132,88 +135,48 @@ _TASK_HELP = ("a task name, MODULE:ATTR (a Task subclass or factory) or a data f
               ".jsonl/.json/.csv/.parquet / datasets directory (default sort)")
 
 
+def add_config_flags(p: argparse.ArgumentParser, kind) -> list[str]:
+    """One flag per field of the analysis kind's config (``--n-prompts`` and its declared
+    spellings, e.g. ``--prompts``), defaults the kind's command-line ones; returns the case
+    keys they set."""
+    from dataclasses import fields
+
+    from varbench._util.config import field_docs, flags_of
+
+    docs = field_docs(kind.config)
+    keys = []
+    for f in fields(kind.config):
+        default = kind.cli_defaults.get(f.name, f.default)
+        names = flags_of(f)
+        shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+        kw: dict[str, Any] = {"dest": f.name, "type": _parser(f, names[-1]),
+                              "help": f"{docs.get(f.name, '')} (default: {shown})"
+                              .replace("%", "%%")}
+        if f.metadata.get("each"):
+            kw.update(nargs="+", default=list(default))
+        else:
+            kw.update(default=default)
+        p.add_argument(*names, **kw)
+        keys.append(f.name)
+    return keys
+
+
 def register(subparsers) -> None:
-    """Add ``proxy``, ``variance`` and ``cancellation`` to the ``varbench`` CLI."""
-    from varbench.analysis.variance import DEFAULT_SCHEMES
-    from varbench.estimators.aggregation import AGGREGATION_MODES
-    from varbench.stats.intervals import INTERVAL_METHODS
+    """Add a subcommand per registered analysis kind (``proxy``, ``variance``,
+    ``cancellation``) to the ``varbench`` CLI, its flags generated from the kind's config."""
+    from varbench.analysis.kinds import ANALYSES
 
-    p = subparsers.add_parser(
-        "proxy", help="proxy w_t vs exact per-token gradient norms (correlations + CIs)",
-        description="Correlate the Logit-Gradient Proxy with exact per-token, prefix and "
-                    "sequence gradient norms at random init and warm-started, side by side.")
-    p.add_argument("--task", default="sort", help=_TASK_HELP)
-    p.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
-    p.add_argument("-G", type=int, default=6, help="responses per prompt (default 6)")
-    p.add_argument("--boot", type=int, default=200, help="bootstrap draws (default 200)")
-    _common(p, out="reports/proxy", states=["random", "warm"])
-    p.set_defaults(func=_run_case("proxy", {"task": "task", "n_prompts": "prompts", "G": "G",
-                                            "n_boot": "boot"}))
+    for kind in sorted(ANALYSES.values(), key=lambda k: _ORDER.get(k.name, len(_ORDER))):
+        p = subparsers.add_parser(kind.name, help=kind.summary, description=kind.description)
+        if kind.task_key == "tasks":
+            p.add_argument("--tasks", "--task", dest="tasks", nargs="+",
+                           default=list(kind.tasks),
+                           help="tasks (each a name, MODULE:ATTR or data file)")
+        else:
+            p.add_argument("--task", default=kind.tasks[0], help=_TASK_HELP)
+        keys = [kind.task_key, *add_config_flags(p, kind)]
+        _common(p, out=f"reports/{kind.name}", states=list(kind.states))
+        p.set_defaults(func=_run_case(kind.name, keys))
 
-    v = subparsers.add_parser(
-        "variance", help="estimator variance / bias / MSE per scheme x G (paired design)",
-        description="Variance, bias, MSE, cosine, SNR of group gradient estimates against an "
-                    "exact (enumerated) or sampled reference. CLI defaults are smaller than "
-                    "the library's (G 2 4 8 16 32, M 32, 2 prompts) to run in minutes on 2 cores.")
-    v.add_argument("--task", default="sort", help=_TASK_HELP)
-    v.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES),
-                   help="scheme labels; <scheme>_exact = OTB-type with exact weights")
-    v.add_argument("-G", nargs="+", type=int, default=[2, 4, 8],
-                   help="group sizes (default 2 4 8; the library default is 2 4 8 16 32)")
-    v.add_argument("--modes", nargs="+", default=["seq-mean-token-sum"],
-                   choices=list(AGGREGATION_MODES))
-    v.add_argument("-M", type=int, default=16, help="independent groups per prompt (default 16)")
-    v.add_argument("--prompts", type=int, default=1, help="prompts (default 1)")
-    v.add_argument("--reference", default="auto", choices=["auto", "exact", "sampled"])
-    v.add_argument("--n-ref", type=int, default=1024, help="sampled reference size")
-    v.add_argument("--sketch-dim", default="1024", metavar="K|0|auto",
-                   help="count-sketch dim K; 0: flat vectors (exact contraction); auto: flat "
-                        "up to 200k parameters, else 1024 (default 1024)")
-    v.add_argument("--sketch-seed", type=int, default=0,
-                   help="seed of the count sketch, independent of --seed (default 0)")
-    v.add_argument("--M-cap", type=int, default=None,
-                   help="adaptive M: largest groups per prompt (default: -M, no growth)")
-    v.add_argument("--target-rel-se", type=float, default=None,
-                   help="adaptive M: grow M in steps of -M until the headline quantities' "
-                        "relative SE is at most this (default: off)")
-    v.add_argument("--min-responses", default="auto", metavar="N|auto",
-                   help="responses per prompt at least (M raised in steps of -M); auto: "
-                        "4096 when a scheme reads the proxy weights (OTB-type), else 0")
-    v.add_argument("--interval", default="studentized",
-                   help=f"interval method: {' | '.join(INTERVAL_METHODS)} (default studentized)")
-    v.add_argument("--n-boot", type=int, default=1000, help="bootstrap draws (default 1000)")
-    v.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
-    v.add_argument("--exact", default="auto",
-                   help="exact cells from an enumerated response table: auto | never")
-    v.add_argument("--table-limit", type=int, default=256,
-                   help="largest enumerated token count for exact cells (default 256)")
-    v.add_argument("--topk-k", type=int, default=1)
-    _common(v, out="reports/variance", states=["warm"])
-    v.set_defaults(func=_run_case("variance", {
-        "task": "task", "schemes": "schemes", "Gs": "G", "modes": "modes", "M": "M",
-        "n_prompts": "prompts", "reference": "reference", "n_ref": "n_ref",
-        "sketch_dim": "sketch_dim", "sketch_seed": "sketch_seed", "M_cap": "M_cap",
-        "target_rel_se": "target_rel_se", "min_responses": "min_responses",
-        "interval": "interval", "n_boot": "n_boot",
-        "level": "level", "exact": "exact", "table_limit": "table_limit",
-        "topk_k": "topk_k"}, convert={"sketch_dim": _sketch_dim_flag,
-                                                   "min_responses": _int_or_auto(
-                                                       "--min-responses", "an integer >= 0",
-                                                       minimum=0)}))
 
-    c = subparsers.add_parser(
-        "cancellation", help="shared-step token gradient cancellation diagnostics",
-        description="Prefix-trie shared steps: residuals, weighting-induced residuals, gradient "
-                    "cancellation ratios and per-token net weights across aggregation modes, "
-                    "token vs sequence ratios, PPO inner steps and restoring transforms.")
-    c.add_argument("--tasks", "--task", nargs="+", default=["arith", "toolsum"],
-                   help="tasks (each a name, MODULE:ATTR or data file)")
-    c.add_argument("--prompts", type=int, default=4)
-    c.add_argument("-G", type=int, default=6)
-    c.add_argument("--scheme", default="centered")
-    c.add_argument("--inner-steps", nargs="+", type=int, default=[0, 3])
-    c.add_argument("--sketch-dim", type=int, default=256, help="gradient sketch dim (0: none)")
-    _common(c, out="reports/cancellation", states=["warm"])
-    c.set_defaults(func=_run_case("cancellation", {
-        "tasks": "tasks", "n_prompts": "prompts", "G": "G", "scheme": "scheme",
-        "inner_steps": "inner_steps", "sketch_dim": "sketch_dim"}))
+_ORDER = {"proxy": 0, "variance": 1, "cancellation": 2}  # `varbench --help`'s order

@@ -1,16 +1,16 @@
 """Case kinds a suite may name, and how the runner executes each one.
 
-A kind points at one library function by ``"module:function"``; the suite keys a case may set
-are that function's keyword parameters (read from its signature, so the schema cannot drift
-from the code), minus the ones the runner supplies itself (cache directory, progress). Every
-kind returns a list of :class:`~varbench.report.result.AnalysisResult` for the report.
-
-Kinds: ``proxy``, ``variance``, ``cancellation`` (the analyses; besides the function's keywords
-a case sets ``preset``/``checkpoint``, ``states`` (random, warm), ``task`` or ``tasks`` and
-``knobs``, from which the runner builds the Policy and Task objects), ``train`` (one training
-run; keys are :class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training
-validation experiment; keys are :class:`~varbench.analysis.validate.ValidateConfig` fields plus
-``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's ``MODULE:FUNCTION``).
+The analysis kinds are the registered ones (:data:`varbench.analysis.kinds.ANALYSES`, read
+live): a case's keys are the kind's config fields, its task(s) and the
+:class:`~varbench.app.specs.PolicySpec` keys, validated by ``config.from_dict`` and
+``PolicySpec.from_dict`` (:func:`split_case`); one executor builds the policies as the kind
+lays them out and calls its ``run(policies, tasks, config)``. The other kinds point at one
+library function by ``"module:function"``: ``train`` (one training run; keys are
+:class:`~varbench.train.config.TrainConfig` fields), ``validate`` (the training validation
+experiment; keys are :class:`~varbench.analysis.validate.ValidateConfig` fields plus
+``reduced``) and ``check`` (``check_estimator`` on a scheme name or a user's
+``MODULE:FUNCTION``; its keys are the function's keyword parameters). Every kind returns a list
+of :class:`~varbench.report.result.AnalysisResult` for the report.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import importlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,17 +37,24 @@ def _setting(name: str, default: Any) -> inspect.Parameter:
     return _P(name, _P.KEYWORD_ONLY, default=default)
 
 
-# Settings of the analysis kinds that become Policy / Task objects (as `varbench proxy` etc.
-# build them): the model, its states, and the task(s) with their knobs.
-_MODEL_SETTINGS = {
-    "preset": _setting("preset", "tiny"),  # embedded preset (random init / warm-started)
-    "checkpoint": _setting("checkpoint", None),  # a local HF checkpoint dir instead, used as is
-    "knobs": _setting("knobs", None),  # task knobs, e.g. { n = 3 }
-    "dtype": _setting("dtype", "auto"),  # model dtype: auto (stored) or a torch dtype name
-    "device": _setting("device", ""),  # "" (auto: cuda if available, else cpu), cpu, cuda:N
-    "trust_remote_code": _setting("trust_remote_code", False),
-    "add_task_tokens": _setting("add_task_tokens", False),  # add a toy task's symbols as tokens
-}
+def analysis_parameters(kind: Any) -> dict[str, inspect.Parameter]:
+    """The suite keys of an analysis kind: its config's fields, its task(s), and the
+    :class:`~varbench.app.specs.PolicySpec` keys (the kind's default states)."""
+    from dataclasses import MISSING, fields
+
+    from varbench.app.specs import PolicySpec
+
+    out = {}
+    for f in fields(kind.config):
+        default = f.default
+        out[f.name] = _P(f.name, _P.KEYWORD_ONLY, annotation=f.type,
+                         default=list(default) if isinstance(default, tuple) else default)
+    many = kind.task_key == "tasks"
+    out[kind.task_key] = _setting(kind.task_key, list(kind.tasks) if many else kind.tasks[0])
+    for f in fields(PolicySpec):
+        default = None if f.default is MISSING else f.default  # knobs: a table or nothing
+        out[f.name] = _setting(f.name, list(kind.states) if f.name == "states" else default)
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class CaseKind:
     target: str  # "module:function"
     summary: str
     settings: tuple[tuple[str, Any], ...] = ()  # extra suite keys and their defaults
+    analysis: Any = None  # the registered AnalysisKind (varbench.analysis.kinds) of an analysis
 
     def function(self) -> Callable:
         module, _, attr = self.target.partition(":")
@@ -73,6 +81,8 @@ class CaseKind:
 
     def parameters(self) -> dict[str, inspect.Parameter]:
         """Suite-settable keys of this kind with their defaults, by name."""
+        if self.analysis is not None:
+            return analysis_parameters(self.analysis)
         if self.name == "train":
             from dataclasses import fields
 
@@ -97,8 +107,6 @@ class CaseKind:
             out[p.name] = p
         if self.name == "check":
             out["estimator"] = _P("estimator", _P.KEYWORD_ONLY)
-        else:
-            out.update(_MODEL_SETTINGS)
         out.update({k: _setting(k, v) for k, v in self.settings})
         return out
 
@@ -131,7 +139,7 @@ class CaseKind:
         ``work_dir`` is the case's private scratch space (analysis cells under ``cells/``,
         a training run under ``run/``); ``cache=False`` keeps no analysis cells (no resume).
         """
-        run = _EXECUTORS[self.name]
+        run = _analysis if self.analysis is not None else _EXECUTORS[self.name]
         if self.name == "check" or _world_size() > 1:  # no scratch / torchrun ranks share it
             return run(self, name, dict(params), Path(work_dir), progress, cache)
         from varbench._util.locks import dir_lock
@@ -147,30 +155,51 @@ def _world_size() -> int:
     return rank_world()[1]
 
 
-KINDS: dict[str, CaseKind] = {
-    k.name: k
-    for k in (
-        CaseKind("proxy", "varbench.analysis.proxy:proxy_correlation",
-                 "proxy w_t / W_t against exact per-token and prefix gradient norms",
-                 (("task", "sort"), ("states", ["random", "warm"]))),
-        CaseKind("variance", "varbench.analysis.variance:estimator_variance",
-                 "estimator variance, bias, MSE per scheme x G x mode",
-                 (("task", "sort"), ("states", ["warm"]))),
-        CaseKind("cancellation", "varbench.analysis.cancellation:cancellation",
-                 "token gradient cancellation at shared steps",
-                 (("tasks", ["arith", "toolsum"]), ("states", ["warm"]))),
-        CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
-        CaseKind("validate", "varbench.analysis.validate:run_validation",
-                 "the training validation experiment (schemes x G x seeds, claims)"),
-        CaseKind("check", "varbench.testing.check:check_estimator",
-                 "regression checks of an advantage estimator"),
-    )
-}
+_FIXED = {k.name: k for k in (
+    CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
+    CaseKind("validate", "varbench.analysis.validate:run_validation",
+             "the training validation experiment (schemes x G x seeds, claims)"),
+    CaseKind("check", "varbench.testing.check:check_estimator",
+             "regression checks of an advantage estimator"),
+)}
 
 
-# How each analysis takes its policies: "states" = one call with {state: Policy} side by side,
-# "each" = one call (and one result) per state, "per_task" = one call with {task: Policy}.
-_POLICY_ARGS = {"proxy": "states", "variance": "each", "cancellation": "per_task"}
+class _Kinds(Mapping):
+    """The case kinds: every registered analysis kind (read live from
+    :data:`varbench.analysis.kinds.ANALYSES`, so one registered later is a suite kind and a
+    subcommand too), then ``train``, ``validate`` and ``check``."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, CaseKind] = {}  # by name, rebuilt when the name is re-declared
+
+    def _analyses(self) -> dict[str, Any]:
+        from varbench.analysis.kinds import ANALYSES
+
+        return ANALYSES
+
+    def __getitem__(self, name: str) -> CaseKind:
+        ak = self._analyses().get(name)
+        if ak is None:
+            return _FIXED[name]
+        made = self._made.get(name)
+        if made is None or made.analysis is not ak:
+            made = self._made[name] = CaseKind(ak.name, f"{ak.run.__module__}:run",
+                                               ak.summary, analysis=ak)
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._analyses(), *_FIXED])
+
+    def __len__(self) -> int:
+        return len(self._analyses()) + len(_FIXED)
+
+
+KINDS: Mapping[str, CaseKind] = _Kinds()
+
+
+def planned() -> list[str]:
+    """The kinds with a cost plan (the analyses)."""
+    return [k for k, v in KINDS.items() if v.analysis is not None]
 
 
 def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> dict[str, Any]:
@@ -206,16 +235,23 @@ def register_estimators(params: dict[str, Any]) -> None:
                 resolve_scheme(v)
 
 
-PLANNED = tuple(_POLICY_ARGS)  # the kinds with a cost plan (analysis_plan)
+def split_case(kind: CaseKind, params: dict) -> tuple[Any, Any, list[str]]:
+    """``(PolicySpec, config, task specs)`` of an analysis case's parameters: the one
+    validation of the suite schema and the subcommands (errors name the key)."""
+    from varbench.app.specs import PolicySpec
 
-
-def _analysis_params(kind: CaseKind, params: dict) -> dict:
-    """A case's parameters with every default filled in (``sketch_dim = 0``: no sketch)."""
-    full = {k: p.default for k, p in kind.parameters().items() if p.default is not _P.empty}
-    params = {**full, **params}
-    if params.get("sketch_dim") == 0:
-        params["sketch_dim"] = None  # TOML has no null: 0 means "no sketch", as on the CLI
-    return params
+    ak = kind.analysis
+    if ak is None:
+        raise UsageError(f"case kind {kind.name!r} has no cost plan; kinds with one: "
+                         f"{planned()}")
+    keys = PolicySpec.keys()
+    policy = {k: v for k, v in params.items() if k in keys}
+    policy.setdefault("states", list(ak.states))
+    raw = params.get(ak.task_key, list(ak.tasks) if ak.task_key == "tasks" else ak.tasks[0])
+    specs = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    config = {k: v for k, v in params.items() if k not in keys and k != ak.task_key}
+    return (PolicySpec.from_dict(policy, source=f"case {kind.name!r}"),
+            ak.config.from_dict(config, source=f"case {kind.name!r}"), specs)
 
 
 def analysis_plan(kind: CaseKind, params: dict, *, tasks: list | None = None,
@@ -224,35 +260,22 @@ def analysis_plan(kind: CaseKind, params: dict, *, tasks: list | None = None,
     the analysis's own plan function (:mod:`varbench.analysis.plan`). ``tasks``: the resolved
     Task objects (None: resolved here from the case); ``vocab_size``: the policy's output
     vocabulary (None: read from its config, no weights loaded)."""
-    from varbench.analysis.cancellation import cancellation_plan
-    from varbench.analysis.proxy import proxy_plan
-    from varbench.analysis.variance import variance_plan
     from varbench.app.specs import resolve_task
     from varbench.train.policies import is_checkpoint_dir, vocab_size_of
 
-    if kind.name not in PLANNED:
-        raise UsageError(f"case kind {kind.name!r} has no cost plan; kinds with one: "
-                         f"{list(PLANNED)}")
-    p = _analysis_params(kind, params)
-    spec = p["checkpoint"] if p["checkpoint"] is not None else p["preset"]
-    knobs = p["knobs"] or {}
+    pspec, config, specs = split_case(kind, params)
     if tasks is None:
-        specs = p["tasks"] if kind.name == "cancellation" else [p["task"]]
-        tasks = [resolve_task(t, knobs) for t in specs]
-    if kind.name == "cancellation":  # one policy per task (the first state)
-        plan = cancellation_plan(n_tasks=len(tasks), n_prompts=p["n_prompts"], G=p["G"],
-                                 inner_steps=p["inner_steps"], sketch_dim=p["sketch_dim"])
+        tasks = [resolve_task(t, pspec.knobs) for t in specs]
+
+    def vocab() -> int:
+        return vocab_size if vocab_size is not None else vocab_size_of(
+            pspec.spec, trust_remote_code=pspec.trust_remote_code)
+
+    plan = kind.analysis.plan(tasks, config, vocab)
+    if kind.analysis.policies == "per_task":  # one policy per task (the first state)
         return plan, f"{len(tasks)} task(s)"
-    states = ([Path(spec).name] if is_checkpoint_dir(spec)
-              else [str(s) for s in dict.fromkeys(p["states"])])
-    if kind.name == "proxy":
-        plan = proxy_plan(n_prompts=p["n_prompts"], G=p["G"])
-    else:
-        V = vocab_size if vocab_size is not None else vocab_size_of(
-            spec, trust_remote_code=bool(p["trust_remote_code"]))
-        keys = inspect.signature(variance_plan).parameters
-        plan = variance_plan(tasks[0], vocab_size=V,
-                             **{k: v for k, v in p.items() if k in keys and k != "task"}).plan
+    states = ([Path(pspec.spec).name] if is_checkpoint_dir(pspec.spec)
+              else [str(s) for s in dict.fromkeys(pspec.states)])
     label = f"{len(states)} polic{'y' if len(states) == 1 else 'ies'}: {', '.join(states)}"
     return plan.times(len(states)), label
 
@@ -273,73 +296,43 @@ def _notice(name: str, plan, label: str, *, again: bool = False) -> None:
 
 def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
-    """The one executor of the analysis kinds, for suite cases and subcommands alike."""
+    """The one executor of the analysis kinds, for suite cases and subcommands alike: the
+    policies as the kind lays them out, then ``run(policies, tasks, config)``."""
     from varbench.app.specs import resolve_device, resolve_task
 
-    fn = kind.function()
+    ak = kind.analysis
     register_estimators(params)
-    params = _analysis_params(kind, params)
-    knobs = params["knobs"] or {}
-    specs = params["tasks"] if kind.name == "cancellation" else [params["task"]]
-    resolved = [resolve_task(t, knobs) for t in specs]
-    plan, label = analysis_plan(kind, params, tasks=resolved)
+    pspec, config, specs = split_case(kind, params)
+    tasks = [resolve_task(t, pspec.knobs) for t in specs]
+    plan, label = analysis_plan(kind, params, tasks=tasks)
     _notice(name, plan, label)  # before any policy is built or warm-started
-    params.pop("knobs")
-    preset, checkpoint = params.pop("preset"), params.pop("checkpoint")
-    states = params.pop("states")
-    spec = checkpoint if checkpoint is not None else preset
-    device = resolve_device(params.pop("device"))  # "" / None: cuda when available, else cpu
-    policy_kw = {"dtype": params.pop("dtype"), "device": device,
-                 "trust_remote_code": params.pop("trust_remote_code"),
-                 "add_task_tokens": params.pop("add_task_tokens")}
-    # the device type is in the cell keys (CPU and CUDA generators draw apart; cuda:0 and
-    # cuda:1 alike, so torchrun ranks agree on them)
-    settings = {"preset": preset, "checkpoint": checkpoint, "states": states, "knobs": knobs,
-                **policy_kw, "device": device.type}
-    run = {"cache_dir": str(work_dir / "cells") if cache else None, "progress": progress,
-           "config": settings}
-    seed = params.get("seed", 0)
-    how = _POLICY_ARGS[kind.name]
-    if how == "per_task":
-        params.pop("tasks")
-        tasks = resolved
-        settings["task_fingerprints"] = [t.fingerprint() for t in tasks]
-        pols = {t.name: next(iter(_ranked_states(spec, states, t, seed, progress,
+    device = resolve_device(pspec.device)  # "": cuda when available, else cpu
+    policy_kw = {"dtype": pspec.dtype, "device": device,
+                 "trust_remote_code": pspec.trust_remote_code,
+                 "add_task_tokens": pspec.add_task_tokens}
+    settings = pspec.settings(device)
+    settings["task_fingerprints"] = [t.fingerprint() for t in tasks]  # a data file's hash
+    seed = getattr(config, "seed", 0)
+    if ak.policies == "per_task":
+        pols = {t.name: next(iter(_ranked_states(pspec.spec, pspec.states, t, seed, progress,
                                                  **policy_kw).values()))
                 for t in tasks}
-        settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
-        before = error_counts()
-        with batchable_attention(pols) as attention:
-            results = [fn(pols, tasks, **params, **run)]
     else:
-        params.pop("task")
-        task = resolved[0]
-        settings["task_fingerprints"] = [task.fingerprint()]  # a data file's content hash
-        pols = _ranked_states(spec, states, task, seed, progress, **policy_kw)
-        if kind.name == "variance":  # the vocabulary as built (task tokens may have grown it)
-            V = {int(p.model.get_output_embeddings().weight.shape[0]) for p in pols.values()}
-            if len(V) == 1:
-                built, _ = analysis_plan(kind, {**params, "task": specs[0], "knobs": knobs,
-                                                "preset": preset, "checkpoint": checkpoint,
-                                                "states": states},
-                                         tasks=resolved, vocab_size=V.pop())
-                if built != plan:
-                    _notice(name, built, label, again=True)
-        settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
-        before = error_counts()
-        with batchable_attention(pols) as attention:
-            if how == "states":
-                results = [fn(pols, task, **params, **run)]
-            else:
-                results = []
-                for state, pol in pols.items():
-                    res = fn(pol, task, **params,
-                             **{**run, "config": {**settings, "state": state}})
-                    res.name = f"{name} ({state})" if len(pols) > 1 else name
-                    results.append(res)
+        pols = _ranked_states(pspec.spec, pspec.states, tasks[0], seed, progress, **policy_kw)
+        # the vocabulary as built (task tokens may have grown it): the notice again if it moved
+        V = {int(p.model.get_output_embeddings().weight.shape[0]) for p in pols.values()}
+        if len(V) == 1:
+            built, _ = analysis_plan(kind, params, tasks=tasks, vocab_size=V.pop())
+            if built != plan:
+                _notice(name, built, label, again=True)
+    settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys
+    before = error_counts()
+    with batchable_attention(pols) as attention:
+        results = ak.run(pols, tasks, config,
+                         cache_dir=str(work_dir / "cells") if cache else None,
+                         progress=progress, settings=settings)
     for r in results:
-        if how != "each":
-            r.name = name
+        r.name = name if len(results) == 1 else f"{name} ({r.config['state']})"
         _annotate(r, pols, before)
         r.notes = [*list(r.notes or []), *attention]
         r.provenance["attention_switch"] = attention
@@ -480,5 +473,4 @@ def _read_report(out: Path, name: str) -> list:
     return results
 
 
-_EXECUTORS = {"proxy": _analysis, "variance": _analysis, "cancellation": _analysis,
-              "train": _train, "validate": _validate, "check": _check}
+_EXECUTORS = {"train": _train, "validate": _validate, "check": _check}

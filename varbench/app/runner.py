@@ -114,16 +114,16 @@ def plan_suite(suite: Suite | str | Path, *, device: str | None = None,
     """One line per case: what an analysis case will spend (the notice it prints when it
     runs, :func:`~varbench.app.executors.analysis_plan`); other kinds say they have no cost
     plan. Nothing is sampled and no policy is built; cached cases are not looked up."""
-    from varbench.app.executors import KINDS, PLANNED, analysis_plan
+    from varbench.app.executors import KINDS, analysis_plan, planned
 
     suite = suite if isinstance(suite, Suite) else load_suite(suite, device=device,
                                                              allow_code=allow_code)
     preflight(suite.cases)
     lines = []
     for case in suite.cases:
-        if case.kind not in PLANNED:
+        if case.kind not in planned():
             lines.append(f"{case.name}: {case.kind} case, no cost plan (kinds with one: "
-                         f"{', '.join(PLANNED)})")
+                         f"{', '.join(planned())})")
             continue
         try:
             with user_code(f"user code in case {case.name!r}"):

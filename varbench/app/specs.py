@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from varbench._util.checks import UsageError, check_device
+from varbench._util.checks import UsageError, UsageTypeError, check_device
+from varbench._util.config import DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICE_HELP = ("cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else cpu; "
                "under torchrun the rank's own GPU with NCCL, the cpu with gloo)")
 
@@ -185,3 +187,99 @@ def policy_states(spec: str, states: Iterable[str], task, *, seed: int = 0,
         out[STATE_LABELS[s]] = resolve_policy(spec, task=task, warm=s == "warm", seed=seed,
                                               progress=progress, **policy)
     return out
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """The policy an analysis runs on, as a suite case and ``varbench proxy`` etc. spell it:
+    one spec, validated one way (:meth:`from_dict`) for the command line and suites alike."""
+
+    preset: str = "tiny"
+    """Embedded preset (random init or warm-started, per state)."""
+    checkpoint: str | None = None
+    """A local Hugging Face checkpoint directory instead, used as is (no states)."""
+    states: tuple[str, ...] = ("warm",)
+    """Preset states side by side: random (init) and / or warm (warm-started on the task)."""
+    dtype: str = "auto"
+    """Model dtype: auto (the stored one) or a torch dtype name."""
+    device: str = ""
+    """"" (auto: cuda when available, else cpu), cpu, cuda, cuda:N or mps."""
+    trust_remote_code: bool = False
+    """Allow a checkpoint's own Python code to run when loading it."""
+    add_task_tokens: bool = False
+    """Add a toy task's symbols as tokens (resizing the embeddings)."""
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+    """Task knobs, e.g. ``{n = 3}``."""
+
+    @property
+    def spec(self) -> str:
+        """What :func:`policy_states` builds: the checkpoint directory, else the preset."""
+        return self.checkpoint if self.checkpoint is not None else self.preset
+
+    def settings(self, device: torch.device) -> dict[str, Any]:
+        """The spec as an analysis's cache keys read it (the device by its type: CPU and CUDA
+        generators draw apart, cuda:0 and cuda:1 alike)."""
+        return {"preset": self.preset, "checkpoint": self.checkpoint,
+                "states": list(self.states), "knobs": dict(self.knobs), "dtype": self.dtype,
+                "device": device.type, "trust_remote_code": self.trust_remote_code,
+                "add_task_tokens": self.add_task_tokens}
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The suite keys of a policy spec."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "policy") -> PolicySpec:
+        """Validate ``data`` (some of :meth:`keys`); errors name ``source``, the key, the value
+        and what is valid."""
+        from varbench.models import presets
+
+        def bad(key: str, what: str, err: type[UsageError] = UsageError) -> UsageError:
+            return err(f"{source} key {key!r} = {data[key]!r} is not valid; {what}")
+
+        unknown = [k for k in data if k not in cls.keys()]
+        if unknown:
+            raise UsageError(f"{source}: unknown key {unknown[0]!r}; valid keys: "
+                             f"{sorted(cls.keys())}")
+        out = {k: v for k, v in data.items() if v is not None}
+        for key in ("preset", "dtype", "device") + (("checkpoint",) if "checkpoint" in out
+                                                     else ()):
+            if key in out and not isinstance(out[key], str):
+                raise bad(key, "expected a string", UsageTypeError)
+        for key in ("trust_remote_code", "add_task_tokens"):
+            if key in out and not isinstance(out[key], bool):
+                raise bad(key, "expected true or false", UsageTypeError)
+        if "preset" in out and out["preset"] not in presets():
+            raise bad("preset", f"choose one of {presets()}")
+        if "checkpoint" in out and not Path(out["checkpoint"]).is_dir():
+            raise bad("checkpoint", "expected an existing checkpoint directory")
+        if "states" in out:
+            states = out["states"]
+            if isinstance(states, str) or not isinstance(states, (list, tuple)) or not states:
+                raise bad("states", f"give a non-empty list of {list(STATES)}")
+            for s in states:
+                if s not in STATES:
+                    raise bad("states", f"{s!r} is not one of {list(STATES)}")
+            out["states"] = tuple(states)
+        if "dtype" in out and out["dtype"] not in DTYPES:
+            raise bad("dtype", f"choose one of {list(DTYPES)}")
+        if out.get("device") not in (None, "", "auto"):
+            try:
+                check_device("device", out["device"])
+            except UsageError as err:
+                raise UsageError(f"{source} key 'device': {err}") from None
+        if "knobs" in out:
+            if not isinstance(out["knobs"], Mapping):
+                raise bad("knobs", "expected a table, e.g. { n = 3 }", UsageTypeError)
+            out["knobs"] = dict(out["knobs"])
+        return cls(**out)
+
+    def build(self, task, *, seed: int = 0, progress: bool | None = None,
+              device: torch.device | None = None) -> dict[str, Any]:
+        """``{state label: Policy}`` on ``task`` (:func:`policy_states`)."""
+        return policy_states(self.spec, self.states, task, seed=seed, progress=progress,
+                             dtype=self.dtype, device=device if device is not None
+                             else resolve_device(self.device),
+                             trust_remote_code=self.trust_remote_code,
+                             add_task_tokens=self.add_task_tokens)

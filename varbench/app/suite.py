@@ -294,6 +294,14 @@ def parse_case(raw: Any, *, index: int = 0, where: str = "command line",
         from varbench.train.config import TrainConfig
 
         TrainConfig.from_dict(merged, source=f"{where}: {at}")  # validates types
+    if KINDS[kind].analysis is not None:  # the kind's config and the policy spec: as the run
+        from varbench.app.executors import split_case
+
+        try:
+            split_case(KINDS[kind], merged)
+        except UsageError as err:
+            msg = str(err).replace(f"case {kind!r}", f"{where}: {at}", 1)
+            raise SuiteError(msg) from None
     inputs = _check_tasks(where, at, kind, merged)
     return Case(index, name, kind, merged, inputs)
 
@@ -310,7 +318,7 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tupl
 
     if kind == "train":
         specs, knobs = [merged.get("task", "sort")], merged.get("task_options") or {}
-    elif kind in ("proxy", "variance", "cancellation"):
+    elif KINDS[kind].analysis is not None:
         default = KINDS[kind].parameters()
         raw = merged.get("tasks", merged.get("task", None))
         if raw is None:
@@ -325,6 +333,11 @@ def _check_tasks(where: str, at: str, kind: str, merged: dict[str, Any]) -> tupl
             task = check_task_spec(spec, knobs)
         except UsageError as err:
             raise SuiteError(f"{where}: {at} key 'task' = {spec!r}: {err}") from None
+        if task is not None and merged.get("reward") is not None and kind != "train":
+            try:  # the task's own reward names, as the analysis checks them
+                task.check_reward(merged["reward"])
+            except UsageError as err:
+                raise SuiteError(f"{where}: {at} key 'reward': {err}") from None
         if isinstance(task, DatasetTask):
             out.append(task.fingerprint())
         elif task is None and is_reference(spec):
@@ -403,8 +416,6 @@ def _check_value(path: Path, where: str, kind: str, key: str, value: Any,
                 label = " or ".join(t.__name__ for t in admitted)
             raise SuiteError(f"{at} must be a {label} (like its default {default!r}), "
                              f"got {value!r}")
-    if key in _INT_OR_AUTO and isinstance(value, str) and value != "auto":
-        raise SuiteError(f"{at} = {value!r} is not valid; give {_INT_OR_AUTO[key]} or 'auto'")
     choices = _choices(key, kind)
     if choices is not None:
         values = value if isinstance(value, list) else [value]
@@ -453,9 +464,6 @@ def _check_estimator_ref(at: str, ref: str) -> None:
 
 # Ranges of the numeric keys, by name, whatever the kind (suite keys and command-line flags):
 # declared once in varbench._util.bounds and checked for every case before the first one runs.
-# knobs taking an integer or the string "auto", and how their errors name the integer
-_INT_OR_AUTO = {"sketch_dim": "a non-negative integer (0: flat vectors)",
-                "min_responses": "an integer >= 0"}
 
 
 def _check_range(at: str, key: str, value: Any) -> None:
@@ -507,10 +515,11 @@ def _check_finite(at: str, value: Any) -> None:
 def _choices(key: str, kind: str) -> list[Any] | None:
     if key in ("scheme", "schemes", "baselines"):
         from varbench.estimators import schemes
+        from varbench.estimators.registry import weighted_schemes
 
         names = schemes()
-        if kind == "variance":  # labels may name OTB-type schemes with exact weights
-            names = names + [f"{n}_exact" for n in names if n.startswith("otb")]
+        if kind == "variance":  # labels may name the schemes reading token weights, exact
+            names = names + [f"{n}_exact" for n in weighted_schemes()]
         return names
     if key in ("agg", "mode", "modes"):
         from varbench.estimators import AGGREGATION_MODES
@@ -528,12 +537,4 @@ def _choices(key: str, kind: str) -> list[Any] | None:
         from varbench.app.specs import STATES
 
         return list(STATES)
-    if kind == "variance" and key in ("interval", "exact"):
-        from varbench.stats.intervals import INTERVAL_METHODS
-
-        return list(INTERVAL_METHODS) if key == "interval" else ["auto", "never"]
-    if key == "dtype" and kind != "train":
-        from varbench.app.specs import DTYPES
-
-        return list(DTYPES)
     return None

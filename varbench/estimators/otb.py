@@ -263,7 +263,12 @@ def _exact_all_agree(rewards, Gt, B, mask, idx, opts, leave_one_out):
     return torch.where(agree.view(-1, 1, 1), exact, B)
 
 
-@register_scheme("otb", output_masked=True)
+# what OTB reads beyond the rewards: its weights w_t (exact, given cumulatively, or the proxy
+# from the sampler's log-probs and sum_pi_sq)
+OTB_READS = ("token_weights", "cumulative_weights", "logprobs", "sum_pi_sq")
+
+
+@register_scheme("otb", output_masked=True, reads=OTB_READS)
 def otb(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     """Optimal Token Baseline: ``A_t^i = (G_t^i - B_t) m_t^i`` (formula in the module docstring).
 
@@ -278,7 +283,7 @@ def otb(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch
     return _masked_difference(mask, Gt, B)
 
 
-@register_scheme("otb_loo", output_masked=True)
+@register_scheme("otb_loo", output_masked=True, reads=OTB_READS)
 def otb_loo(rewards: torch.Tensor, mask: torch.Tensor, opts: SchemeOptions) -> torch.Tensor:
     """Leave-one-out OTB: B_t^{(-i)} from the other responses running at t; unbiased.
 

@@ -138,6 +138,7 @@ class _Entry:
     extra_options: tuple[str, ...]
     batch_coupled: bool  # True: the result of a group depends on other groups of the batch
     output_masked: bool  # True: the scheme already returns exact zeros under mask 0
+    reads: tuple[str, ...] = ()  # the options the scheme declares it reads (capabilities)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -149,6 +150,7 @@ def register_scheme(
     extra_options: Iterable[str] = (),
     batch_coupled: bool = False,
     output_masked: bool = False,
+    reads: Iterable[str] = (),
 ) -> Callable[[SchemeFn], SchemeFn]:
     """Decorator registering an advantage function under ``name``; returns ``fn`` unchanged.
 
@@ -162,7 +164,11 @@ def register_scheme(
     from ``opts.extra``. ``batch_coupled=True`` marks schemes whose groups interact (e.g. batch
     whitening); adapters then refuse to split a batch by group size. ``output_masked=True``
     promises finite values and exact zeros where mask is False, so :func:`advantages` skips its
-    final masking pass (a speed option; the default masks every output). Re-registering the same
+    final masking pass (a speed option; the default masks every output). ``reads`` declares
+    the options the scheme reads beyond the rewards (e.g. ``("token_weights", "logprobs",
+    "sum_pi_sq")`` for OTB): what the trainer and the analyses ask of it
+    (:func:`scheme_reads`; e.g. only such a scheme takes ``token_weights="exact"``) instead of
+    guessing from its name or calling it. Re-registering the same
     function (same module and qualified name) replaces it; a different function raises.
     A signature that fits no shape, a required keyword that is no option, or an extra option the
     function cannot take raises :class:`~varbench._util.checks.UsageTypeError` here.
@@ -179,6 +185,14 @@ def register_scheme(
             f"{list(OPTION_NAMES)}"
         )
 
+    if isinstance(reads, str):
+        raise UsageTypeError(f"reads={reads!r} is not valid; give a list of option names")
+    declared = tuple(reads)
+    unknown = [o for o in declared if o not in OPTION_NAMES and o not in extra]
+    if unknown:
+        raise UsageError(f"reads={unknown} is not valid: not options of a scheme; choose from "
+                         f"{sorted([*OPTION_NAMES, *extra])}")
+
     def deco(fn: Callable) -> Callable:
         from varbench.estimators.adapters import as_scheme  # adapters imports this module
 
@@ -189,7 +203,7 @@ def register_scheme(
                 f"scheme {name!r} is already registered to {_describe(old.source)}; "
                 f"unregister_scheme({name!r}) first or pick another name"
             )
-        _REGISTRY[name] = _Entry(scheme, fn, extra, batch_coupled, output_masked)
+        _REGISTRY[name] = _Entry(scheme, fn, extra, batch_coupled, output_masked, declared)
         return fn
 
     return deco
@@ -217,6 +231,22 @@ def unregister_scheme(name: str) -> None:
 def schemes() -> list[str]:
     """Names of the registered schemes, in registration order (built-ins first)."""
     return list(_REGISTRY)
+
+
+def scheme_reads(name: str) -> tuple[str, ...]:
+    """The options scheme ``name`` declared it reads (``register_scheme(..., reads=...)``)."""
+    return _lookup(name).reads
+
+
+def reads(name: str, option: str) -> bool:
+    """Whether scheme ``name`` declared that it reads ``option`` (e.g. ``"token_weights"``)."""
+    return option in _lookup(name).reads
+
+
+def weighted_schemes() -> list[str]:
+    """The registered schemes that read token weights (those ``token_weights="exact"`` and an
+    analysis label ``<scheme>_exact`` apply to)."""
+    return [n for n, e in _REGISTRY.items() if "token_weights" in e.reads]
 
 
 def scheme_info(name: str) -> tuple[SchemeFn, tuple[str, ...], bool]:

@@ -19,9 +19,12 @@ from typing import Any
 
 from varbench._util.bounds import KNOBS, check_knob
 from varbench._util.checks import UsageError, UsageFileNotFoundError, UsageTypeError
+from varbench._util.config import DTYPES
+from varbench._util.config import field_docs as config_field_docs
 from varbench.estimators.coefficients import TRANSFORMS
 from varbench.estimators.kl import KL_KINDS
 from varbench.estimators.loss import RATIO_KINDS
+from varbench.estimators.registry import weighted_schemes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,7 +32,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-DTYPES = ("auto", "float32", "bfloat16", "float64")
+# training takes every model dtype but float16 (it would need loss scaling)
+TRAIN_DTYPES = tuple(d for d in DTYPES if d != "float16")
 
 
 @dataclass(frozen=True)
@@ -237,17 +241,7 @@ def with_defaults(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 def field_docs() -> dict[str, str]:
     """Each TrainConfig field's docstring (the CLI's help text), read from this module's source."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
-    docs = {}
-    for node, nxt in zip(cls.body, cls.body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    return config_field_docs(TrainConfig)
 
 
 def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
@@ -279,8 +273,6 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field) -> Any:
 
 TOKEN_WEIGHTS = ("proxy", "exact")
 UPDATE_FORWARDS = ("teacher-forced", "sampler")
-# the registered schemes that read SchemeOptions.token_weights (the others ignore them)
-WEIGHTED_SCHEMES = ("otb", "otb_loo")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -309,13 +301,14 @@ def _validate(c: TrainConfig) -> None:
             f"update_forward='sampler' is not valid with epochs={c.epochs}, "
             f"minibatches={c.minibatches}: the sampler's graph serves one update per step; "
             f"use epochs=1 and minibatches=1, or update_forward='teacher-forced'")
-    if c.token_weights == "exact" and c.scheme not in WEIGHTED_SCHEMES:
+    if c.token_weights == "exact" and c.scheme not in weighted_schemes():
+        # declared by the scheme (register_scheme(..., reads=("token_weights", ...)))
         raise UsageError(f"token_weights='exact' is not valid with scheme={c.scheme!r}: only "
-                         f"the schemes that read token weights take it ({list(WEIGHTED_SCHEMES)})")
+                         f"the schemes that read token weights take it ({weighted_schemes()})")
     if c.dtype == "float16":
         raise UsageError("dtype='float16' is not valid for training (it needs loss scaling); "
-                         f"choose one of {list(DTYPES)}")
-    _choice("dtype", c.dtype, DTYPES)
+                         f"choose one of {list(TRAIN_DTYPES)}")
+    _choice("dtype", c.dtype, TRAIN_DTYPES)
     for name in ("task", "policy", "scheme", "agg", "device"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise UsageTypeError(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
