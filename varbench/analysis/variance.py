@@ -81,6 +81,7 @@ from varbench.stats.intervals import (
     INTERVAL_METHODS,
     INTERVAL_STATS,
     adaptive_groups,
+    gram_matrix,
     group_intervals,
     paired_ratio_interval,
     sketch_sd,
@@ -257,14 +258,18 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             row["method"] = "mc" if ex is None else exact_label
             row["distinct_groups"] = distinct_estimates(e)
             row["degenerate_ci"] = 0.0
+            # X X^T once per estimate set: the intervals, the sketch SD and the paired ratios
+            # all read it
+            gram = gram_matrix(e) if r is not None and (intervals or ex is not None) else None
             if ex is not None:
                 # an exact contraction of sketched vectors is exact for the sketch, not for the
                 # gradients: its one draw's error (read from the sampled groups) is its SE
-                _set_exact(row, ex, sketch_sd(e, r, table_k) if table_k else None, z)
+                _set_exact(row, ex, sketch_sd(e, r, table_k, gram=gram) if table_k else None,
+                           z)
             elif r is not None and intervals:
                 iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
-                                     method=interval)
-                sd = (sketch_sd(e, r, sketch_k) if sketch_k
+                                     method=interval, gram=gram)
+                sd = (sketch_sd(e, r, sketch_k, gram=gram) if sketch_k
                       else dict.fromkeys(INTERVAL_STATS, 0.0))
                 for k in INTERVAL_STATS:
                     w = _widen(iv[k], sd[k], z)
@@ -274,11 +279,11 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                 # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
                 row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
                     row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
-            est[label, mode] = (e, r, None if ex is None else row)
+            est[label, mode] = (e, r, None if ex is None else row, gram)
             rows.append(row)
     for label, base in headline_pairs(labels):
         for mode in modes:
-            (e, r, ex), (eb, _, exb) = est[label, mode], est[base, mode]
+            (e, r, ex, gram), (eb, _, exb, gram_b) = est[label, mode], est[base, mode]
             for stat in ("variance", "mse"):
                 if stat == "mse" and r is None:
                     continue
@@ -292,7 +297,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     if (intervals and r is not None and math.isfinite(c["ratio"])
                             and c["ratio"] > 0):
                         pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
-                                                   n_boot=n_boot, seed=seed, method=interval)
+                                                   n_boot=n_boot, seed=seed, method=interval,
+                                                   gram_a=gram, gram_b=gram_b)
                         row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
                         few = min(distinct_estimates(e), distinct_estimates(eb))
                         row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS

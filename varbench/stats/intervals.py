@@ -36,16 +36,38 @@ INTERVAL_METHODS = ("studentized", "normal")
 _POSITIVE = {"variance", "mse"}
 
 
-class _Parts:
-    """Gram-matrix summaries of M estimates ``X [M, D]`` against ``g* [D]`` (float64)."""
+def gram_matrix(estimates: torch.Tensor) -> torch.Tensor:
+    """``X X^T`` [M, M] in float64 of M estimates ``X [M, D]``: computed once, it can be handed
+    to :func:`group_intervals`, :func:`paired_ratio_interval` and :func:`sketch_sd` (``gram=``),
+    which otherwise each form it (O(M^2 D) apiece)."""
+    x = estimates.detach().to(torch.float64)
+    return x @ x.T
 
-    def __init__(self, x: torch.Tensor, ref: torch.Tensor) -> None:
-        x = x.detach().to(torch.float64)
+
+def _check_gram(gram: torch.Tensor | None, M: int, arg: str = "gram") -> None:
+    if gram is not None and tuple(gram.shape) != (M, M):
+        raise UsageError(f"{arg} has shape {list(gram.shape)}, expected [{M}, {M}] "
+                         "(gram_matrix of the estimates)")
+
+
+class _Parts:
+    """Gram-matrix summaries of M estimates ``X [M, D]`` against ``g* [D]`` (float64); the
+    Gram matrix (only the variance needs it) is ``gram`` or formed on first use."""
+
+    def __init__(self, x: torch.Tensor, ref: torch.Tensor,
+                 gram: torch.Tensor | None = None) -> None:
+        self._x = x.detach().to(torch.float64)
         ref = ref.detach().to(torch.float64).reshape(-1)
-        self.gram = x @ x.T
-        self.sq = self.gram.diagonal().clone()
-        self.xg = x @ ref
+        self._gram = None if gram is None else gram.to(torch.float64)
+        self.sq = (self._x * self._x).sum(1)
+        self.xg = self._x @ ref
         self.gg = float(ref @ ref)
+
+    @property
+    def gram(self) -> torch.Tensor:
+        if self._gram is None:
+            self._gram = self._x @ self._x.T
+        return self._gram
 
     def stat(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(theta [B], influence values [B, M]) of statistic ``name`` under weights w [B, M]."""
@@ -129,8 +151,10 @@ def group_intervals(
     n_boot: int = 1000,
     seed: int = 0,
     method: str = "studentized",
+    gram: torch.Tensor | None = None,
 ) -> dict[str, dict[str, float]]:
     """``{stat: {value, se, ci_low, ci_high}}`` for M group estimates ``[M, D]`` against g* [D].
+    ``gram``: :func:`gram_matrix` of the estimates, if already formed.
 
     ``method``: ``studentized`` (bootstrap-t over groups; log scale for variance and MSE) or
     ``normal`` (value +- z SE with the influence-function SE; on the log scale for the positive
@@ -140,8 +164,9 @@ def group_intervals(
     check_choice("method", method, INTERVAL_METHODS)
     if estimates.dim() != 2 or estimates.shape[0] < 3:
         raise UsageError(f"estimates must be [M >= 3, D], got {list(estimates.shape)}")
-    parts = _Parts(estimates, reference)
     M = estimates.shape[0]
+    _check_gram(gram, M)
+    parts = _Parts(estimates, reference, gram)
     out = {}
     for k, name in enumerate(stats):
         def fn(w, name=name):
@@ -163,8 +188,11 @@ def paired_ratio_interval(
     n_boot: int = 1000,
     seed: int = 0,
     method: str = "studentized",
+    gram_a: torch.Tensor | None = None,
+    gram_b: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``{value, se, ci_low, ci_high}`` of stat_a / stat_b on the SAME M groups (paired).
+    ``gram_a``, ``gram_b``: :func:`gram_matrix` of each, if already formed.
 
     The bootstrap resamples groups jointly for both schemes, and the SE is the delta-method SE
     of the ratio (influence ``(IF_a - r IF_b) / b``), so the shared sampling noise cancels.
@@ -175,7 +203,9 @@ def paired_ratio_interval(
     if estimates_a.shape[0] != estimates_b.shape[0]:
         raise UsageError(f"paired schemes need the same groups: M={estimates_a.shape[0]} vs "
                          f"{estimates_b.shape[0]}")
-    pa, pb = _Parts(estimates_a, reference), _Parts(estimates_b, reference)
+    _check_gram(gram_a, estimates_a.shape[0], "gram_a")
+    _check_gram(gram_b, estimates_b.shape[0], "gram_b")
+    pa, pb = _Parts(estimates_a, reference, gram_a), _Parts(estimates_b, reference, gram_b)
 
     def fn(w):
         a, ia = pa.stat(stat, w)
@@ -188,7 +218,8 @@ def paired_ratio_interval(
     return {"value": th, "se": se, "ci_low": lo, "ci_high": hi}
 
 
-def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int) -> dict[str, float]:
+def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int, *,
+              gram: torch.Tensor | None = None) -> dict[str, float]:
     """Standard deviation, over the random CountSketch, of variance, MSE and projection.
 
     For a CountSketch S with K buckets and fixed x, y: ``Var[<Sx, Sy>] <= (||x||^2 ||y||^2 +
@@ -203,15 +234,18 @@ def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int) -> dict[
     x = estimates.detach().to(torch.float64)
     ref = reference.detach().to(torch.float64).reshape(-1)
     M = x.shape[0]
-    u = x - x.mean(0)
-    cu = u @ u.T / (M - 1)
-    e = x - ref
-    ce = e @ e.T / M
-    gbar = x.mean(0)
+    _check_gram(gram, M)
+    G = gram_matrix(x) if gram is None else gram.to(torch.float64)
+    # both Gram matrices from X X^T: centred (u = x - x_bar) and about g* (e = x - g*)
+    r = G.sum(1) / M  # x_m . x_bar
+    s = float(r.sum()) / M  # ||x_bar||^2
+    cu = (G - r[:, None] - r[None, :] + s) / (M - 1)
+    xg = x @ ref
     gg = float(ref @ ref)
+    ce = (G - xg[:, None] - xg[None, :] + gg) / M
+    gbar_ref = float(xg.mean())
     # g* = 0 (every reference response scored the same): the projection is undefined
-    proj = (((float(gbar @ gbar) * gg + float(gbar @ ref) ** 2) / K) ** 0.5 / gg if gg > 0
-            else float("nan"))
+    proj = (((s * gg + gbar_ref ** 2) / K) ** 0.5 / gg if gg > 0 else float("nan"))
     return {"variance": float(2 * (cu * cu).sum() / K) ** 0.5,
             "mse": float(2 * (ce * ce).sum() / K) ** 0.5, "projection": proj}
 
