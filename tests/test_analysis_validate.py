@@ -248,6 +248,7 @@ def _check_grid_end_to_end(tmp_path, monkeypatch, cfg):
     md = (rep / "report.md").read_text()
     assert all(v.upper() + ":" in md for v in claims["verdict"])
     assert "Verdict rule (saving)" in md and "Kaplan-Meier" in summary
+    assert "Holm-adjusted one-sided p" in md and "95% t CI" in md
     stab = pd.read_csv(rep / "tables" / "validation__stability.csv")
     assert {"collapsed_outcome", "surge_score", "flag_surge", "collapsed"} <= set(stab.columns)
     assert (out / "prediction").is_dir()  # the variance cells are cached with the runs

@@ -602,6 +602,7 @@ def claim_rows(cfg: ValidateConfig, t2t: pd.DataFrame, stab: pd.DataFrame,
                      "rule": vs.VERDICT_RULES["correlation"].replace(
                          "min_cells", str(cfg.min_prediction_cells)),
                      "note": "" if enough else f"only {len(p)} cells"})
+    vs.holm_verdicts(rows)
     return rows
 
 
@@ -633,12 +634,19 @@ def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame
     s = vs.rmst_saving(xa, ea, xb, eb, tau, paired=kind == "proxy")
     row.update(estimate=s["saving"], ci_lo=s["saving_ci_lo"], ci_hi=s["saving_ci_hi"],
                reached_a=int(ea.sum()), reached_b=int(eb.sum()), tau=tau,
-               rmst_a=s["rmst_a"], rmst_b=s["rmst_b"])
+               rmst_a=s["rmst_a"], rmst_b=s["rmst_b"], saving_se=s["saving_se"], df=s["df"],
+               censored_a=s["censored_a"], censored_b=s["censored_b"])
+    # 'at least X' (a saving is also above 0) or 'at most the margin worse' (equivalence)
+    target = row["claimed"] if kind == "proxy" else max(row["claimed"], 0.0)
+    row["p_confirm"], row["p_refute"] = vs.saving_pvalues(s["saving"], s["saving_se"],
+                                                          s["df"], target)
     if kind == "proxy":
         row["verdict"] = vs.verdict_equivalence(s["saving_ci_lo"], s["saving_ci_hi"],
                                                 -row["claimed"], censored_a=s["censored_a"],
                                                 censored_b=s["censored_b"])
         row["rule"] = vs.VERDICT_RULES["equivalence"].replace("margin", f"{-row['claimed']:g}")
+        row["reading"] = vs.equivalence_reading(row["verdict"], s["saving_ci_lo"],
+                                                s["saving_ci_hi"])
     else:
         row["verdict"] = vs.verdict_saving(s["saving_ci_lo"], s["saving_ci_hi"], row["claimed"],
                                            censored_a=s["censored_a"], censored_b=s["censored_b"])
@@ -754,8 +762,19 @@ def claim_sentence(r: dict) -> str:
         ci = f"[{r['ci_lo'] * 100:.0f}%, {r['ci_hi'] * 100:.0f}%]"
     if not math.isfinite(r["estimate"]):
         est, ci = "not measurable", "n/a"
-    note = f" ({r['note']})" if r.get("note") else ""
-    return f"{r['verdict'].upper()}: {r['claim']}: {est}, 95% CI {ci}{note}."
+    notes = [r["note"]] if isinstance(r.get("note"), str) and r["note"] else []
+    if math.isfinite(r.get("p_confirm_holm", math.nan)):
+        notes.append(f"Holm-adjusted one-sided p {r['p_confirm_holm']:.3g} for, "
+                     f"{r['p_refute_holm']:.3g} against")
+        if isinstance(r.get("verdict_unadjusted"), str) and r["verdict_unadjusted"] != r[
+                "verdict"]:
+            notes.append(f"{r['verdict_unadjusted']} before the adjustment")
+    verdict = r["verdict"].upper()
+    if isinstance(r.get("reading"), str) and r["reading"] != r["verdict"]:
+        notes.insert(0, r["reading"])
+    note = f" ({'; '.join(notes)})" if notes else ""
+    return f"{verdict}: {r['claim']}: {est}, 95% t CI {ci}{note}." if r["kind"] in (
+        "tokens", "proxy", "compute") else f"{verdict}: {r['claim']}: {est}, 95% CI {ci}{note}."
 
 
 def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, calib: dict,

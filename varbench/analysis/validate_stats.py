@@ -178,16 +178,26 @@ def km_restricted_mean(times: np.ndarray, reached: np.ndarray, tau: float) -> fl
     return float(area + surv * (float(tau) - prev))
 
 
+SAVING_INTERVALS = ("t", "percentile")
+
+
 def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, tau: float, *,
-                paired: bool = False, seed: int = 0, level: float = 0.95) -> dict:
-    """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold, bootstrap CI.
+                paired: bool = False, seed: int = 0, level: float = 0.95,
+                interval: str = "t") -> dict:
+    """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold and its CI.
 
     Seeds (whole runs) are resampled, each arm independently, or jointly by index when
     ``paired`` (the arms share seeds, e.g. proxy vs exact weights). Each resample's RMST is
-    :func:`km_restricted_mean` at ``tau``. Positive: ``a`` needs fewer tokens. Censoring makes
-    the estimate a bound: censored ``b`` runs can only lower RMST_b (the saving of the true
-    means is at least this, if ``a`` is uncensored); censored ``a`` runs the other way.
+    :func:`km_restricted_mean` at ``tau``; ``saving_se`` is the resamples' SD. ``interval="t"``
+    (default): ``saving -/+ t_{df} SE`` with ``df = n - 1`` (paired) or ``min(n_a, n_b) - 1``
+    (Welch's lower bound): with 5 seeds a percentile interval behaves like ``z sqrt(4/5) SE``
+    against ``t_4 = 2.78 SE`` and undercovers; ``"percentile"``: the resamples' quantiles.
+    Positive: ``a`` needs fewer tokens. Censoring makes the estimate a bound: censored ``b``
+    runs can only lower RMST_b (the saving of the true means is at least this, if ``a`` is
+    uncensored); censored ``a`` runs the other way.
     """
+    if interval not in SAVING_INTERVALS:
+        raise ValueError(f"interval={interval!r} is not valid; choose from {SAVING_INTERVALS}")
     xa, xb = np.asarray(xa, float), np.asarray(xb, float)
     ea, eb = np.asarray(ea, bool), np.asarray(eb, bool)
     rng = np.random.default_rng(seed)
@@ -200,9 +210,16 @@ def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, 
     boots = 1.0 - ra / rb
     a = (1 - level) / 2
     ma, mb = km_restricted_mean(xa, ea, tau), km_restricted_mean(xb, eb, tau)
-    return {"rmst_a": ma, "rmst_b": mb, "saving": 1.0 - ma / mb,
-            "saving_ci_lo": float(np.quantile(boots, a)),
-            "saving_ci_hi": float(np.quantile(boots, 1 - a)),
+    saving = 1.0 - ma / mb
+    se = float(np.std(boots, ddof=1))
+    df = max(1, (len(xa) if paired else min(len(xa), len(xb))) - 1)
+    if interval == "t":
+        half = float(sps.t.ppf(1 - a, df)) * se
+        lo, hi = saving - half, saving + half
+    else:
+        lo, hi = float(np.quantile(boots, a)), float(np.quantile(boots, 1 - a))
+    return {"rmst_a": ma, "rmst_b": mb, "saving": saving, "saving_ci_lo": lo,
+            "saving_ci_hi": hi, "saving_se": se, "df": df, "interval": interval,
             "censored_a": int((~ea).sum()), "censored_b": int((~eb).sum())}
 
 
@@ -235,16 +252,16 @@ def newcombe_diff_ci(k1: int, n1: int, k2: int, n2: int,
 # --- verdicts ----------------------------------------------------------------------------------
 
 VERDICT_RULES = {
-    "saving": "confirmed when the 95% CI of the saving lies above 0 and does not exclude the "
-              "claimed saving (upper limit >= claimed); refuted when the upper limit is below the "
-              "claimed saving (the claimed size is excluded) unless censored runs of the "
-              "reference arm make the estimate a lower bound; undecided otherwise. Censored runs "
-              "of the claimed-better arm make the estimate an upper bound: then it cannot be "
-              "confirmed.",
+    "saving": "'a saves at least the claimed share': confirmed when the 95% CI's lower limit "
+              "is at least the claimed saving (and above 0); refuted when its upper limit is "
+              "below the claimed saving unless censored runs of the reference arm make the "
+              "estimate a lower bound; undecided otherwise. Censored runs of the claimed-better "
+              "arm make the estimate an upper bound: then it cannot be confirmed. With Holm "
+              "over the claims family the limits are those of the Holm-adjusted level.",
     "equivalence": "confirmed when the 95% CI's lower limit is above -margin (the tested arm "
                    "needs at most margin more) and none of its runs is censored; refuted when the "
                    "upper limit is below -margin and no reference run is censored; undecided "
-                   "otherwise.",
+                   "otherwise, read 'not detectably worse' when the interval also covers 0.",
     "rate_diff": "confirmed when the 95% CI of (reference rate - tested rate) lies above 0; "
                  "refuted when it lies below 0; undecided otherwise (including no collapses).",
     "correlation": "confirmed when the 95% CI of Spearman's rho lies above 0 over at least "
@@ -258,7 +275,7 @@ def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
     """Verdict on 'a saves at least ``claimed`` over b' from the saving's CI (VERDICT_RULES)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "undecided"
-    if lo > 0 and hi >= claimed and censored_a == 0:
+    if lo >= claimed and lo > 0 and censored_a == 0:
         return "confirmed"
     if hi < claimed and censored_b == 0:
         return "refuted"
@@ -275,6 +292,61 @@ def verdict_equivalence(lo: float, hi: float, margin: float, *, censored_a: int 
     if lo > -margin and censored_a == 0:
         return "confirmed"
     return "refuted" if hi < -margin and censored_b == 0 else "undecided"
+
+
+def equivalence_reading(verdict: str, lo: float, hi: float) -> str:
+    """How an equivalence verdict reads: ``confirmed`` only when the interval clears the margin;
+    an undecided one whose interval covers 0 is 'not detectably worse', not equivalent."""
+    if verdict == "undecided" and lo <= 0 <= hi:
+        return "not detectably worse (the interval does not clear the margin)"
+    return verdict
+
+
+def saving_pvalues(estimate: float, se: float, df: int, claimed: float) -> tuple[float, float]:
+    """One-sided t p-values ``(p_confirm, p_refute)`` of 'saving >= claimed' against 'saving <
+    claimed' and back: ``p_confirm <= (1 - level) / 2`` exactly when the t interval's lower
+    limit is >= claimed (the 'confirmed' side of :func:`verdict_saving`)."""
+    if not (math.isfinite(estimate) and math.isfinite(se)) or se <= 0:
+        return math.nan, math.nan
+    tstat = (estimate - claimed) / se
+    return float(sps.t.sf(tstat, df)), float(sps.t.cdf(tstat, df))
+
+
+def holm(pvalues: list[float] | np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values (NaN entries stay NaN and are not counted):
+    ``p_(i) -> max_{j <= i} min(1, (m - j + 1) p_(j))`` over the m finite ones."""
+    p = np.asarray(pvalues, dtype=float)
+    out = np.full(p.shape, np.nan)
+    idx = np.nonzero(np.isfinite(p))[0]
+    m = len(idx)
+    order = idx[np.argsort(p[idx], kind="stable")]
+    run = 0.0
+    for j, i in enumerate(order):
+        run = max(run, min(1.0, (m - j) * p[i]))
+        out[i] = run
+    return out
+
+
+def holm_verdicts(rows: list[dict], *, level: float = 0.95) -> None:
+    """Holm over the family of rows with a ``p_confirm`` (savings, tested against
+    ``max(claimed, 0)``, and equivalences, against ``-margin``), each
+    direction its own family: a row is confirmed when its Holm-adjusted ``p_confirm`` is at
+    most ``(1 - level) / 2`` and no run of its claimed-better arm is censored, refuted when its
+    adjusted ``p_refute`` is and no reference run is censored, else undecided. In place: adds
+    ``p_confirm_holm``, ``p_refute_holm``, ``verdict_unadjusted``."""
+    fam = [r for r in rows if math.isfinite(r.get("p_confirm", math.nan))]
+    alpha = (1 - level) / 2
+    pc = holm([r["p_confirm"] for r in fam])
+    pr = holm([r["p_refute"] for r in fam])
+    for r, c, f in zip(fam, pc, pr, strict=True):
+        r["p_confirm_holm"], r["p_refute_holm"] = float(c), float(f)
+        r["verdict_unadjusted"] = r["verdict"]
+        if c <= alpha and r.get("censored_a", 0) == 0:
+            r["verdict"] = "confirmed"
+        elif f <= alpha and r.get("censored_b", 0) == 0:
+            r["verdict"] = "refuted"
+        else:
+            r["verdict"] = "undecided"
 
 
 def verdict_interval(lo: float, hi: float) -> str:
