@@ -28,11 +28,11 @@ import re
 import pytest
 import torch
 from _fixtures_arch import ARCHS, build
-from _fixtures_grads import batch
-from reference_grads import brute_token_grads
+from _fixtures_grads import batch, rollout_batch, trained_llama
+from reference_grads import brute_group_gradients, brute_token_grads
 
 from varbench._util.checks import UsageError
-from varbench.grads import exact_float64
+from varbench.grads import batch_sketches, exact_float64
 from varbench.grads.projected import (
     Block,
     block_pair_variance,
@@ -260,3 +260,18 @@ def test_bf16_model_accumulates_in_float32_on_its_device():
                              projection="identity").vec
     err = float((r.vec.double() - want).norm() / want.norm())
     assert err <= 5e-2, err
+
+
+def test_batch_sketches_sum_to_the_group_gradients():
+    """A RolloutBatch with [S, P, G, T] coefficients: identity rows summed over G are the exact
+    group gradients (one backward per sequence brute force), float64."""
+    model = exact_float64(trained_llama())
+    rb = rollout_batch()
+    coeffs = torch.randn(2, rb.P, rb.G, rb.T, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64)
+    r = batch_sketches(model, rb, coeffs, projection="identity")
+    assert r.vec.shape[:3] == (2, rb.P, rb.G)
+    for s in range(2):
+        _close(r.vec[s].sum(1), brute_group_gradients(model, rb, coeffs[s]), RTOL_64)
+    one = batch_sketches(model, rb, coeffs[0], projection="identity")
+    _close(one.vec, r.vec[0], RTOL_64)
