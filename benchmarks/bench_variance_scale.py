@@ -182,9 +182,9 @@ def print_table(rows: list[dict]) -> None:
     by = {(r["T"], r["path"]): r for r in rows}
     for T in sorted({r["T"] for r in rows}):
         t, n = by.get((T, "today")), by[(T, "new")]
-        line = f"T={T}:"
+        line = f"T={T}"
         if t is not None:
-            line += (f" today/new wall {t['wall'] / n['wall']:.1f}x, cpu "
+            line += (f": today/new wall {t['wall'] / n['wall']:.1f}x, cpu "
                      f"{t['cpu'] / n['cpu']:.1f}x, peak {t['peak'] / max(n['peak'], 1):.1f}x")
         if (T, "exact") in by:
             e = by[(T, "exact")]
