@@ -4,10 +4,11 @@ Forward statistics and the Logit-Gradient Proxy (``stats``), exact per-token / p
 (``exact`` with the ghost-norm engine in ``ghost``), the one seeded sketch (``CountSketch``) and
 the one "per-token vectors once, many coefficient sets" path (``token_vectors`` + ``combine``,
 in ``vectors``), per-sequence gradients (``sequence``) and their norms from one backward
-(``seqnorms``), tail-exact norms from one backward (``tail``), forward-mode sketched norms
-(``sketch``), group-gradient estimates (``group``), parameter filters and groups (``params``),
-float64-throughout models (``precision``). What varbench knows about architectures lives in
-``varbench.models.arch``.
+(``seqnorms``), coefficient-first per-response Kronecker sketches from one backward per
+response and coefficient set (``projected``), tail-exact norms from one backward (``tail``),
+forward-mode sketched norms (``sketch``), group-gradient estimates (``group``), parameter
+filters and groups (``params``), float64-throughout models (``precision``). What varbench knows
+about architectures lives in ``varbench.models.arch``.
 """
 
 # the logits formulas live below rollout and grads; re-exported here for convenience
@@ -15,6 +16,12 @@ from varbench.grads.exact import TokenGradNorms, token_grad_norms
 from varbench.grads.group import combine, group_gradients, token_sketches
 from varbench.grads.params import default_group, select_params
 from varbench.grads.precision import exact_float64
+from varbench.grads.projected import (
+    ResponseSketches,
+    batch_sketches,
+    projection_sd,
+    response_sketches,
+)
 from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.sequence import sequence_grads
 from varbench.grads.sketch import SketchedNorms, sketched_token_norms
@@ -28,7 +35,9 @@ __all__ = [
     "ForwardStats",
     "SketchedNorms",
     "TokenGradNorms",
+    "ResponseSketches",
     "TokenVectors",
+    "batch_sketches",
     "combine",
     "default_group",
     "default_tail_modules",
@@ -36,6 +45,8 @@ __all__ = [
     "forward_stats",
     "group_gradients",
     "logit_proxy",
+    "projection_sd",
+    "response_sketches",
     "select_params",
     "sequence_grad_norms",
     "sequence_grads",

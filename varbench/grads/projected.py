@@ -1,0 +1,476 @@
+"""Coefficient-first per-response sketches: ONE weighted backward per response chunk and
+coefficient set, each Linear/Embedding gradient projected without being formed (issue 26).
+
+For response b and coefficients ``c_{b,t}`` the quantity is the per-response gradient
+``G_b = sum_t c_{b,t} grad_theta log pi(y_{b,t} | y_{b,<t})``. One backward of
+``sum_{b,t} c_{b,t} log p_{b,t}`` over a chunk of responses leaves at each module output the
+cotangents of every response's own loss (causal LM rows do not interact), so per weight
+``G_b = L_b^T R_b`` from one call's factors (:mod:`varbench.grads.seqnorms`: a Linear's
+``L = D [t, out]``, ``R = A [t, in]``; Conv1D transposed; an Embedding's one-hot ids and its
+scaled cotangent). Instead of forming ``G_b`` (``out x in``), each factor is projected on its
+own side (a Kronecker-structured random projection, as LoGra / LogIX do):
+
+    S(G_b) = P_1^T G_b P_2 = (L_b P_1)^T (R_b P_2)      [k1, k2], flattened,
+
+with ``P_1 [rows, k1]``, ``P_2 [cols, k2]`` iid N(0, 1/k) entries, drawn per parameter from a
+generator seeded with ``seed`` on the model's device (an Embedding's ``L_b P_1`` is a row
+gather). A side with ``k >= its dimension`` is kept exact (identity: no variance, no saving).
+Cost per call: ``t (rows k1 + cols k2 + k1 k2)`` multiply-adds per response, never
+``rows x cols``. A weight used by several calls (a tied embedding and head) sums its calls'
+sketches under the same projection (S is linear). Small parameters (biases, norm weights and
+other position-separable modules' parameters) get their exact per-response gradients by the
+rules of :mod:`varbench.grads.seqnorms` (a cotangent sum, the RMS-norm formula or a vmapped
+vjp), kept flat (``k_dense=None``) or count-sketched (:class:`varbench.grads.vectors.CountSketch`
+with ``k_dense`` buckets). Modules with no exact per-response rule (MoE experts called on a
+token subset, unrecognised modules) raise an error naming them: exclude them with ``params``.
+
+Unbiasedness and variance (docs/science.md, "Coefficient-first projected sketches"): per block
+``E<S a, S b> = <a, b>`` and, for Gaussian sides,
+``Var = (tr(Z^2) + ||W||^2)/k1 + (tr(Z^2) + ||Z||^2)/k2 + (||Z||^2 + ||W||^2 + <a,b>^2 +
+||a||^2 ||b||^2)/(k1 k2)`` with ``Z = a^T b`` and ``W = a b^T`` (:func:`block_pair_variance`);
+blocks are drawn independently so their variances add. :func:`projection_sd` is the plug-in
+upper bound that goes into intervals (as :func:`varbench.stats.intervals.sketch_sd` is for the
+CountSketch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from varbench._util.checks import UsageError, check_positive_int, check_shape
+from varbench.grads._inputs import eval_mode, prepare
+from varbench.grads.ghost import _QUIET, CallRecorder, acc_dtype, checked_form
+from varbench.grads.params import ParamFilter, select_params
+from varbench.grads.seqnorms import (
+    _check_rows,
+    _Factor,
+    _factor,
+    _generic_all,
+    _generic_ok,
+    sequence_rows,
+)
+from varbench.grads.vectors import CountSketch
+from varbench.models.arch import check_finite_logits, is_factorable_type
+from varbench.models.forward import forward_logits
+from varbench.models.logits import token_logprobs, upcast
+
+PROJECTIONS = ("gaussian", "identity")
+
+# the dense block's CountSketch seed is a fixed map of ``seed`` that never equals it, so its
+# hash is not drawn from the same stream as the Gaussian projections of the same seed
+_DENSE_SEED_MUL = 1_000_003
+_DENSE_SEED_ADD = 0x5EED
+
+
+@dataclass(frozen=True)
+class Block:
+    """One slot ``[start, stop)`` of a sketch row: a factored weight projected to
+    ``k1 x k2`` (``kind='kron'``; ``k1 == rows`` / ``k2 == cols`` mark an exact side), a
+    parameter kept flat (``kind='exact'``) or the CountSketch of every dense parameter
+    (``kind='countsketch'``, ``k1 = K``, ``names`` all of them)."""
+
+    kind: str
+    names: tuple[str, ...]
+    start: int
+    stop: int
+    k1: int
+    k2: int
+    rows: int = 0
+    cols: int = 0
+
+    def inv_k(self) -> tuple[float, float]:
+        """``(1/k1, 1/k2)`` of a Kronecker block, 0 for an exact side."""
+        return (0.0 if self.k1 >= self.rows else 1.0 / self.k1,
+                0.0 if self.k2 >= self.cols else 1.0 / self.k2)
+
+    def norm_var_factor(self) -> float:
+        """``c`` with ``Var<S a, S b> <= c ||a||^2 ||b||^2`` for this block (0: exact)."""
+        if self.kind == "exact":
+            return 0.0
+        if self.kind == "countsketch":
+            return 2.0 / self.k1  # CountSketch: (||a||^2||b||^2 + <a,b>^2) / K at most
+        u, v = self.inv_k()
+        return 2 * u + 2 * v + 4 * u * v
+
+
+@dataclass
+class ResponseSketches:
+    """``vec [S, B, K]`` (``[B, K]`` when one coefficient set was given): row b of set s is
+    ``S(G_{s,b})``; ``blocks`` the layout of K, ``methods`` parameter name -> route,
+    ``description`` e.g. "kron(gaussian, k1=16, k2=16, seed=0) + countsketch(K=1024)"."""
+
+    vec: torch.Tensor
+    blocks: list[Block]
+    methods: dict[str, str]
+    description: str
+
+    @property
+    def dim(self) -> int:
+        """K: numbers per response."""
+        return self.blocks[-1].stop if self.blocks else 0
+
+
+class _Plan:
+    """The seeded projections of one call: per factored weight ``(P_1 | None, P_2 | None)``
+    (None: exact side), the slots, and the dense CountSketch (or None: dense kept flat)."""
+
+    def __init__(self, model, chosen, factored: dict[int, tuple[int, int]], k1: int, k2: int,
+                 seed: int, projection: str, k_dense: int | None, acc, dev) -> None:
+        g = None if dev.type == "meta" else torch.Generator(device=dev).manual_seed(seed)
+        self.proj: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.slot: dict[int, tuple[int, int]] = {}
+        self.blocks: list[Block] = []
+        dense = [(n, p) for n, p in chosen if id(p) not in factored]
+        n_dense = sum(p.numel() for _, p in dense)
+        sketch_dense = (projection != "identity" and k_dense is not None and dense
+                        and k_dense < n_dense)
+        pos = 0
+        for name, p in chosen:
+            if id(p) in factored:
+                rows, cols = factored[id(p)]
+                a = rows if projection == "identity" or k1 >= rows else k1
+                b = cols if projection == "identity" or k2 >= cols else k2
+                # drawn in select_params order, rows side then cols side: the same P for the
+                # same (model, seed, k1, k2) on one device type
+                p1 = None if a == rows else torch.randn(
+                    rows, a, generator=g, device=dev, dtype=acc) / math.sqrt(a)
+                p2 = None if b == cols else torch.randn(
+                    cols, b, generator=g, device=dev, dtype=acc) / math.sqrt(b)
+                self.proj[id(p)] = (p1, p2)
+                self.blocks.append(Block("kron", (name,), pos, pos + a * b, a, b, rows, cols))
+            elif sketch_dense:
+                continue
+            else:
+                self.blocks.append(Block("exact", (name,), pos, pos + p.numel(), p.numel(), 1,
+                                         p.numel(), 1))
+            self.slot[id(p)] = (pos, self.blocks[-1].stop)
+            pos = self.blocks[-1].stop
+        self.dense_ids = [id(p) for _, p in dense]
+        self.sketch: CountSketch | None = None
+        if sketch_dense:
+            self.sketch = CountSketch([p.numel() for _, p in dense], int(k_dense),
+                                      seed * _DENSE_SEED_MUL + _DENSE_SEED_ADD, device=dev)
+            self.blocks.append(Block("countsketch", tuple(n for n, _ in dense), pos,
+                                     pos + int(k_dense), int(k_dense), 1, n_dense, 1))
+        self.K = self.blocks[-1].stop if self.blocks else 0
+
+
+def _project(f: _Factor, p1: torch.Tensor | None, p2: torch.Tensor | None,
+             rows: int) -> torch.Tensor:
+    """``[B, a*b]`` flattened ``(L_b P_1)^T (R_b P_2)`` of one call's factors (row-major like
+    the weight when both sides are exact)."""
+    if f.ids is not None:  # one-hot L: L P_1 is a row gather (or the one-hot rows themselves)
+        if p1 is None:
+            left = torch.nn.functional.one_hot(f.ids, rows).to(f.R.dtype)
+        else:
+            left = p1[f.ids]
+        if f.keep is not None:
+            left = left * f.keep[..., None]
+    else:
+        left = f.L if p1 is None else f.L @ p1
+    right = f.R if p2 is None else f.R @ p2
+    return torch.einsum("bna,bnc->bac", left, right).reshape(left.shape[0], -1)
+
+
+def _rows_view(m: torch.nn.Module, call, B: int):
+    """A call on flattened ``[B*t, h]`` rows (OPT's MLP norms) as the call on ``[B, t, h]``
+    when re-running the module on that view reproduces the recorded output (a row-wise module),
+    else None."""
+    args, kwargs, out = call
+    if (len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2
+            or not isinstance(out, torch.Tensor) or out.dim() != 2
+            or args[0].shape[0] % B or out.shape[0] != args[0].shape[0]
+            or any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+        return None
+    x = args[0].detach().reshape(B, -1, args[0].shape[-1])
+    _QUIET.append(True)
+    try:
+        with torch.no_grad():
+            y = m(x, **kwargs)
+    finally:
+        _QUIET.pop()
+    want = out.detach().reshape(B, -1, out.shape[-1])
+    if not isinstance(y, torch.Tensor) or y.shape != want.shape or not torch.equal(y, want):
+        return None
+    # the call as seen per response; the cotangent is still taken at the recorded output
+    return ((x,), kwargs, want)
+
+
+def _route(model, rec, owners, chosen_name, B, L) -> tuple[list, dict[int, str]]:
+    """Every chosen parameter's exact per-response rule from the recorded calls: plan entries
+    ``(module, call, form | "generic", names, recorded output)`` and the routes. Raises on a
+    module without one."""
+    plan, route = [], {}
+    for m in owners:
+        calls = rec.calls[id(m)]
+        own = [n for n, p in m.named_parameters(recurse=False) if id(p) in chosen_name]
+        if not calls:
+            continue
+        if is_factorable_type(m):
+            forms = [checked_form(m, call, B * L) for call in calls]
+            if all(f.kind is not None for f in forms):
+                for f, call in zip(forms, calls, strict=True):
+                    _check_rows(m, f, call, B, B * L)
+                    plan.append((m, call, f, own, call[2]))
+                for n in own:
+                    p = getattr(m, n)
+                    route.setdefault(id(p), "projected" if n == "weight" else "exact (bias)")
+                continue
+            reason = next(f.reason for f in forms if f.kind is None)
+        elif all(_generic_ok(m, call, B) or _rows_view(m, call, B) for call in calls):
+            for call in calls:
+                view = call if _generic_ok(m, call, B) else _rows_view(m, call, B)
+                plan.append((m, view, "generic", own, call[2]))
+            for n in own:
+                route.setdefault(id(getattr(m, n)), "exact (per-module vjp)")
+            continue
+        else:
+            reason = f"{type(m).__name__} is not a recognised or position-separable module"
+        names = [chosen_name[id(getattr(m, n))] for n in own]
+        raise UsageError(
+            f"response_sketches has no exact per-response rule for {type(m).__name__} "
+            f"({reason}; parameters {names}): exclude them with params=..."
+        )
+    kinds: dict[int, set] = {}
+    for m, _, f, own, _ in plan:
+        for n in own:
+            kinds.setdefault(id(getattr(m, n)), set()).add("g" if f == "generic" else "f")
+    for pid, k in kinds.items():
+        if len(k) > 1:
+            raise UsageError(f"parameter {chosen_name[pid]} is reached by factored and generic "
+                             "module calls; exclude it with params=...")
+    return plan, route
+
+
+def _block_sketches(model, ids, am, c, chosen, state: dict, acc, args) -> torch.Tensor:
+    """``[S, b, K]`` sketches of one chunk of responses: one forward, S weighted backwards."""
+    dev = ids.device
+    B, L = ids.shape
+    S = c.shape[0]
+    chosen_name = {id(p): n for n, p in chosen}
+    owners = [m for m in model.modules()
+              if any(id(p) in chosen_name for p in m.parameters(recurse=False))]
+    rec = CallRecorder(owners)
+    try:
+        with eval_mode(model), torch.enable_grad():
+            logits = forward_logits(model, ids, am).logits
+            check_finite_logits(model, logits, "response_sketches' forward")
+            lp = token_logprobs(upcast(logits), ids)
+            plan, route = _route(model, rec, owners, chosen_name, B, L)
+            if "plan" not in state:  # projections drawn once per call, for every chunk
+                factored = {}
+                for m, _, f, _own, _ in plan:
+                    # G = L^T R in the weight's own layout (Conv1D's [in, out] included)
+                    if f != "generic" and id(m.weight) in chosen_name:
+                        factored[id(m.weight)] = tuple(m.weight.shape)
+                state["plan"] = _Plan(model, chosen, factored, *args, acc=acc, dev=dev)
+                state["route"] = route
+            pl: _Plan = state["plan"]
+            out = torch.zeros(S, B, pl.K, dtype=acc, device=dev)
+            outs, index = [], {}
+            for *_, o in plan:
+                if id(o) not in index and o.requires_grad:
+                    index[id(o)] = len(outs)
+                    outs.append(o)
+            for s in range(S):
+                loss = (lp * c[s].to(lp.dtype)).sum()
+                # cotangents at module outputs only: autograd skips every weight gradient
+                cots = torch.autograd.grad(loss, outs, allow_unused=True,
+                                           retain_graph=s < S - 1) if outs else []
+                dense: dict[int, list[torch.Tensor]] = {}
+                generic = []
+                for m, call, f, own, o in plan:
+                    D = cots[index[id(o)]] if id(o) in index else None
+                    if D is None:
+                        D = torch.zeros_like(o)
+                    if f == "generic":  # per-response layout [B, t, ...] (a rows view too)
+                        generic.append((m, call, D.reshape(call[2].shape), own))
+                        continue
+                    w, b = m.weight, getattr(m, "bias", None)
+                    if id(w) in chosen_name:
+                        (fac,) = _factor(m, f, call, B, D, acc)
+                        p1, p2 = pl.proj[id(w)]
+                        lo, hi = pl.slot[id(w)]
+                        out[s, :, lo:hi] += _project(fac, p1, p2, w.shape[0])
+                    if b is not None and f.kind != "embedding" and id(b) in chosen_name:
+                        db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
+                        dense.setdefault(id(b), []).append(db)
+                for m, local, grads in _generic_all(generic, B):
+                    for k, g in zip(local, grads, strict=True):
+                        dense.setdefault(id(getattr(m, k)), []).append(g.to(acc))
+                _put_dense(out[s], dense, chosen, pl)
+    finally:
+        rec.remove()
+    return out
+
+
+def _put_dense(out: torch.Tensor, dense: dict[int, list[torch.Tensor]], chosen,
+               pl: _Plan) -> None:
+    """Write the dense parameters' exact ``[b, numel]`` gradients (0 where a parameter got
+    none) flat into their slots, or their CountSketch into the trailing block."""
+    B = out.shape[0]
+    grads = []
+    for pid, p in ((id(p), p) for _, p in chosen if id(p) in set(pl.dense_ids)):
+        parts = dense.get(pid)
+        g = (torch.stack(parts).sum(0) if parts else
+             torch.zeros(B, p.numel(), dtype=out.dtype, device=out.device))
+        if pl.sketch is None:
+            lo, hi = pl.slot[pid]
+            out[:, lo:hi] += g
+        else:
+            grads.append(g)
+    if pl.sketch is not None and grads:
+        blk = pl.blocks[-1]
+        out[:, blk.start:blk.stop] += pl.sketch(grads)
+
+
+def response_sketches(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    coefficients: torch.Tensor,
+    k1: int = 16,
+    k2: int = 16,
+    seed: int = 0,
+    projection: str = "gaussian",
+    k_dense: int | None = 1024,
+    params: ParamFilter = None,
+    rows: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    accumulate: torch.dtype | None = None,
+    out_device: str | torch.device | None = None,
+) -> ResponseSketches:
+    """Per-response sketches ``S(sum_t c_{s,b,t} grad log p_{b,t})``: ``[S, B, K]`` from one
+    forward per chunk of ``rows`` responses and ONE weighted backward per chunk and set.
+
+    Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``;
+    ``coefficients`` ``[B, L]`` (one set; ``vec`` is then ``[B, K]``) or ``[S, B, L]``,
+    aligned with the inputs (a sequence-level Delta broadcast over the response positions, or
+    per-token OTB coefficients); only response positions count. ``k1``/``k2``: the Kronecker
+    projection's sides (a side at least as large as its dimension stays exact);
+    ``projection="identity"`` keeps every block exact (the rows ARE the flat gradients in
+    :func:`select_params` order: a test mode, ``rows x cols`` per weight). ``k_dense``: buckets
+    of the CountSketch of biases / norm weights (None: exact). ``rows``: responses per chunk
+    (default :func:`varbench.grads.seqnorms.sequence_rows`, from the free device memory on
+    CUDA or a byte budget on the CPU); chunks change nothing but rounding.
+    Caveat: inner products of rows are unbiased for the exact ones over the random projection
+    (per fixed ``seed`` they carry its error: :func:`projection_sd`); accumulation in float32
+    at least (float64 for a float64 model or ``accumulate``), on the model's device, each
+    chunk's rows moved to ``out_device`` (default: stay there).
+    """
+    if projection not in PROJECTIONS:
+        raise UsageError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    check_positive_int("k1", k1)
+    check_positive_int("k2", k2)
+    if k_dense is not None:
+        check_positive_int("k_dense", k_dense)
+    model, input_ids, response_mask, attention_mask = prepare(
+        model, input_ids, response_mask, attention_mask, dtype, device)
+    dev = input_ids.device
+    B, L = input_ids.shape
+    acc = acc_dtype(next(model.parameters()).dtype, accumulate)
+    single = coefficients.dim() == 2
+    c = coefficients[None] if single else coefficients
+    check_shape("coefficients", c, [None, B, L])
+    c = c.to(dev, acc)
+    if not bool(torch.isfinite(c).all()):
+        raise UsageError("coefficients contains NaN or inf")
+    c = c * response_mask.to(acc)
+    chosen = select_params(model, params)
+    out_device = dev if out_device is None else torch.device(out_device)
+    n = sequence_rows(model, B, L, dev, rows)
+    state: dict = {}
+    parts = []
+    for s in range(0, B, n):
+        part = _block_sketches(model, input_ids[s:s + n], attention_mask[s:s + n],
+                               c[:, s:s + n], chosen, state,
+                               acc, (k1, k2, seed, projection, k_dense))
+        parts.append(part.to(out_device))
+    pl: _Plan = state["plan"]
+    vec = torch.cat(parts, 1)
+    methods = {}
+    for name, p in chosen:
+        r = state["route"].get(id(p), "unused")
+        if id(p) in pl.proj:
+            p1, p2 = pl.proj[id(p)]
+            blk = next(b for b in pl.blocks if b.names == (name,))
+            r = f"projected ({blk.k1}x{blk.k2}" + (
+                ", exact" if p1 is None and p2 is None else "") + ")"
+        elif pl.sketch is not None and id(p) in set(pl.dense_ids):
+            r += f", countsketch(K={pl.sketch.dim})"
+        methods[name] = r
+    desc = f"kron({projection}, k1={k1}, k2={k2}, seed={seed})" + (
+        f" + countsketch(K={pl.sketch.dim})" if pl.sketch is not None else "")
+    return ResponseSketches(vec=vec[0] if single else vec, blocks=pl.blocks, methods=methods,
+                            description=desc)
+
+
+def batch_sketches(model: torch.nn.Module, batch, coeffs: torch.Tensor,
+                   **kw) -> ResponseSketches:
+    """:func:`response_sketches` of a RolloutBatch with ``[P, G, T]`` or ``[S, P, G, T]``
+    coefficients (the variance analysis' layout): ``vec [S?, P, G, K]``; ``vec.sum(-2)`` is the
+    sketch of the group estimate ``sum_{i,t} c_{p,i,t} g_{p,i,t}`` (what ``combine`` gives on
+    per-token vectors), unbiased for its inner products."""
+    flat = batch.flat()
+    P, G, T = batch.tokens.shape
+    single = coeffs.dim() == 3
+    c = coeffs[None] if single else coeffs
+    check_shape("coeffs", c, [None, P, G, T])
+    full = torch.zeros(c.shape[0], P * G, flat.input_ids.shape[1], dtype=torch.float64,
+                       device=c.device)
+    full[..., flat.prompt_len:] = c.reshape(c.shape[0], P * G, T).double()
+    r = response_sketches(model, flat.input_ids, flat.response_mask, flat.attention_mask,
+                          coefficients=full, **kw)
+    v = r.vec.reshape(c.shape[0], P, G, -1)
+    r.vec = v[0] if single else v
+    return r
+
+
+def block_pair_variance(a: torch.Tensor, b: torch.Tensor, k1: float, k2: float) -> torch.Tensor:
+    """Exact ``Var<S a, S b>`` over Gaussian Kronecker projections of ``[rows, cols]`` matrices
+    a, b (``1/k = 0`` for an exact side: pass ``math.inf``); the formula of the module doc."""
+    u = 0.0 if math.isinf(k1) else 1.0 / k1
+    v = 0.0 if math.isinf(k2) else 1.0 / k2
+    Z = a.T @ b  # [cols, cols]
+    W = a @ b.T  # [rows, rows]
+    trZ2 = (Z * Z.T).sum()
+    z2, w2 = Z.pow(2).sum(), W.pow(2).sum()
+    s = (a * b).sum()
+    return ((trZ2 + w2) * u + (trZ2 + z2) * v
+            + (z2 + w2 + s * s + a.pow(2).sum() * b.pow(2).sum()) * u * v)
+
+
+def projection_sd(estimates: torch.Tensor, reference: torch.Tensor,
+                  blocks: list[Block]) -> dict[str, float]:
+    """Plug-in upper bounds on the projection's standard deviation of the variance
+    (``tr`` of the covariance of ``estimates [M, K]``), the MSE about ``reference [K]`` and the
+    projection ``<g_bar, g*> / ||g*||^2`` (the analogue of
+    :func:`varbench.stats.intervals.sketch_sd` for these sketches).
+
+    Per block l with factor ``c_l`` (:meth:`Block.norm_var_factor`): ``Var<S_l a, S_l b> <=
+    c_l ||a_l||^2 ||b_l||^2`` and, by Cauchy-Schwarz over the covariance of the summands,
+    ``Var[sum_m w_m ||S_l u_m||^2] <= c_l (sum_m w_m ||u_m||^2)^2``; blocks are independent, so
+    variances add. Norms are read from the sketches (unbiased plug-ins), the reference taken
+    as fixed, as sketch_sd does."""
+    x = estimates.detach().to(torch.float64)
+    ref = reference.detach().to(torch.float64).reshape(-1)
+    M = x.shape[0]
+    u = x - x.mean(0)
+    e = x - ref
+    gbar = x.mean(0)
+    var = mse = proj = 0.0
+    for blk in blocks:
+        c = blk.norm_var_factor()
+        sl = slice(blk.start, blk.stop)
+        var += c * float(u[:, sl].pow(2).sum() / (M - 1)) ** 2
+        mse += c * float(e[:, sl].pow(2).sum() / M) ** 2
+        proj += c * float(gbar[sl].pow(2).sum()) * float(ref[sl].pow(2).sum())
+    gg = float(ref @ ref)
+    return {"variance": var ** 0.5, "mse": mse ** 0.5,
+            "projection": proj ** 0.5 / gg if gg > 0 else float("nan")}
