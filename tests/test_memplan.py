@@ -102,3 +102,22 @@ def test_plan_from_config_refuses_before_loading_and_names_the_need():
         memplan.check_plan(small, "Qwen2.5-1.5B at T = 1024")
     # no device memory known: the path's default, nothing refused
     assert memplan.plan_from_config(cfg, "float32", "sampling", 64, 512, None).chunk == 64
+
+
+def test_plan_scale_extrapolation_in_layers_holds_at_small_scale():
+    """benchmarks/plan_scale.py traces 1 and 2 layers and extrapolates to the model's depth:
+    at small scale the extrapolated peak equals the trace of all layers within 5% (the two
+    paths it extrapolates)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plan_scale
+
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=4096,
+                      tie_word_embeddings=True)
+    for path, chunk in (("token_norms", 4), ("train_logprobs", 1)):
+        full = plan_scale.trace(plan_scale.with_layers(cfg, 6), torch.float32, path, 32, chunk)
+        got = plan_scale.extrapolated(cfg, torch.float32, path, 32, chunk, 1)
+        assert abs(got / full - 1) <= 0.05, (path, got, full)

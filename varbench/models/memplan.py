@@ -162,8 +162,8 @@ def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0,
     if path == "sampling":
         # keys and values of every layer, the step's logits in float32 and their softmax
         return 2 * n * shape.kv_dim * L * e + V * (e + 3 * 4)
-    # logits: one position's logits, statistics and their float32 temporaries
-    return V * (e + 4 * a)
+    # logits: one position's logits and two float32 temporaries of the statistics
+    return V * (e + 2 * a)
 
 
 def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
@@ -183,8 +183,9 @@ def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
     if path == "sequence_norms":
         return 2 * B * L * a
     if path == "train_logprobs":
-        # the head's chunked log-probs: 256 positions of logits and their gradients at a time
-        return 256 * V * (e + 3 * 4) + 2 * B * L * a
+        # the head's chunked log-probs (256 positions of logits and their gradients at a time),
+        # the parameters' gradient and the head's float32 gradient accumulator
+        return 256 * V * (e + 3 * 4) + 2 * B * L * a + shape.n_params * e + 4 * V * h
     if path == "sampling":
         return B * L * (8 + 4 + 4 + 3 * 4) + min(B * L * V, 1 << 24) * 4
     return 2 * B * L * a
