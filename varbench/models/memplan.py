@@ -133,13 +133,11 @@ def _tied(model: torch.nn.Module) -> bool | None:
     return we is wo
 
 
-def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0,
-               group: int = 1) -> int:
+def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -> int:
     """Bytes one unit of ``path`` adds to a chunk over a prefix of ``L`` positions.
 
     ``materialised``: parameter elements whose per-token gradient the harness forms (the
-    'materialize' method; a tied head's is counted here already); ``group``: responses that
-    share a prompt (sampling).
+    'materialize' method; a tied head's is counted here already).
     """
     check_choice("path", path, list(PATHS))
     e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
@@ -238,8 +236,7 @@ class Plan:
 
 
 def plan(shape: ModelShape, path: str, B: int, L: int, budget: int | None, *,
-         default: int | None = None, cap: int | None = None, materialised: int = 0,
-         group: int = 1) -> Plan:
+         default: int | None = None, cap: int | None = None, materialised: int = 0) -> Plan:
     """The plan of ``path`` over ``B`` rows of ``L`` positions inside ``budget`` bytes.
 
     The chunk is the largest number of units (cotangents, rows or positions, :data:`UNITS`)
@@ -247,7 +244,7 @@ def plan(shape: ModelShape, path: str, B: int, L: int, budget: int | None, *,
     ``cap`` (default: B rows; :data:`MAX_COTANGENTS` cotangents; ``B * L`` positions).
     Without a budget (no measured device memory) it is ``default`` (default: ``cap``).
     """
-    unit = unit_bytes(shape, path, L, materialised=materialised, group=group)
+    unit = unit_bytes(shape, path, L, materialised=materialised)
     fixed = fixed_bytes(shape, path, B, L)
     if cap is None:
         cap = {"cotangents": MAX_COTANGENTS, "rows": B, "positions": B * L}[UNITS[path]]
