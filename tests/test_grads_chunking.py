@@ -19,6 +19,7 @@ from varbench.grads.chunking import (
     free_device_bytes,
 )
 from varbench.grads.vectors import token_vectors
+from varbench.models import memplan
 
 CUDA = torch.device("cuda", 0)
 
@@ -62,14 +63,27 @@ def test_cuda_chunk_is_the_memory_fraction_over_the_cotangent_size(free_gib):
         auto_chunk(CUDA, 1, chunk_size=0)
 
 
-def test_cotangent_bytes_counts_logits_and_layers():
-    model = tiny_llama()
-    c = model.config
+def test_cotangent_bytes_is_the_plans_unit_and_counts_a_tied_head():
+    """cotangent_bytes is the memory plan's per-cotangent term: the vocabulary at e + 4 bytes
+    per L x V element (float32; 16 for token_norms' kept head cotangent), each layer's module
+    outputs, and for token_norms a tied head's per-token gradient [V h] at 16 bytes per
+    element (float32)."""
+    from varbench.models import memplan
+
     L = 10
-    per_pos = c.vocab_size + c.num_hidden_layers * (4 * c.hidden_size + 3 * c.intermediate_size
-                                                    + c.num_attention_heads * L)
-    assert cotangent_bytes(model, L) == 4 * L * per_pos
-    assert cotangent_bytes(model, L, n_grad=100) == 4 * (L * per_pos + 100)
+    for tied in (False, True):
+        model = tiny_llama(tied=tied)
+        c = model.config
+        shape = memplan.ModelShape.from_model(model)
+        assert shape.tied is tied and shape.elsize == 4
+        width = 3 * c.hidden_size + 2 * shape.kv_dim + 2 * c.intermediate_size
+        vocab = L * c.vocab_size * 8
+        layers = c.num_hidden_layers * L * width * 4
+        assert cotangent_bytes(model, L) == vocab + layers  # vectors: the block holds the head
+        # untied: the head's ghost cotangent is kept (e + 2a + 4 bytes per L x V element)
+        head = max(vocab, 16 * c.vocab_size * c.hidden_size) if tied else 2 * vocab
+        assert cotangent_bytes(model, L, path="token_norms") == head + layers
+        assert cotangent_bytes(model, L, n_grad=100) == vocab + layers + 1600
     plain = torch.nn.Linear(3, 2)  # no transformers config: as large as the parameters
     assert cotangent_bytes(plain, 5) == 4 * 8
 
@@ -88,18 +102,24 @@ def test_the_harness_takes_its_chunk_from_free_memory(monkeypatch):
 
     monkeypatch.setattr(exact, "token_chunks", spy)
     ref = token_grad_norms(model, ids, rm, am, chunk_size=8)
-    item = cotangent_bytes(model, ids.shape[1])
+    L = ids.shape[1]
+    item = cotangent_bytes(model, L, path="token_norms")
+    fixed = memplan.fixed_bytes(memplan.ModelShape.from_model(model), "token_norms", 2, L)
     # room for exactly 3 cotangents at memory_fraction 0.5
-    monkeypatch.setattr(chunking, "free_device_bytes", lambda device: 6 * item + 1)
+    free = int(2 * (fixed + 3 * item) / memplan.HEADROOM) + 2  # the plan's headroom kept
+    monkeypatch.setattr(chunking, "free_device_bytes", lambda device: free)
     got = token_grad_norms(model, ids, rm, am)
     assert used == [8, 3]
     torch.testing.assert_close(got.token_sq, ref.token_sq, rtol=1e-5, atol=0)
     torch.testing.assert_close(got.prefix_sq, ref.prefix_sq, rtol=1e-5, atol=0)
     assert token_grad_norms(model, ids, rm, am, memory_fraction=1.0) is not None
-    assert used[-1] == 6
+    assert used[-1] == 6 + fixed // item
     used.clear()
     # token_vectors gives the chunk half of the fraction (the other half: its gradient block)
-    monkeypatch.setattr(chunking, "free_device_bytes", lambda device: 12 * item + 1)
+    item = cotangent_bytes(model, L)
+    fixed = memplan.fixed_bytes(memplan.ModelShape.from_model(model), "vectors", 6, L)
+    monkeypatch.setattr(chunking, "free_device_bytes",
+                        lambda device: int(4 * (fixed + 3 * item) / memplan.HEADROOM) + 4)
     b = rollout_batch()
     assert b.prompt_ids.shape[1] + b.T == ids.shape[1]  # the same prefix length: same item
     tv = token_vectors(model, b, sketch_dim=None, block_bytes=BLOCK_BYTES)

@@ -3,6 +3,8 @@ brute force (float64), group breakdowns, dtype and chunking, the materialising i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _fixtures_grads import batch, tiny_llama, trained_llama
@@ -268,7 +270,8 @@ def test_packed_auto_chunk_shrinks_to_the_measured_budget(monkeypatch):
     sizes = []
     real = exact.token_chunks
     monkeypatch.setattr(exact, "free_device_bytes", lambda d: 1 << 30)
-    monkeypatch.setattr(exact, "auto_chunk", lambda d, b, chunk_size=None, **kw: chunk_size or 16)
+    monkeypatch.setattr(exact, "token_plan",  # the plan allows 16 cotangents
+                        lambda *a, chunk_size=None, **kw: SimpleNamespace(chunk=chunk_size or 16))
     monkeypatch.setattr(exact, "token_chunks",
                         lambda m, c, pack=False: sizes.append(c) or real(m, c, pack=pack))
     got = exact.token_grad_norms(model, ids, rm, am, pack=True, progress=False)

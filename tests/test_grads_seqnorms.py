@@ -102,11 +102,14 @@ def test_row_chunks_equal_one_batch_and_the_budget_picks_them(monkeypatch, paddi
             assert r == routes and len(calls) >= -(-5 // rows)
     finally:
         hook.remove()
-    from varbench.grads.chunking import cotangent_bytes
+    from varbench.models import memplan
 
     L = ids.shape[1]
     assert seqnorms.sequence_rows(model, 5, L, "cpu") == 5  # a tiny model: one chunk
-    monkeypatch.setattr(seqnorms, "SEQUENCE_CPU_BYTES", 3 * cotangent_bytes(model, L))
+    shape = memplan.ModelShape.from_model(model)
+    one = (memplan.fixed_bytes(shape, "sequence_norms", 5, L)
+           + memplan.unit_bytes(shape, "sequence_norms", L))
+    monkeypatch.setattr(seqnorms, "SEQUENCE_CPU_BYTES", one)  # the plan's room for one row
     assert seqnorms.sequence_rows(model, 5, L, "cpu") == 1
     torch.testing.assert_close(sequence_grad_norms(model, ids, rm, am, coefficients=c), want,
                                rtol=RTOL, atol=0)

@@ -4,6 +4,7 @@ path (token_vectors + combine) against slow references, in float64."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -343,7 +344,8 @@ def test_packed_auto_chunk_keeps_tokens_times_rows_in_the_measured_budget(monkey
     sizes = []
     real = exact.token_chunks
     monkeypatch.setattr(vectors, "free_device_bytes", lambda d: 1 << 30)
-    monkeypatch.setattr(vectors, "auto_chunk", lambda d, b, chunk_size=None, **kw: chunk_size or 16)
+    monkeypatch.setattr(vectors, "token_plan",  # the plan allows 16 cotangents
+                        lambda *a, chunk_size=None, **kw: SimpleNamespace(chunk=chunk_size or 16))
     monkeypatch.setattr(exact, "token_chunks",
                         lambda m, c, pack=False: sizes.append(c) or real(m, c, pack=pack))
     got = vectors.token_vectors(model, rb, sketch_dim=None, pack=True)

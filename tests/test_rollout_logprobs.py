@@ -94,3 +94,50 @@ def test_shared_prompt_path_is_taken_for_a_full_attention_model():
     groups = torch.arange(2)
     assert _shared_prompt_logprobs(build("llama"), rb, groups) is not None
     assert _shared_prompt_logprobs(build("mistral_sliding"), rb, groups) is None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_rows_in_checkpointed_chunks_equal_one_pass_values_and_gradients(model, shared):
+    """The training step's log-probs a chunk of groups at a time (``rows``, checkpointed under
+    grad mode) equal one pass in float64: values and every parameter's gradient of a loss
+    that mixes the groups (so each chunk's backward needs the whole loss's cotangents)."""
+    rb = rollout_batch(P=3, seed=1)
+    groups = torch.tensor([2, 0, 1])
+    w = torch.linspace(0.5, 2.0, 3 * rb.G * rb.T, dtype=torch.float64).reshape(3, rb.G, rb.T)
+
+    def grads(**kw):
+        model.zero_grad(set_to_none=True)
+        lp = response_logprobs(model, rb, groups, shared_prompt=shared, **kw)
+        loss = (lp * w).sum() + lp.sum().square()  # not separable over chunks
+        loss.backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref, g_ref = grads()
+    for rows in (rb.G, 2 * rb.G, 2 * rb.G + 1, 1):
+        got, g = grads(rows=rows)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+        for a, b in zip(g, g_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(model, rb, groups, rows=rb.G), ref,
+                                   rtol=1e-12, atol=1e-14)
+    assert any(bool((b != 0).any()) for b in g_ref)
+
+
+def test_logprob_rows_follow_the_plan_of_a_faked_budget(monkeypatch, model):
+    from varbench.models import memplan
+    from varbench.rollout.logprobs import logprob_rows
+
+    rb = rollout_batch(P=3, seed=1)
+    assert logprob_rows(model, rb, 3) is None  # the CPU: no measured budget, one pass
+    shape = memplan.ModelShape.from_model(model)
+    L = rb.prompt_ids.shape[1] + rb.T
+    two = (memplan.fixed_bytes(shape, "train_logprobs", 3 * rb.G, L)
+           + 2 * memplan.unit_bytes(shape, "train_logprobs", L)) / memplan.HEADROOM
+    monkeypatch.setattr(memplan, "device_budget", lambda device, fraction=0.5: int(two) + 1)
+    assert logprob_rows(model, rb, 3) == 2
+    monkeypatch.setattr(memplan, "device_budget", lambda device, fraction=0.5: 1 << 40)
+    assert logprob_rows(model, rb, 3) is None  # every row fits: one pass
+    monkeypatch.setattr(memplan, "device_budget", lambda device, fraction=0.5: 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        logprob_rows(model, rb, 3)

@@ -407,3 +407,47 @@ def test_a_policy_with_no_stop_token_is_warned_and_truncation_counted(tmp_path):
     with pytest.warns(UserWarning, match="has no stop token"):
         b = sample(pol, task, task.prompts(1), 4, seed=0)
     assert b.meta["truncated"] == 4 and b.meta["stop_ids"] == []
+
+
+@pytest.mark.parametrize("name,knobs", [("sort", {}), ("arith", {"digits": 2}), ("toolsum", {})])
+def test_rows_in_chunks_equal_one_cache_in_float64(monkeypatch, name, knobs):
+    """Rows sampled a chunk of prompts at a time (the memory plan's KV-cache rows, here from a
+    faked device budget, and the explicit rows knob) give the unchunked batch: greedy tokens
+    identical, statistics equal to float64 rounding. Sampled draws share one generator across
+    the chunks, so only greedy decoding (and one chunk) can be identical by construction."""
+    from varbench.models import memplan
+    from varbench.rollout import sampler
+
+    policy = build_policy("micro", seed=0)
+    policy.model.to(torch.float64)
+    task = get_task(name, **knobs)
+    prompts = task.prompts(3, seed=4)
+    G = 2
+    whole = sample(policy, task, prompts, G, greedy=True)
+    runs = []
+    real = sampler._sample_rows
+    monkeypatch.setattr(sampler, "_sample_rows",
+                        lambda *a, **kw: runs.append(a[3].shape[0]) or real(*a, **kw))
+    shape = memplan.ModelShape.from_model(policy.model)
+    L = sampler.encode_prompts(policy.tokenizer, prompts)[0].shape[1] + task.max_new_tokens
+    one = (memplan.fixed_bytes(shape, "sampling", 6, L) + G * memplan.unit_bytes(
+        shape, "sampling", L)) / memplan.HEADROOM
+    monkeypatch.setattr(memplan, "device_budget", lambda device, fraction=0.5: int(one) + 1)
+    planned = sample(policy, task, prompts, G, greedy=True)
+    assert runs == [1, 1, 1]  # the budget holds one group's cache: three caches
+    knob = sample(policy, task, prompts, G, greedy=True, rows=4)
+    assert runs[3:] == [2, 1]
+    for got in (planned, knob):
+        assert torch.equal(got.tokens, whole.tokens) and torch.equal(got.mask, whole.mask)
+        assert torch.equal(got.env_mask, whole.env_mask)
+        assert torch.equal(got.rewards, whole.rewards) and got.texts == whole.texts
+        for x, y in ((got.logprobs, whole.logprobs), (got.sum_pi_sq, whole.sum_pi_sq),
+                     (got.entropy, whole.entropy)):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    # one chunk holding every row is the unchunked call, draws included
+    a = sample(policy, task, prompts, G, seed=7, rows=6)
+    monkeypatch.setattr(memplan, "device_budget", lambda device, fraction=0.5: None)
+    b = sample(policy, task, prompts, G, seed=7)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    with pytest.raises(ValueError, match="rows"):
+        sample(policy, task, prompts, G, rows=0)

@@ -1,12 +1,12 @@
-"""Chunk sizes of the exact harness from the free memory of the model's device.
+"""Chunk sizes of the exact harness: thin calls into the one memory plan
+(:mod:`varbench.models.memplan`).
 
 On the CPU the measured defaults stand (``DEFAULT_CHUNK`` tokens per batched backward, 256 MiB
-of per-token gradients per block: tuned for caches, not for capacity). On CUDA a chunk of C
-cotangents holds C copies of the backward's activation gradients (and, where the per-token
-gradients are materialised, C gradients of the block), so C is read off the memory free on
-the device (``torch.cuda.mem_get_info``) times ``memory_fraction`` (default 0.5, the rest left
-to the forward's activations, the allocator's fragmentation and other processes). An explicit
-``chunk_size`` always wins (the knob).
+of per-token gradients per block: tuned for caches, not for capacity). On CUDA the chunk is the
+plan's: the largest number of cotangents whose planned peak (the chunk forward's kept
+activations, the vocabulary's cotangents at ``e + 4 (+4)`` bytes per element, a tied head's
+per-token gradient ``[C, V h]``, every module output's cotangent) fits ``memory_fraction``
+(default 0.5) of the memory free on the device. An explicit ``chunk_size`` always wins.
 """
 
 from __future__ import annotations
@@ -14,21 +14,24 @@ from __future__ import annotations
 import torch
 
 from varbench._util.checks import UsageError, check_positive_int
+from varbench.models import memplan
+from varbench.models.memplan import MAX_COTANGENTS as MAX_CHUNK
+from varbench.models.memplan import MEMORY_FRACTION, ModelShape
 
 # measured on the small preset (CPU, 1 thread, one sequence, process CPU seconds):
 # T=128: 8 -> 1.50-1.57, 16 -> 1.60-1.68, 32 -> 1.86-1.97; T=512: 8 -> 25.6, 16 -> 26.9
 DEFAULT_CHUNK = 8
 BLOCK_BYTES = 1 << 28  # CPU: 256 MiB of per-token gradients per harness pass
-MEMORY_FRACTION = 0.5  # CUDA: share of the free device memory a chunk may take
-MAX_CHUNK = 512  # CUDA: cotangents per batched backward at most (the vmap's batch)
+
+__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "MAX_CHUNK", "MEMORY_FRACTION", "auto_block_bytes",
+           "auto_chunk", "check_fraction", "cotangent_bytes", "free_device_bytes",
+           "token_plan"]
 
 
 def free_device_bytes(device: torch.device | str) -> int | None:
-    """Bytes free on a CUDA ``device`` (``torch.cuda.mem_get_info``), None on other devices."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.mem_get_info(device)[0])
+    """Bytes free on a CUDA ``device`` (:func:`varbench.models.memplan.free_device_bytes`),
+    None on other devices."""
+    return memplan.free_device_bytes(device)
 
 
 def check_fraction(memory_fraction: float) -> float:
@@ -40,26 +43,30 @@ def check_fraction(memory_fraction: float) -> float:
     return float(memory_fraction)
 
 
-def cotangent_bytes(model: torch.nn.Module, length: int, n_grad: int = 0) -> int:
-    """Estimated bytes one cotangent of the batched backward holds over a prefix of ``length``.
+def cotangent_bytes(model: torch.nn.Module, length: int, n_grad: int = 0, *,
+                    path: str = "vectors") -> int:
+    """Planned bytes one cotangent of the batched backward adds over a prefix of ``length``
+    (:func:`varbench.models.memplan.unit_bytes`); ``n_grad`` parameter elements whose
+    per-token gradient is materialised. ``path='token_norms'`` counts a tied head's
+    per-token gradient (the ghost harness forms it); ``'vectors'`` leaves it to the block."""
+    return memplan.unit_bytes(ModelShape.from_model(model), path, length,
+                              materialised=n_grad)
 
-    Activation gradients per position: the logits' (vocabulary V) plus, per layer, about
-    ``4 h + 3 i + heads * length`` floats (residual, attention in/out, MLP, scores) of the
-    config's hidden size h and intermediate size i; ``n_grad`` more floats when the per-token
-    gradient of a parameter block is materialised. float32 accounting (the harness upcasts
-    the statistics). An estimate: a fraction below 1 leaves the margin.
-    """
-    cfg = getattr(model, "config", None)
-    h = int(getattr(cfg, "hidden_size", 0) or 0)
-    if h <= 0:  # not a transformers config: assume activations as large as the parameters
-        n = sum(p.numel() for p in model.parameters())
-        return 4 * (n + n_grad)
-    i = int(getattr(cfg, "intermediate_size", 0) or 4 * h)
-    n_layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    V = int(getattr(cfg, "vocab_size", 0) or 0)
-    per_pos = V + n_layers * (4 * h + 3 * i + heads * length)
-    return 4 * (length * per_pos + n_grad)
+
+def token_plan(model: torch.nn.Module, B: int, L: int, device: torch.device | str, *,
+               path: str = "token_norms", chunk_size: int | None = None, n_grad: int = 0,
+               memory_fraction: float = MEMORY_FRACTION) -> memplan.Plan:
+    """The plan of a per-token path over ``B`` rows of ``L`` positions on ``device``: the
+    knob's chunk when given, ``DEFAULT_CHUNK`` without a measured budget (CPU), else the
+    largest that fits; refused (UsageError) when one cotangent cannot fit the budget."""
+    budget = _free_budget(device, memory_fraction)
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
+        budget = None
+    shape = ModelShape.from_model(model)
+    p = memplan.plan(shape, path, B, L, budget, default=chunk_size or DEFAULT_CHUNK,
+                     materialised=n_grad)
+    return memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
 
 
 def auto_chunk(

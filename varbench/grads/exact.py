@@ -34,9 +34,8 @@ from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.chunking import (
     DEFAULT_CHUNK,
     MEMORY_FRACTION,
-    auto_chunk,
-    cotangent_bytes,
     free_device_bytes,
+    token_plan,
 )
 from varbench.grads.ghost import GhostModule, ModulePlan, acc_dtype, cumsum_rows_, plan_modules
 from varbench.grads.params import GroupSpec, ParamFilter, group_index, select_params
@@ -263,8 +262,9 @@ def token_grad_norms(
     pre = torch.zeros(B, L, n_groups, dtype=acc, device=dev)
     n_mat = 0 if method == "ghost" else sum(p.numel() for _, p in chosen)
     measured = chunk_size is None and free_device_bytes(dev) is not None
-    chunk_size = auto_chunk(dev, cotangent_bytes(model, L, n_mat), chunk_size=chunk_size,
-                            memory_fraction=memory_fraction)
+    # the memory plan: a tied head's per-token gradient [C, V h] counts (ghost cannot factor it)
+    chunk_size = token_plan(model, B, L, dev, chunk_size=chunk_size, n_grad=n_mat,
+                            memory_fraction=memory_fraction).chunk
     # the index of every row's first response token in the row-major token list
     if pack:  # one more host read per call: the rows' token counts
         offs = [0]

@@ -41,6 +41,7 @@ from varbench.grads.ghost import (
     factored_inputs,
 )
 from varbench.grads.params import ParamFilter, select_params
+from varbench.models import memplan
 from varbench.models.arch import (
     ModuleForm,
     check_finite_logits,
@@ -316,17 +317,21 @@ SEQUENCE_CPU_BYTES = 1 << 30
 def sequence_rows(model: torch.nn.Module, B: int, L: int, device: torch.device | str,
                   rows: int | None = None) -> int:
     """Sequences per forward+backward of :func:`sequence_grad_norms`: ``rows`` when given,
-    else the budget (CUDA: ``MEMORY_FRACTION`` of the free memory; CPU:
-    :data:`SEQUENCE_CPU_BYTES`) over three cotangents of a length-``L`` sequence (the kept
-    activations, their gradients, the Gram work), at least 1 and at most ``B``."""
-    from varbench.grads.chunking import MEMORY_FRACTION, cotangent_bytes, free_device_bytes
+    else the memory plan's (:func:`varbench.models.memplan.plan`, path ``sequence_norms``)
+    inside the budget (CUDA: ``MEMORY_FRACTION`` of the free memory; CPU:
+    :data:`SEQUENCE_CPU_BYTES`), at least 1 and at most ``B``; UsageError when one row cannot
+    fit a measured budget."""
+    from varbench.grads.chunking import MEMORY_FRACTION, free_device_bytes
 
     if rows is not None:
         return min(check_positive_int("rows", rows), max(B, 1))
-    per_row = 3 * cotangent_bytes(model, L)
     free = free_device_bytes(device)
     budget = SEQUENCE_CPU_BYTES if free is None else int(MEMORY_FRACTION * free)
-    return max(1, min(max(B, 1), budget // max(1, per_row)))
+    p = memplan.plan(memplan.ModelShape.from_model(model), "sequence_norms", max(B, 1), L,
+                     budget)
+    if free is not None:
+        memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
+    return p.chunk
 
 
 def _norms_block(model, input_ids, attention_mask, c, chosen, acc

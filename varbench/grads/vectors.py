@@ -30,9 +30,8 @@ from varbench.grads._inputs import check_inputs
 from varbench.grads.chunking import (
     MEMORY_FRACTION,
     auto_block_bytes,
-    auto_chunk,
-    cotangent_bytes,
     free_device_bytes,
+    token_plan,
 )
 from varbench.grads.exact import iter_token_grads, packed_chunk
 from varbench.grads.params import ParamFilter, select_params
@@ -461,8 +460,8 @@ def token_vectors(
     # CUDA: the activation gradients of a chunk and the block of per-token gradients share
     # the fraction half and half
     measured = chunk_size is None and free_device_bytes(dev) is not None
-    chunk_size = auto_chunk(dev, cotangent_bytes(model, L), chunk_size=chunk_size,
-                            memory_fraction=memory_fraction / 2)
+    chunk_size = token_plan(model, B, L, dev, path="vectors", chunk_size=chunk_size,
+                            memory_fraction=memory_fraction / 2).chunk
     if measured and (dev.type == "cuda" if pack is None else pack):
         # a packed chunk's cotangents each span its rows: keep tokens x rows in the budget
         offs = [0]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from varbench._util.checks import check_positive_int
+from varbench.models import memplan
 from varbench.models.forward import position_ids_from_mask
 from varbench.models.head import read_head
 from varbench.models.logits import head_logprobs, sequence_logprobs
@@ -13,9 +16,25 @@ from varbench.rollout.batch import RolloutBatch
 from varbench.rollout.kvcache import autograd_cache
 
 
+def logprob_rows(model: torch.nn.Module, batch: RolloutBatch, n_groups: int) -> int | None:
+    """Rows per forward+backward of the training step's log-probs over ``n_groups`` groups of
+    ``batch``: the memory plan's (path ``train_logprobs``: every layer's kept activations over
+    the prompt and the response, the head's chunked logits) inside the budget of the model's
+    device; None (one pass) without a measured budget (the CPU) or when all rows fit."""
+    budget = memplan.device_budget(next(model.parameters()).device)
+    if budget is None:
+        return None
+    _, G, T = batch.tokens.shape
+    B = n_groups * G
+    shape = memplan.ModelShape.from_model(model)
+    p = memplan.check_plan(memplan.plan(shape, "train_logprobs", B, batch.prompt_ids.shape[1]
+                                        + T, budget), "one response's training forward")
+    return None if p.chunk >= B else p.chunk
+
+
 def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
                       groups: torch.Tensor | None = None, *,
-                      shared_prompt: bool = False) -> torch.Tensor:
+                      shared_prompt: bool = False, rows: int | None = None) -> torch.Tensor:
     """``[p, G, T]`` log pi(y_t | prefix) of the responses of ``groups`` (default: all P).
 
     One teacher-forced forward of the flat ``[p * G, L]`` rows (positions from the attention
@@ -29,11 +48,27 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch,
     attention over the same keys; gradients flow through the shared cache). Used where the
     model allows it (a readable output head, every layer plain full attention, G > 1);
     elsewhere the one flat forward.
+
+    ``rows`` (e.g. :func:`logprob_rows`): at most this many rows (whole groups, at least one)
+    per forward; with grad mode on each chunk is checkpointed (its activations are recomputed
+    in backward, one chunk at a time), so the memory of a backward is one chunk's, at the
+    price of one more forward. The values and gradients are those of one pass up to rounding.
     """
     P, G, T = batch.tokens.shape
     dev = batch.tokens.device
     if groups is None:
         groups = torch.arange(P, device=dev)
+    if rows is not None and check_positive_int("rows", rows) < len(groups) * G:
+        per = max(1, rows // G)
+        parts = []
+        for g in groups.split(per):
+            if torch.is_grad_enabled():
+                # activations of one chunk at a time: recomputed in its backward, not kept
+                parts.append(checkpoint(response_logprobs, model, batch, g, use_reentrant=False,
+                                        shared_prompt=shared_prompt))
+            else:
+                parts.append(response_logprobs(model, batch, g, shared_prompt=shared_prompt))
+        return torch.cat(parts)
     if shared_prompt and G > 1 and T > 0:
         got = _shared_prompt_logprobs(model, batch, groups)
         if got is not None:

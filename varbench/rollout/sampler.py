@@ -48,6 +48,7 @@ from transformers.cache_utils import Cache
 from varbench._util.bounds import check_knob, check_memory
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench._util.progress import show_progress
+from varbench.models import memplan
 from varbench.models.arch import stepper
 from varbench.models.forward import position_ids_from_mask
 from varbench.models.logits import chosen_logprobs, pi_stats, stat_dtype
@@ -84,17 +85,16 @@ def check_rollout_memory(policy: Policy, P: int, G: int, T: int, *, arg: str = "
                          device: str | torch.device | None = None) -> None:
     """UsageError, before any model call, when sampling ``G`` responses of up to ``T`` tokens
     to each of ``P`` prompts cannot fit the memory of ``device`` (default: the model's):
-    :func:`varbench._util.bounds.check_memory` of a lower bound of what sampling holds at once
-    (one decoding step's logits ``[P*G, V]`` in the model's dtype, and the ``[P*G, T]``
-    outputs: tokens, mask, rewards, log-probs, sum pi^2, entropies). The KV cache and the
-    model come on top, so a size this refuses can never run; one it admits still may not."""
-    B = P * G
-    V = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
-    elsize = next(policy.model.parameters()).element_size()
-    need = B * V * elsize + B * T * (8 + 4 + 4 + 3 * 4)
+    :func:`varbench._util.bounds.check_memory` of the memory plan's least need (path
+    ``sampling``: the ``[P*G, T]`` outputs and, since rows are sampled a chunk at a time,
+    one group's KV cache and step logits). The model comes on top, so a size this refuses can
+    never run; one it admits still may not."""
+    shape = memplan.ModelShape.from_model(policy.model)
+    p = memplan.plan(shape, "sampling", P * G, T, None)
+    need = p.fixed_bytes + G * p.unit_bytes
     check_memory(arg, G, need, policy.device if device is None else device,
-                 what=f"P={P} prompts x G={G} responses: one step's logits over V={V} tokens "
-                      f"and the outputs of T={T} tokens")
+                 what=f"P={P} prompts x G={G} responses: the outputs of T={T} tokens and one "
+                      f"group's keys, values and logits over V={shape.vocab} tokens")
 
 
 def _filtered(z: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
@@ -200,6 +200,7 @@ def sample(
     device: str | torch.device | None = None,
     progress: bool | None = False,
     differentiable: bool = False,
+    rows: int | None = None,
 ) -> RolloutBatch:
     """Sample ``G`` responses to each prompt; return the scored ``[P, G, T]`` RolloutBatch.
 
@@ -210,6 +211,13 @@ def sample(
     graph of the model calls (module docstring; needs a model whose every layer is plain full
     attention, :func:`can_sample_differentiably`). Raises ValueError before any model call on
     bad arguments, prompts longer than the context, or a tokenizer missing a symbol of the task.
+
+    ``rows``: responses per KV cache (whole groups; default: the memory plan's,
+    :func:`sampling_prompts`; all rows on the CPU). Each chunk of prompts is prefilled and
+    decoded on its own, drawing from the one generator in turn: greedy decoding is identical
+    for every ``rows``, sampled draws are a valid sample whose stream depends on the chunks
+    (one multinomial call per step over the active rows), so a seed reproduces a batch for a
+    given ``rows`` and device budget.
     """
     _check_args(policy, task, prompts, G, seed, temperature, top_k, top_p)
     reward = task.check_reward(reward)
@@ -251,18 +259,7 @@ def sample(
     # inference_mode, not just no_grad: no version counters or autograd metadata on the many
     # small tensors of each model call (several % of a decode step for a small model).
     calls = torch.enable_grad if differentiable else torch.inference_mode
-    with calls():
-        cache = autograd_cache(model) if differentiable else _grow_cache(model, Lp + T)
-        if G > 1 and _can_repeat(model):
-            # Prefill each prompt once and copy its cache G times: identical rows, 1/G the work.
-            cache, logits = step(pids, pmask, position_ids_from_mask(pmask), cache)
-            cache.batch_repeat_interleave(G)
-            logits = logits.repeat_interleave(G, 0)
-        else:
-            ids = pids.repeat_interleave(G, 0)
-            m = pmask.repeat_interleave(G, 0)
-            cache, logits = step(ids, m, position_ids_from_mask(m), cache)
-    sdt = stat_dtype(logits.dtype)
+    sdt = stat_dtype(next(model.parameters()).dtype)
     # Outputs are allocated outside inference mode and only written in place inside it, so the
     # returned tensors stay ordinary tensors that autograd may save.
     tokens = torch.full((B, T), pad, dtype=torch.long, device=dev)
@@ -271,20 +268,18 @@ def sample(
     lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=sdt, device=dev)
                                  for _ in range(3))
     stop = torch.full((B,), T, dtype=torch.long, device=dev)  # steps each row took part in
-    with calls():
-        # Attention mask and position ids of every step, preallocated: step t reads a view
-        # instead of concatenating. Active rows never hold a stopped token (stopped rows leave
-        # the batch), so the response part of the mask is all ones.
-        attn_all = torch.ones((B, Lp + T), dtype=pmask.dtype, device=dev)
-        attn_all[:, :Lp] = pmask.repeat_interleave(G, 0)
-        pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
-        loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=stop_ids,
-                     stop_texts=stop_texts, turn_ids=turn_ids,
-                     gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
-                     stat_dtype=sdt, differentiable=differentiable,
-                     out=(tokens, mask, env, lp_out, spsq_out, ent_out, stop))
-        used = loop.run(step, cache, logits, attn_all, pos_all, progress)
-        loop.finish(used)
+    per = sampling_prompts(policy, P, G, Lp + T, rows)  # prompts per KV cache (memory plan)
+    used = 0
+    for p0 in range(0, P, per):
+        p1 = min(P, p0 + per)
+        r0, r1 = p0 * G, p1 * G  # the chunk's rows: views of the outputs, written in place
+        with calls():  # views made in the mode they are written in (autograd's rule)
+            out = tuple(x[r0:r1] for x in (tokens, mask, env, lp_out, spsq_out, ent_out, stop))
+        used = max(used, _sample_rows(
+            model, step, calls, pids[p0:p1], pmask[p0:p1], prompts[p0:p1], G, T, out,
+            task=task, tok=tok, stop_ids=stop_ids, stop_texts=stop_texts, turn_ids=turn_ids,
+            gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+            differentiable=differentiable, progress=progress))
     if not task.multi_turn:  # mask was not needed during the loop: every kept step is policy
         mask.copy_(torch.arange(T, device=dev) < stop[:, None])
     sl = slice(0, used)
@@ -328,6 +323,55 @@ def sample(
             "truncated": n_cut,
         },
     )
+
+
+def sampling_prompts(policy: Policy, P: int, G: int, L: int, rows: int | None = None) -> int:
+    """Prompts per KV cache of :func:`sample`: ``rows`` (rounded down to whole groups, at
+    least one) when given, else the memory plan's rows (path ``sampling``: every layer's keys
+    and values over ``L`` positions and a step's logits per row) inside the device's budget;
+    all ``P`` without a measured budget (the CPU)."""
+    if rows is not None:
+        return max(1, min(P, check_positive_int("rows", rows) // G))
+    budget = memplan.device_budget(policy.device)
+    if budget is None:
+        return P
+    p = memplan.plan(memplan.ModelShape.from_model(policy.model), "sampling", P * G, L, budget)
+    return max(1, min(P, p.chunk // G))
+
+
+def _sample_rows(model, step, calls, pids, pmask, prompts, G, T, out, *, task, tok, stop_ids,
+                 stop_texts, turn_ids, gen, greedy, temperature, top_k, top_p, differentiable,
+                 progress) -> int:
+    """Prefill and decode the ``[p, Lp]`` prompts ``pids`` G times each into ``out`` (row
+    views of sample's outputs); returns the steps run. One KV cache for these rows only."""
+    Lp = pids.shape[1]
+    B = pids.shape[0] * G
+    dev = pids.device
+    with calls():
+        cache = autograd_cache(model) if differentiable else _grow_cache(model, Lp + T)
+        if G > 1 and _can_repeat(model):
+            # Prefill each prompt once and copy its cache G times: identical rows, 1/G the work.
+            cache, logits = step(pids, pmask, position_ids_from_mask(pmask), cache)
+            cache.batch_repeat_interleave(G)
+            logits = logits.repeat_interleave(G, 0)
+        else:
+            ids = pids.repeat_interleave(G, 0)
+            m = pmask.repeat_interleave(G, 0)
+            cache, logits = step(ids, m, position_ids_from_mask(m), cache)
+        # Attention mask and position ids of every step, preallocated: step t reads a view
+        # instead of concatenating. Active rows never hold a stopped token (stopped rows leave
+        # the batch), so the response part of the mask is all ones.
+        attn_all = torch.ones((B, Lp + T), dtype=pmask.dtype, device=dev)
+        attn_all[:, :Lp] = pmask.repeat_interleave(G, 0)
+        pos_all = attn_all[:, :Lp].sum(-1, keepdim=True) + torch.arange(T, device=dev)
+        loop = _Loop(task=task, prompts=prompts, G=G, tok=tok, T=T, eos=stop_ids,
+                     stop_texts=stop_texts, turn_ids=turn_ids,
+                     gen=gen, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                     stat_dtype=stat_dtype(logits.dtype), differentiable=differentiable,
+                     out=out)
+        used = loop.run(step, cache, logits, attn_all, pos_all, progress)
+        loop.finish(used)
+    return used
 
 
 _DEFER_MAX = 1 << 24  # elements of the [B, T, V] logits kept for deferred statistics

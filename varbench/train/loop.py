@@ -46,6 +46,7 @@ from varbench.estimators.coefficients import sample_weights
 from varbench.grads import token_grad_norms
 from varbench.models import Policy
 from varbench.rollout import check_differentiable, response_logprobs, sample
+from varbench.rollout.logprobs import logprob_rows
 from varbench.rollout.sampler import check_rollout_memory
 from varbench.train import setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -308,8 +309,10 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
                                       device=train_gen.device).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
+                    # rows per forward from the memory plan (checkpointed chunks; None: one)
                     logp = (logp_graph[groups] if logp_graph is not None else
-                            response_logprobs(model, batch, groups, shared_prompt=True))
+                            response_logprobs(model, batch, groups, shared_prompt=True,
+                                              rows=logprob_rows(model, batch, len(groups))))
                     old = logp.detach() if logp_old is None else logp_old[mb]
                     ref = None if logp_ref is None else logp_ref[mb]
                     if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples

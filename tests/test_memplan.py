@@ -1,0 +1,123 @@
+"""The memory plan (varbench.models.memplan) against peaks traced on the CPU: scaled-down
+decoders (hidden 128, V = 32768, tied and untied heads, float32 and bfloat16) with the free
+device memory faked by the test, the live bytes counted by a dispatch mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import varbench.grads.chunking as chunking
+import varbench.grads.exact as exact
+from varbench._util.checks import UsageError
+from varbench.grads import token_grad_norms
+from varbench.models import memplan
+
+V = 32768
+
+
+def decoder(tied: bool, dtype: torch.dtype, hidden: int = 128, layers: int = 2):
+    """A Qwen2-shaped decoder with a real-sized vocabulary, tied or untied head."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, vocab_size=V,
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).to(dtype)
+
+
+def inputs(B: int, L: int, prompt: int = 4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, L), generator=g)
+    rm = torch.zeros(B, L)
+    rm[:, prompt:] = 1
+    return ids, rm, torch.ones(B, L)
+
+
+def test_live_bytes_counts_what_is_alive():
+    with memplan.LiveBytes() as lv:
+        a = torch.ones(1024)  # 4 KiB
+        b = torch.ones(2048)  # 8 KiB
+        del a
+        c = b * 2
+    assert lv.peak == 8192 + 8192  # a + b, then b + c once a was gone
+    assert lv.live == 8192 + 8192
+    del b, c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_norms_stay_in_a_faked_budget_and_the_plan_is_within_15_percent(
+        monkeypatch, tied, dtype):
+    model = decoder(tied, dtype)
+    B, L = 2, 32
+    ids, rm, am = inputs(B, L)
+    shape = memplan.ModelShape.from_model(model)
+    assert shape.tied is tied
+    fixed = memplan.fixed_bytes(shape, "token_norms", B, L)
+    unit = memplan.unit_bytes(shape, "token_norms", L)
+    # memory_fraction 0.5 and the plan's headroom: room for 6 cotangents
+    free = int(2 * (fixed + 6 * unit) / memplan.HEADROOM) + 2
+    monkeypatch.setattr(chunking, "free_device_bytes", lambda device: free)
+    p = chunking.token_plan(model, B, L, "cpu")
+    assert p.chunk == 6 and p.budget == free // 2
+    used = []
+    spy = exact.token_chunks
+    monkeypatch.setattr(exact, "token_chunks",
+                        lambda m, c, **kw: used.append(c) or spy(m, c, **kw))
+    with memplan.LiveBytes() as lv:
+        got = token_grad_norms(model, ids, rm, am, progress=False)
+    assert used == [6]
+    assert lv.peak <= p.budget, (lv.peak, p.budget)
+    assert abs(p.peak_bytes / lv.peak - 1) <= 0.15, (p.peak_bytes, lv.peak)
+    ref = token_grad_norms(model, ids, rm, am, chunk_size=8, progress=False)
+    torch.testing.assert_close(got.token_sq, ref.token_sq, rtol=2e-2 if dtype != torch.float32
+                               else 1e-5, atol=0)
+
+
+def test_a_tied_head_costs_its_per_token_gradient():
+    """The issue's case: the tied head's [C, V h] gradient is in the plan, so at the same
+    budget a tied model gets fewer cotangents than an untied one."""
+    tied = memplan.ModelShape.from_model(decoder(True, torch.float32))
+    untied = memplan.ModelShape.from_model(decoder(False, torch.float32))
+    L = 8
+    t = memplan.unit_bytes(tied, "token_norms", L)
+    assert t >= 16 * V * 128
+    assert memplan.unit_bytes(untied, "token_norms", L) < t / 4
+    budget = 1 << 30
+    assert (memplan.plan(tied, "token_norms", 1, L, budget).chunk
+            < memplan.plan(untied, "token_norms", 1, L, budget).chunk)
+
+
+def test_plan_from_config_refuses_before_loading_and_names_the_need():
+    cfg = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                      num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                      tie_word_embeddings=True)
+    p = memplan.plan_from_config(cfg, torch.bfloat16, "token_norms", 8, 1024, 80 << 30)
+    assert p.fits and p.chunk >= 1 and p.peak_bytes <= p.budget
+    assert 1.4e9 < memplan.ModelShape.from_config(cfg, "bfloat16").n_params < 1.65e9
+    small = memplan.plan_from_config(cfg, torch.bfloat16, "token_norms", 8, 1024, 4 << 30)
+    assert not small.fits
+    with pytest.raises(UsageError, match=r"needs [0-9.]+ GiB .* the budget is"):
+        memplan.check_plan(small, "Qwen2.5-1.5B at T = 1024")
+    # no device memory known: the path's default, nothing refused
+    assert memplan.plan_from_config(cfg, "float32", "sampling", 64, 512, None).chunk == 64
+
+
+def test_plan_scale_extrapolation_in_layers_holds_at_small_scale():
+    """benchmarks/plan_scale.py traces 1 and 2 layers and extrapolates to the model's depth:
+    at small scale the extrapolated peak equals the trace of all layers within 5% (the two
+    paths it extrapolates)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plan_scale
+
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=4096,
+                      tie_word_embeddings=True)
+    for path, chunk in (("token_norms", 4), ("train_logprobs", 1)):
+        full = plan_scale.trace(plan_scale.with_layers(cfg, 6), torch.float32, path, 32, chunk)
+        got = plan_scale.extrapolated(cfg, torch.float32, path, 32, chunk, 1)
+        assert abs(got / full - 1) <= 0.05, (path, got, full)

@@ -1,0 +1,334 @@
+"""The one memory plan: peak bytes per chunk of every path and the chunk sizes that fit.
+
+Every path that scales with tokens, responses or batch asks :func:`plan` (or
+:func:`plan_from_config`, before any model is loaded) instead of guessing: the per-token
+gradient harness (``token_norms``: cotangents per batched backward), the per-sequence norms
+(``sequence_norms``: rows per forward+backward), the per-token vectors (``vectors``:
+cotangents, the gradient block aside), the logit statistics (``logits``: positions per head
+matmul), sampling (``sampling``: rows per KV cache) and the training step's log-probs
+(``train_logprobs``: rows per forward+backward). A plan is ``fixed + chunk * unit`` bytes
+beyond the parameters; ``chunk`` is the largest that keeps it inside the budget (``fraction``
+of the free device memory; no budget, i.e. the CPU: the path's default). A model whose one-unit
+chunk does not fit is refused by :func:`check_plan`, naming the bytes it needs.
+
+The terms (e: the model's bytes per element, a: the accumulation's, 4 or 8; L: the prefix of a
+unit, h/i/V: hidden, intermediate, vocabulary; per layer and position ``w = 3h + 2 kv + 2i``
+module outputs) were traced with :class:`LiveBytes` on the CPU (tests/test_memplan.py holds
+the plan within 15% of the traced peak; benchmarks/plan_scale.py at full scale):
+
+- a tied head's per-token gradient ``[C, V h]`` costs ``max(4e, e + 2a)`` bytes per element
+  per cotangent (autograd's sum of the embedding's and the head's parts, then its float32
+  copy and prefix sum), the vocabulary's cotangent ``e + 4 + 4 [e != 4]`` per ``L V`` element;
+- the kept activations of a training forward are ``9h e + 4[e != 4] h + 4 i e`` bytes per
+  layer and position (RMS norms keep a float32 copy of their input in low precision).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from varbench._util.checks import UsageError, check_choice
+
+PATHS = ("token_norms", "sequence_norms", "vectors", "logits", "sampling", "train_logprobs")
+UNITS = {"token_norms": "cotangents", "sequence_norms": "rows", "vectors": "cotangents",
+         "logits": "positions", "sampling": "rows", "train_logprobs": "rows"}
+MEMORY_FRACTION = 0.5  # share of the free device memory a chunk may take (the rest: the
+# allocator's fragmentation, other processes and what the estimate misses)
+MAX_COTANGENTS = 512  # cotangents per batched backward at most (the vmap's batch)
+HEADROOM = 0.95  # a chunk is planned into this share of the budget: traced peaks of the
+# terms' coefficients run up to ~2% above them (a bfloat16 tied head: 10.13, not 10, bytes)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan reads of a model: sizes of a decoder, its head, its dtype's bytes."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    elsize: int  # bytes per parameter element
+    n_params: int
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one layer's keys (= values): ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def acc(self) -> int:
+        """Bytes of the statistics' dtype: float32 at least, float64 for a float64 model."""
+        return 8 if self.elsize == 8 else 4
+
+    @property
+    def width(self) -> int:
+        """Module outputs per layer and position: q, o, down (h), k, v (kv), gate, up (i)."""
+        return 3 * self.hidden + 2 * self.kv_dim + 2 * self.intermediate
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the parameters."""
+        return self.n_params * self.elsize
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype | str) -> ModelShape:
+        """The shape of a transformers ``config`` (text config of a multimodal one) in ``dtype``."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        h = int(cfg.hidden_size)
+        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+        kvh = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        hd = int(getattr(cfg, "head_dim", None) or h // heads)
+        inter = int(getattr(cfg, "intermediate_size", None) or 4 * h)
+        layers = int(cfg.num_hidden_layers)
+        V = int(cfg.vocab_size)
+        tied = bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings",
+                                                                   False)))
+        per_layer = (h * heads * hd * 2 + h * kvh * hd * 2 + 3 * h * inter + 2 * h)
+        n = V * h * (1 if tied else 2) + layers * per_layer + h
+        return cls(h, layers, heads, kvh, hd, inter, V, tied,
+                   torch.empty((), dtype=dtype, device="meta").element_size(), n)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        """The shape of a loaded model: its config's sizes, its parameters' dtype and count,
+        tied when the input embedding and the output head share one tensor."""
+        p = next(model.parameters())
+        n = sum(q.numel() for q in model.parameters())
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(cfg, "hidden_size"):
+            # not a transformers decoder: every activation as large as the parameters
+            return cls(0, 0, 1, 1, 0, 0, 0, False, p.element_size(), n)
+        got = cls.from_config(cfg, p.dtype)
+        tied = _tied(model)
+        return cls(got.hidden, got.layers, got.heads, got.kv_heads, got.head_dim,
+                   got.intermediate, got.vocab, got.tied if tied is None else tied,
+                   got.elsize, n)
+
+
+def _tied(model: torch.nn.Module) -> bool | None:
+    """Whether the input embedding and the output head share their weight (None: unknown)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    try:
+        e, o = get_in(), get_out()
+    except (AttributeError, NotImplementedError):  # a wrapper without the accessors' modules
+        return None
+    we, wo = getattr(e, "weight", None), getattr(o, "weight", None)
+    if we is None or wo is None:
+        return None
+    return we is wo
+
+
+def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -> int:
+    """Bytes one unit of ``path`` adds to a chunk over a prefix of ``L`` positions.
+
+    ``materialised``: parameter elements whose per-token gradient the harness forms (the
+    'materialize' method; a tied head's is counted here already).
+    """
+    check_choice("path", path, list(PATHS))
+    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    if shape.hidden == 0:  # not a decoder: the parameters' size per unit
+        return 4 * (shape.n_params + materialised)
+    low = 4 if e != 4 else 0  # the float32 copy a low-precision tensor gets
+    if path in ("token_norms", "vectors"):
+        vocab = L * V * (e + 4 + low)
+        if shape.tied and path == "token_norms":  # formed after the vocabulary's cotangents
+            vocab = max(vocab, max(4 * e, e + 2 * a) * V * h)
+        elif path == "token_norms":  # an untied head's cotangent is kept for its ghost norms
+            vocab = L * V * (e + 2 * a + 4)
+        layers = n * L * shape.width * e
+        return vocab + layers + max(4 * e, e + 2 * a) * materialised
+    if path == "sequence_norms":
+        # cotangents of every module output (acc) and the kept activations of one row
+        return L * (V * (2 * e + 4 * a) + n * (88 * h + 26 * shape.intermediate))
+    if path == "train_logprobs":
+        return L * n * (h * (9 * e + low) + 4 * e * shape.intermediate + 2 * e * shape.kv_dim)
+    if path == "sampling":
+        # keys and values of every layer, the step's logits in float32 and their softmax
+        return 2 * n * shape.kv_dim * L * e + V * (e + 3 * 4)
+    # logits: one position's logits and two float32 temporaries of the statistics
+    return V * (e + 2 * a)
+
+
+def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
+    """Bytes a ``path`` holds whatever its chunk: the forward's kept activations of the chunk's
+    one row (token paths), the ``[B, L]`` outputs, per-module running state."""
+    check_choice("path", path, list(PATHS))
+    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    if shape.hidden == 0:
+        return 0
+    low = 4 if e != 4 else 0
+    if path in ("token_norms", "vectors"):
+        fwd = L * V * (e + 4 + low) + L * n * (h * (9 * e + low) + 4 * e * shape.intermediate)
+        state = n * L * shape.width * a  # ghost running prefixes [L, out] per module
+        if shape.tied and path == "token_norms":  # the tied weight's running prefix and copy
+            state += 2 * a * V * h
+        return fwd + state + 2 * B * L * a
+    if path == "sequence_norms":
+        return 2 * B * L * a
+    if path == "train_logprobs":
+        # the head's chunked log-probs (256 positions of logits and their gradients at a time),
+        # the parameters' gradient and the head's float32 gradient accumulator
+        return 256 * V * (e + 3 * 4) + 2 * B * L * a + shape.n_params * e + 4 * V * h
+    if path == "sampling":
+        return B * L * (8 + 4 + 4 + 3 * 4) + min(B * L * V, 1 << 24) * 4
+    return 2 * B * L * a
+
+
+def probe_bytes(shape: ModelShape, path: str, L: int) -> int:
+    """Bytes of a path's phase before its chunks (0 where none): the gradient harness's
+    inspection forward of one row, with an untied head's form check (``(e + 4a) V h``)."""
+    if path not in ("token_norms", "vectors") or shape.hidden == 0:
+        return 0
+    e, a, V, h = shape.elsize, shape.acc, shape.vocab, shape.hidden
+    low = 4 if e != 4 else 0
+    check = 0 if shape.tied else (e + 4 * a) * V * h
+    return L * V * (e + 4 + low) + check
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One path's plan: ``chunk`` units per pass, peak ``fixed + chunk * unit`` bytes."""
+
+    path: str
+    unit: str
+    chunk: int
+    fixed_bytes: int
+    unit_bytes: int
+    budget: int | None
+    model_bytes: int
+    probe_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Planned peak beyond the parameters at the chosen chunk (the larger phase)."""
+        return max(self.probe_bytes, self.fixed_bytes + self.chunk * self.unit_bytes)
+
+    @property
+    def need_bytes(self) -> int:
+        """The least a pass needs: one unit (beyond the parameters)."""
+        return max(self.probe_bytes, self.fixed_bytes + self.unit_bytes)
+
+    @property
+    def fits(self) -> bool:
+        """Whether one unit fits the budget (always, without a budget)."""
+        return self.budget is None or self.need_bytes <= self.budget
+
+    def describe(self) -> str:
+        """One line: chunk, peak, budget."""
+        b = "no budget" if self.budget is None else f"budget {gib(self.budget)}"
+        return (f"{self.path}: {self.chunk} {self.unit} per pass, peak {gib(self.peak_bytes)} "
+                f"beyond the {gib(self.model_bytes)} model ({b})")
+
+
+def plan(shape: ModelShape, path: str, B: int, L: int, budget: int | None, *,
+         default: int | None = None, cap: int | None = None, materialised: int = 0) -> Plan:
+    """The plan of ``path`` over ``B`` rows of ``L`` positions inside ``budget`` bytes.
+
+    The chunk is the largest number of units (cotangents, rows or positions, :data:`UNITS`)
+    whose ``fixed + chunk * unit`` fits :data:`HEADROOM` of the budget, at least 1, at most
+    ``cap`` (default: B rows; :data:`MAX_COTANGENTS` cotangents; ``B * L`` positions).
+    Without a budget (no measured device memory) it is ``default`` (default: ``cap``).
+    """
+    unit = unit_bytes(shape, path, L, materialised=materialised)
+    fixed = fixed_bytes(shape, path, B, L)
+    if cap is None:
+        cap = {"cotangents": MAX_COTANGENTS, "rows": B, "positions": B * L}[UNITS[path]]
+    cap = max(1, int(cap))
+    if budget is None:
+        chunk = cap if default is None else default
+    else:
+        chunk = max(1, min(cap, (int(HEADROOM * budget) - fixed) // max(1, unit)))
+    return Plan(path, UNITS[path], int(chunk), int(fixed), int(unit), budget,
+                shape.model_bytes, probe_bytes(shape, path, L))
+
+
+def plan_from_config(config: Any, dtype: torch.dtype | str, path: str, B: int, T: int,
+                     device_bytes: int | None, *, fraction: float = MEMORY_FRACTION,
+                     **kw: Any) -> Plan:
+    """The plan of ``path`` for a model described by its ``config`` alone (nothing loaded):
+    ``device_bytes`` of device memory, of which the parameters take theirs and ``fraction``
+    of the rest is the budget."""
+    shape = ModelShape.from_config(config, dtype)
+    budget = None
+    if device_bytes is not None:
+        budget = int(fraction * max(0, int(device_bytes) - shape.model_bytes))
+    return plan(shape, path, B, T, budget, **kw)
+
+
+def check_plan(p: Plan, what: str) -> Plan:
+    """``p`` when one unit fits; UsageError naming ``what``, the bytes needed and the budget."""
+    if not p.fits:
+        raise UsageError(
+            f"{what} does not fit: one {p.unit[:-1]} of {p.path} needs {gib(p.need_bytes)} "
+            f"beyond the {gib(p.model_bytes)} model, the budget is {gib(p.budget or 0)}; use a "
+            "device with more memory, a shorter sequence or a smaller model")
+    return p
+
+
+def free_device_bytes(device: torch.device | str) -> int | None:
+    """Bytes free on a CUDA ``device`` (``torch.cuda.mem_get_info``), None on other devices."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def device_budget(device: torch.device | str, fraction: float = MEMORY_FRACTION) -> int | None:
+    """``fraction`` of :func:`free_device_bytes` (None where it is not measured)."""
+    free = free_device_bytes(device)
+    return None if free is None else int(fraction * free)
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``'1.23 GiB'``."""
+    return f"{n / 2**30:.3g} GiB"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages made by ops while active and still alive: ``live`` now,
+    ``peak`` the most at once. Works on real and fake tensors (FakeTensorMode, meta) alike;
+    tensors made before entering (the parameters) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.live = 0
+        self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                st = t.untyped_storage()
+                if st in self._seen:
+                    continue
+                n = st.nbytes()
+                self._seen[st] = n
+                self.live += n
+                weakref.finalize(st, self._free, n)  # a storage's end is its bytes' end
+                self.peak = max(self.peak, self.live)
+        return out
+
+
+__all__ = ["HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS", "LiveBytes",
+           "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes", "free_device_bytes",
+           "gib", "plan", "plan_from_config", "probe_bytes", "unit_bytes"]
+
