@@ -307,22 +307,64 @@ def _read_file(p: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _columns(p: Path, raw: list[dict[str, Any]]) -> dict[str, str]:
+_NEED = (("prompt", "prompt_ids"), ("response", "response_ids"), ("reward",))  # one of each
+
+
+def _spelled(alts: Sequence[str]) -> str:
+    """``'reward (or score)'``, ``'prompt (or input) or prompt_ids (or prompt_token_ids)'``."""
+    return " or ".join(f"{a} (or {'/'.join(COLUMNS[a][1:])})" if len(COLUMNS[a]) > 1 else a
+                       for a in alts)
+
+
+def check_columns(path: str | Path) -> None:
+    """UsageError, before any model is built, when the rollouts file at ``path`` is missing,
+    of an unknown kind, or lacks a needed column (read from a Parquet file's schema or a
+    JSONL file's first row; every row is checked when the file is read)."""
+    p = check_path("rollouts", path)
+    if not p.exists():
+        raise UsageFileNotFoundError(f"rollouts={str(p)!r}: no such file")
+    if p.suffix.lower() == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UsageError(f"rollouts={str(p)!r}: reading .parquet needs pyarrow; pip install "
+                             "'varbench[parquet]'") from None
+        try:
+            names = pq.read_schema(p).names
+        except Exception as err:  # noqa: BLE001 - a corrupt file: name it
+            raise UsageError(f"rollouts={str(p)!r}: cannot read parquet file ({err})") from None
+        _columns(p, [dict.fromkeys(names, 0)], rows=False)
+        return
+    if p.suffix.lower() != ".jsonl":
+        _read_file(p)  # the extension's error
+    with p.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), None)
+    if first is None:
+        raise UsageError(f"rollouts={str(p)!r} holds no rows")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"rollouts={str(p)!r}: its first row is not valid JSON ({err})"
+                         ) from None
+    if not isinstance(row, dict):
+        raise UsageError(f"rollouts={str(p)!r}: its first row is not a JSON object")
+    _columns(p, [row], rows=False)
+
+
+def _columns(p: Path, raw: list[dict[str, Any]], *, rows: bool = True) -> dict[str, str]:
     """Canonical column -> the file's name for it; UsageError naming the missing ones."""
     names = set().union(*(r.keys() for r in raw))
     cols = {c: next(a for a in al if a in names) for c, al in COLUMNS.items()
             if any(a in names for a in al)}
-    valid = ", ".join(f"{c} (or {'/'.join(al[1:])})" if len(al) > 1 else c
-                      for c, al in COLUMNS.items())
-    need = [("prompt", "prompt_ids"), ("response", "response_ids"), ("reward",)]
-    for alts in need:
+    valid = ", ".join(_spelled([c]) for c in COLUMNS)
+    for alts in _NEED:
         if not any(a in cols for a in alts):
-            raise UsageError(f"rollouts={str(p)!r}: no column {' or '.join(alts)}; its columns "
+            raise UsageError(f"rollouts={str(p)!r}: no column {_spelled(alts)}; its columns "
                              f"are {sorted(names)}; valid columns: {valid}")
-    for i, r in enumerate(raw, 1):
-        for alts in need:
+    for i, r in enumerate(raw if rows else (), 1):
+        for alts in _NEED:
             if all(r.get(cols[a]) is None for a in alts if a in cols):
-                raise UsageError(f"rollouts={str(p)!r} row {i}: {' and '.join(alts)} missing")
+                raise UsageError(f"rollouts={str(p)!r} row {i}: {_spelled(alts)} missing")
     return cols
 
 
@@ -534,3 +576,28 @@ def _check_logprobs(ro: Rollouts, flat: list[_Row], lp: torch.Tensor, mask: torc
         f"logprob_tol={ro.logprob_tol:g} ({ro.tol_source}): the responses were sampled from "
         f"another checkpoint ({len(over)} of {len(have)} rows differ); raise --logprob-tol "
         "only if they come from this one")
+
+
+def rollouts_key(path: str | Path | None, logprob_tol: float | str) -> dict[str, Any]:
+    """An analysis config's entries for a rollouts file (its cache key and provenance: the
+    path, its content hash, the tolerance); ``{}`` without one, so the keys of sampling runs
+    stay what they were."""
+    if path is None:
+        return {}
+    p = check_path("rollouts", path)
+    if not p.exists():
+        raise UsageFileNotFoundError(f"rollouts={str(p)!r}: no such file")
+    return {"rollouts": f"{p} (sha256 {file_sha256(p)[:16]})", "logprob_tol": logprob_tol}
+
+
+def rollout_batch(path: str | Path, policy: Policy, task: Task, n_prompts: int, G: int, *,
+                  seed: int = 0, reward: str | None = None, logprob_tol: float | str = "auto",
+                  what: str = "this analysis") -> RolloutBatch:
+    """What ``sample(policy, task, task.prompts(n_prompts, seed=seed), G)`` returns, read from
+    a rollouts file instead: its first ``n_prompts`` prompts x the first ``G`` responses of
+    each (fewer is a UsageError naming ``what``). The task's own prompts of that call are the
+    ``known`` ones (re-scored, :func:`read_rollouts`)."""
+    ro = read_rollouts(path, policy, task, known=task.prompts(n_prompts, seed=seed),
+                       reward=reward, logprob_tol=logprob_tol)
+    ro.require(n_prompts, G, what=f"{what} (G={G})")
+    return ro.batch(range(n_prompts), 0, G)

@@ -1,0 +1,265 @@
+"""varbench.rollout.external: rollouts sampled elsewhere read back into the sampler's
+RolloutBatch (float64, exact up to rounding), the analyses on them equal to the same analyses
+on the same responses sampled in-process, and every refusal naming its problem."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from varbench._util.checks import UsageError
+from varbench.analysis.cancellation import cancellation
+from varbench.analysis.proxy import proxy_correlation
+from varbench.analysis.variance import estimator_variance
+from varbench.models import Policy, build_policy
+from varbench.rollout import sample
+from varbench.rollout.external import default_logprob_tol, read_rollouts, rollout_batch
+from varbench.tasks import get_task
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIELDS = ("prompt_ids", "prompt_mask", "tokens", "mask", "env_mask", "logprobs", "sum_pi_sq",
+          "entropy", "rewards", "lengths")
+# float64 model: the file's batch's statistics come from one teacher-forced forward, the
+# sampler's from its KV-cached decode steps: the same numbers up to float64 rounding
+ATOL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def micro64():
+    return build_policy("micro", seed=0, dtype=torch.float64)
+
+
+def rows_of(batch, policy, *, style: str) -> list[dict]:
+    """One file row per response of ``batch``: ``text`` (prompt and response text, behaviour
+    log-probs), ``ids`` (token ids, as vLLM outputs) or ``verl`` (verl's column names)."""
+    tok = policy.tokenizer
+    out = []
+    for p in range(batch.P):
+        prompt = batch.meta["prompt_objects"][p]
+        pids = batch.prompt_ids[p][batch.prompt_mask[p] != 0].tolist()
+        for i in range(batch.G):
+            real = (batch.mask[p, i] + batch.env_mask[p, i]) != 0
+            ids = batch.tokens[p, i][real].tolist()
+            lp = batch.logprobs[p, i][real].tolist()
+            r = float(batch.rewards[p, i])
+            env = batch.env_mask[p, i][real].long().tolist()
+            if style == "text":
+                row = {"prompt": prompt.text, "response": tok.decode(ids), "reward": r,
+                       "logprobs": lp}
+            elif style == "ids":
+                row = {"prompt_token_ids": pids, "token_ids": ids, "reward": r, "logprobs": lp}
+            else:  # verl: uid groups, decoded input/output, ids, rollout log-probs, score
+                row = {"uid": f"u{p}", "input": prompt.text, "prompt_ids": pids,
+                       "response_ids": ids, "output": tok.decode(ids, skip_special_tokens=True),
+                       "rollout_log_probs": lp, "score": r, "gts": prompt.answer}
+            if batch.env_mask.any():
+                row.update(response_ids=ids, env_mask=env)
+            out.append(row)
+    return out
+
+
+def write(path, rows):
+    """``rows`` as JSONL or Parquet (by the suffix)."""
+    if path.suffix == ".parquet":
+        pytest.importorskip("pyarrow")
+        pd.DataFrame(rows).to_parquet(path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def assert_same(a, b, atol=ATOL):
+    for k in FIELDS:
+        x, y = getattr(a, k), getattr(b, k)
+        assert x.shape == y.shape and x.dtype == y.dtype, k
+        assert torch.allclose(x.double(), y.double(), rtol=0, atol=atol), k
+    assert a.texts == b.texts and a.prompts == b.prompts
+
+
+@pytest.mark.parametrize("name,style,ext", [
+    ("sort", "text", ".jsonl"), ("arith", "text", ".parquet"), ("arith", "ids", ".jsonl"),
+    ("arith", "verl", ".parquet"), ("toolsum", "verl", ".jsonl"), ("toolsum", "ids", ".parquet"),
+])
+def test_loaded_batch_equals_the_samplers(tmp_path, micro64, name, style, ext):
+    task = get_task(name, **({"digits": 2} if name == "arith" else {}))
+    prompts = task.prompts(3, seed=1)
+    want = sample(micro64, task, prompts, 4, seed=2)
+    path = write(tmp_path / f"r{ext}", rows_of(want, micro64, style=style))
+    got = rollout_batch(path, micro64, task, 3, 4, seed=1)
+    assert_same(got, want)
+    if name == "toolsum":
+        assert want.env_mask.any()  # the environment's tokens were exercised
+
+
+def _variance_file(tmp_path, policy, task, knobs):
+    """The responses the in-process variance run samples (groups, then the reference), per
+    prompt, as a file."""
+    rows = []
+    Gmax = max(knobs["Gs"])
+    for p, prompt in enumerate(task.prompts(knobs["n_prompts"], seed=knobs["seed"])):
+        p_seed = knobs["seed"] + 1000 * p
+        for n, s in ((knobs["M"] * Gmax, p_seed), (knobs["n_ref"], p_seed + 7919)):
+            rows += rows_of(sample(policy, task, [prompt], n, seed=s), policy, style="ids")
+    return write(tmp_path / "v.jsonl", rows)
+
+
+VAR = {"schemes": ("raw", "centered", "rloo"), "Gs": (2, 4), "M": 3, "n_prompts": 2,
+       "n_ref": 8, "min_responses": 0, "reference": "sampled", "sketch_dim": None,
+       "n_boot": 20, "seed": 0}
+
+
+def test_variance_on_a_file_equals_the_in_process_run(tmp_path, micro64):
+    task = get_task("arith", digits=2)
+    want = estimator_variance(micro64, task, **VAR)
+    path = _variance_file(tmp_path, micro64, task, VAR)
+    got = estimator_variance(micro64, task, rollouts=str(path), **VAR)
+    for key in ("cells", "paired"):
+        a, b = want.records[key], got.records[key]
+        num = [c for c in a.columns if pd.api.types.is_numeric_dtype(a[c])]
+        assert len(a) == len(b) > 0
+        pd.testing.assert_frame_equal(a[num], b[num], rtol=1e-9, atol=1e-12)
+    assert got.config["rollouts"].startswith(str(path))
+    # too few responses for the groups and the reference: refused, naming how many
+    with pytest.raises(UsageError, match=r"has 20 responses; variance \(4 groups of G=4 "
+                                         r"\+ n_ref=8\) needs 24"):
+        estimator_variance(micro64, task, rollouts=str(path), **{**VAR, "M": 4})
+
+
+def test_proxy_and_cancellation_on_a_file_equal_the_in_process_runs(tmp_path, micro64):
+    sort = get_task("sort", n=2)
+    batch = sample(micro64, sort, sort.prompts(2, seed=1), 3, seed=1)
+    path = write(tmp_path / "p.parquet", rows_of(batch, micro64, style="verl"))
+    kw = {"n_prompts": 2, "G": 3, "seed": 1, "n_boot": 10}
+    want = proxy_correlation({"s": micro64}, sort, **kw)
+    got = proxy_correlation({"s": micro64}, sort, rollouts=str(path), **kw)
+    for key in ("tokens", "otb_baseline", "correlations"):
+        pd.testing.assert_frame_equal(want.records[key], got.records[key], rtol=1e-9,
+                                      atol=1e-12)
+    arith = get_task("arith", digits=2)
+    batch = sample(micro64, arith, arith.prompts(2, seed=0), 4, seed=0)
+    path = write(tmp_path / "c.jsonl", rows_of(batch, micro64, style="ids"))
+    kw = {"n_prompts": 2, "G": 4, "seed": 0, "inner_steps": (0, 1), "sketch_dim": 16,
+          "modes": ("seq-mean-token-sum",), "transforms": ("none",)}
+    want = cancellation(micro64, [arith], **kw)
+    got = cancellation(micro64, [arith], rollouts=str(path), **kw)
+    num = [c for c in want.records["configs"].columns
+           if pd.api.types.is_numeric_dtype(want.records["configs"][c])]
+    pd.testing.assert_frame_equal(want.records["configs"][num], got.records["configs"][num],
+                                  rtol=1e-9, atol=1e-12)
+    with pytest.raises(UsageError, match="pass one task"):
+        cancellation(micro64, [arith, get_task("toolsum")], rollouts=str(path), **kw)
+    with pytest.raises(UsageError, match=r"prompt 0 .* has 4 responses; cancellation \(G=5\)"):
+        cancellation(micro64, [arith], rollouts=str(path), **{**kw, "G": 5})
+
+
+def _other_text_tokenizer(kind: str):
+    """A tokenizer trained on other text (English words): word-level (cannot spell the
+    task's symbols) or byte-level BPE (spells anything, with other ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = ["the cat sat on the mat", "a dog ran in the park", "one two three four"] * 20
+    if kind == "word":
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.train_from_iterator(text, trainers.WordLevelTrainer(special_tokens=["<pad>",
+                                                                                "<unk>"]))
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(text, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def arith_file(tmp_path_factory, micro64):
+    task = get_task("arith", digits=2)
+    batch = sample(micro64, task, task.prompts(2, seed=0), 3, seed=0)
+    d = tmp_path_factory.mktemp("refusals")
+    return task, d, rows_of(batch, micro64, style="text"), rows_of(batch, micro64, style="verl")
+
+
+def test_a_mismatched_tokenizer_is_refused(arith_file, micro64):
+    task, d, text_rows, verl_rows = arith_file
+    word = Policy(micro64.model, _other_text_tokenizer("word"), "word-tok")
+    with pytest.raises(UsageError, match=r"row 1: prompt .* does not round-trip through the "
+                                         r"policy's tokenizer .* a mismatched tokenizer"):
+        read_rollouts(write(d / "t.jsonl", text_rows), word, task)
+    # a byte-level tokenizer spells any text, so text alone cannot tell; the ids can
+    bpe = Policy(micro64.model, _other_text_tokenizer("bpe"), "bpe-tok")
+    ids_rows = [{k: v for k, v in r.items() if k not in ("input",)} for r in verl_rows]
+    with pytest.raises(UsageError, match=r"row 1: response_ids decode to .*\(a mismatched "
+                                         r"tokenizer\)"):
+        read_rollouts(write(d / "b.jsonl", ids_rows), bpe, task)
+
+
+def test_a_mismatched_checkpoint_is_refused(arith_file, micro64):
+    task, d, text_rows, _ = arith_file
+    other = build_policy("micro", seed=1, dtype=torch.float64)
+    ro = read_rollouts(write(d / "t.jsonl", text_rows), other, task, rescore="off")
+    with pytest.raises(UsageError, match=r"row 1: behaviour log-probs differ .* above "
+                                         r"logprob_tol=1e-06 \(the default for float64\): "
+                                         "the responses were sampled from another checkpoint"):
+        ro.batch([0, 1], 0, 3)
+    # the file's own checkpoint passes at the default; a tolerance above the gap passes too
+    read_rollouts(d / "t.jsonl", micro64, task).batch([0, 1], 0, 3)
+    read_rollouts(d / "t.jsonl", other, task, logprob_tol=50.0, rescore="off").batch([0], 0, 3)
+    assert default_logprob_tol(torch.bfloat16) > default_logprob_tol(torch.float32) > (
+        default_logprob_tol(torch.float64))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda r: r.pop("reward"), r"no column reward \(or score\); its columns are .*valid "
+                                "columns: prompt \\(or input\\)"),
+    (lambda r: r.update(reward=math.nan), r"row 1: reward=nan is not a finite number"),
+    (lambda r: r.update(response_ids=[1, 99]), r"row 1: response_ids holds id 99 outside "
+                                               r"the model's vocabulary \[0, 30\)"),
+    (lambda r: r.update(reward=r["reward"] + 0.5), r"row 1: reward .* but task 'arith' "
+                                                   "scores the response"),
+    (lambda r: r.update(logprobs=r["logprobs"][:-1]), r"row 1: \d+ logprobs for a response "
+                                                      r"of \d+ tokens"),
+])
+def test_bad_rows_are_refused_naming_file_row_and_value(arith_file, micro64, edit, match):
+    task, d, text_rows, _ = arith_file
+    rows = [dict(r) for r in text_rows]
+    for r in rows:
+        edit(r) if r is rows[0] or "column" in match else None
+    path = write(d / "bad.jsonl", rows)
+    with pytest.raises(UsageError, match=f"rollouts='{path}'.*" + match):
+        read_rollouts(path, micro64, task, known=task.prompts(2, seed=0)).batch([0], 0, 3)
+
+
+def test_parquet_without_pyarrow_names_the_extra(arith_file, micro64, monkeypatch):
+    import builtins
+
+    task, d, text_rows, _ = arith_file
+    path = write(d / "t.parquet", text_rows)
+    real = builtins.__import__
+
+    def no_pyarrow(name, *a, **k):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(UsageError, match=r"needs pyarrow; pip install 'varbench\[parquet\]'"):
+        read_rollouts(path, micro64, task)
+
+
+def test_cli_refuses_a_bad_file_with_exit_2_and_one_line(tmp_path, capsys):
+    from varbench.app.cli import main
+
+    path = write(tmp_path / "r.jsonl", [{"prompt": "<sort>12=", "response": "12"}])
+    code = main(["proxy", "--preset", "micro", "--states", "random", "--task", "sort",
+                 "--knob", "n=2", "--prompts", "1", "-G", "1", "--no-progress", "--rollouts",
+                 str(path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "no column reward (or score)" in err
