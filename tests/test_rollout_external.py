@@ -113,10 +113,20 @@ VAR = {"schemes": ("raw", "centered", "rloo"), "Gs": (2, 4), "M": 3, "n_prompts"
        "n_boot": 20, "seed": 0}
 
 
-def test_variance_on_a_file_equals_the_in_process_run(tmp_path, micro64):
+def no_sampling(monkeypatch, module: str) -> None:
+    """From here on ``module`` cannot sample: what it computes comes from the file."""
+    def refuse(*a, **k):
+        raise AssertionError(f"{module} sampled although it was given rollouts")
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"varbench.analysis.{module}"), "sample", refuse)
+
+
+def test_variance_on_a_file_equals_the_in_process_run(tmp_path, micro64, monkeypatch):
     task = get_task("arith", digits=2)
     want = estimator_variance(micro64, task, **VAR)
     path = _variance_file(tmp_path, micro64, task, VAR)
+    no_sampling(monkeypatch, "variance")
     got = estimator_variance(micro64, task, rollouts=str(path), **VAR)
     for key in ("cells", "paired"):
         a, b = want.records[key], got.records[key]
@@ -130,12 +140,14 @@ def test_variance_on_a_file_equals_the_in_process_run(tmp_path, micro64):
         estimator_variance(micro64, task, rollouts=str(path), **{**VAR, "M": 4})
 
 
-def test_proxy_and_cancellation_on_a_file_equal_the_in_process_runs(tmp_path, micro64):
+def test_proxy_and_cancellation_on_a_file_equal_the_in_process_runs(tmp_path, micro64,
+                                                                    monkeypatch):
     sort = get_task("sort", n=2)
     batch = sample(micro64, sort, sort.prompts(2, seed=1), 3, seed=1)
     path = write(tmp_path / "p.parquet", rows_of(batch, micro64, style="verl"))
     kw = {"n_prompts": 2, "G": 3, "seed": 1, "n_boot": 10}
     want = proxy_correlation({"s": micro64}, sort, **kw)
+    no_sampling(monkeypatch, "proxy")
     got = proxy_correlation({"s": micro64}, sort, rollouts=str(path), **kw)
     for key in ("tokens", "otb_baseline", "correlations"):
         pd.testing.assert_frame_equal(want.records[key], got.records[key], rtol=1e-9,
@@ -146,6 +158,7 @@ def test_proxy_and_cancellation_on_a_file_equal_the_in_process_runs(tmp_path, mi
     kw = {"n_prompts": 2, "G": 4, "seed": 0, "inner_steps": (0, 1), "sketch_dim": 16,
           "modes": ("seq-mean-token-sum",), "transforms": ("none",)}
     want = cancellation(micro64, [arith], **kw)
+    no_sampling(monkeypatch, "cancellation")
     got = cancellation(micro64, [arith], rollouts=str(path), **kw)
     num = [c for c in want.records["configs"].columns
            if pd.api.types.is_numeric_dtype(want.records["configs"][c])]
@@ -263,3 +276,21 @@ def test_cli_refuses_a_bad_file_with_exit_2_and_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "no column reward (or score)" in err
+
+
+def test_the_readme_example_runs(tmp_path, capsys, monkeypatch):
+    """The README's file and command, as printed there (the notice says nothing is sampled)."""
+    import shlex
+    from pathlib import Path
+
+    from varbench.app.cli import main
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("cat > rollouts.jsonl <<'EOF'\n", 1)[1]
+    rows, rest = block.split("\nEOF\n", 1)
+    command = shlex.split(rest.split("\n", 1)[0])
+    assert command[:2] == ["varbench", "proxy"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rollouts.jsonl").write_text(rows + "\n")
+    assert main([*command[1:], "--boot", "10", "--no-progress", "--out", "o"]) == 0
+    assert "responses read from rollouts='rollouts.jsonl', not sampled" in capsys.readouterr().err

@@ -46,7 +46,12 @@ from varbench.report.headline import fmt, with_se
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
 from varbench.rollout import response_logprobs, sample
-from varbench.rollout.external import check_columns, rollout_batch, rollouts_key
+from varbench.rollout.external import (
+    check_columns,
+    rollout_batch,
+    rollouts_key,
+    rollouts_note,
+)
 from varbench.tasks.base import Task
 
 
@@ -217,6 +222,7 @@ def plan(tasks: Sequence[Task], config: CancellationConfig, vocab_size=None) -> 
         why.append(f"{k} PPO inner step(s) over each task's batch")
     if grads:
         why.append("per-token gradient sketches of every response")
+    why += rollouts_note(config.rollouts)
     return Plan("cancellation", n, passes=n * (k + grads), details=tuple(why))
 
 

@@ -44,7 +44,12 @@ from varbench.report.figures import proxy_figures
 from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
-from varbench.rollout.external import check_columns, rollout_batch, rollouts_key
+from varbench.rollout.external import (
+    check_columns,
+    rollout_batch,
+    rollouts_key,
+    rollouts_note,
+)
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import MAGNITUDE_METHODS, correlations
 from varbench.tasks.base import Task
@@ -220,7 +225,8 @@ def plan(tasks: Sequence[Task], config: ProxyConfig, vocab_size=None) -> Plan:
     """What :func:`run` spends per policy state: ``n_prompts x G`` responses, each one
     forward+backward pass of the exact per-token norms."""
     n = config.n_prompts * config.G
-    return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",))
+    return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",
+                                               *rollouts_note(config.rollouts)))
 
 
 def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConfig, *,

@@ -75,7 +75,12 @@ from varbench.models.presets import Policy
 from varbench.report.figures import variance_figures
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
-from varbench.rollout.external import check_columns, read_rollouts, rollouts_key
+from varbench.rollout.external import (
+    check_columns,
+    read_rollouts,
+    rollouts_key,
+    rollouts_note,
+)
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.stats.intervals import (
@@ -574,6 +579,7 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
     if target_rel_se is not None and max(M_cap, M_floor) > M_floor:
         details.append(f"adaptive M from {M_floor} up to {max(M_cap, M_floor)} "
                        f"(target relative SE {target_rel_se})")
+    details += rollouts_note(c.rollouts)
     return VarianceSizes(Gs=Gs, M=M, min_responses=min_responses, M_floor=M_floor,
                          M_cap=max(M_cap, M_floor), reference="exact" if use_exact else "sampled",
                          table=use_table, n_ref=int(n_ref), space=V**T if use_exact else 0,

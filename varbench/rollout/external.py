@@ -590,6 +590,12 @@ def rollouts_key(path: str | Path | None, logprob_tol: float | str) -> dict[str,
     return {"rollouts": f"{p} (sha256 {file_sha256(p)[:16]})", "logprob_tol": logprob_tol}
 
 
+def rollouts_note(path: str | Path | None) -> tuple[str, ...]:
+    """The cost notice's clause for a rollouts file (``()`` without one): its responses are
+    read, not sampled."""
+    return () if path is None else (f"responses read from rollouts={str(path)!r}, not sampled",)
+
+
 def rollout_batch(path: str | Path, policy: Policy, task: Task, n_prompts: int, G: int, *,
                   seed: int = 0, reward: str | None = None, logprob_tol: float | str = "auto",
                   what: str = "this analysis") -> RolloutBatch:
