@@ -294,3 +294,28 @@ def test_the_readme_example_runs(tmp_path, capsys, monkeypatch):
     (tmp_path / "rollouts.jsonl").write_text(rows + "\n")
     assert main([*command[1:], "--boot", "10", "--no-progress", "--out", "o"]) == 0
     assert "responses read from rollouts='rollouts.jsonl', not sampled" in capsys.readouterr().err
+
+
+def test_variance_exact_reference_on_a_file_of_the_tasks_prompts(tmp_path, micro64,
+                                                                 monkeypatch):
+    """An enumerated reference needs no sampling: with the task's own prompts it is allowed,
+    and the cells equal the in-process run's; prompts the task cannot score are refused."""
+    task = get_task("sort", n=2)
+    kw = {**VAR, "reference": "exact", "exact": "never", "n_ref": 2}
+    want = estimator_variance(micro64, task, **kw)
+    rows = []
+    for p, prompt in enumerate(task.prompts(2, seed=0)):
+        rows += rows_of(sample(micro64, task, [prompt], 3 * 4, seed=1000 * p), micro64,
+                        style="text")
+    path = write(tmp_path / "e.jsonl", rows)
+    no_sampling(monkeypatch, "variance")
+    got = estimator_variance(micro64, task, rollouts=str(path), **kw)
+    num = [c for c in want.records["cells"].columns
+           if pd.api.types.is_numeric_dtype(want.records["cells"][c])]
+    pd.testing.assert_frame_equal(want.records["cells"][num], got.records["cells"][num],
+                                  rtol=1e-9, atol=1e-12)
+    assert (got.records["reference"]["reference"].str.startswith("exact enumeration")).all()
+    other = [{**r, "prompt": r["prompt"].replace("=", "==")} for r in rows]
+    with pytest.raises(UsageError, match=r"prompt 0 .* is not one of task 'sort''s prompts.*"
+                                         r"reference='exact' needs that"):
+        estimator_variance(micro64, task, rollouts=str(write(tmp_path / "o.jsonl", other)), **kw)

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from varbench._util.checks import UsageError, UsageFileNotFoundError, check_choice
-from varbench._util.io import check_path, file_sha256
+from varbench._util.io import check_path, file_sha256, jsonl_rows, parquet_rows
 from varbench.models.logits import sequence_stats, stat_dtype
 from varbench.models.presets import Policy
 from varbench.rollout.batch import RolloutBatch
@@ -277,28 +277,9 @@ def _read_file(p: Path) -> list[dict[str, Any]]:
         raise UsageFileNotFoundError(f"rollouts={str(p)!r}: no such file")
     ext = p.suffix.lower()
     if ext == ".jsonl":
-        rows = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UsageError(f"rollouts={str(p)!r}: line {i} is not valid JSON ({err})"
-                                 ) from None
-            if not isinstance(row, dict):
-                raise UsageError(f"rollouts={str(p)!r}: line {i} is not a JSON object")
-            rows.append(row)
+        rows = jsonl_rows(p, p.read_text(encoding="utf-8"), what="rollouts")
     elif ext == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UsageError(f"rollouts={str(p)!r}: reading .parquet needs pyarrow; pip install "
-                             "'varbench[parquet]'") from None
-        try:
-            rows = pq.read_table(p).to_pylist()
-        except Exception as err:  # noqa: BLE001 - a corrupt file: name it
-            raise UsageError(f"rollouts={str(p)!r}: cannot read parquet file ({err})") from None
+        rows = parquet_rows(p, what="rollouts", extra="parquet")
     else:
         raise UsageError(f"rollouts={str(p)!r}: unknown extension {p.suffix!r}; choose one of "
                          "['.jsonl', '.parquet']")
@@ -380,17 +361,22 @@ def _ids(p: Path, line: int, name: str, value: Any, V: int) -> list[int]:
     return list(value)
 
 
+def _text_ids(p: Path, line: int, x: dict[str, Any], cols: dict[str, str], name: str,
+              V: int) -> tuple[str | None, list[int] | None]:
+    """The row's ``name`` (prompt / response) text and ``<name>_ids``, either None if absent."""
+    text = x.get(cols[name]) if name in cols else None
+    if text is not None and not isinstance(text, str):
+        raise UsageError(f"rollouts={str(p)!r} row {line}: {name}={text!r} is not text")
+    ids = x.get(cols[f"{name}_ids"]) if f"{name}_ids" in cols else None
+    return text, None if ids is None else _ids(p, line, f"{name}_ids", ids, V)
+
+
 def _parse(p: Path, line: int, x: dict[str, Any], cols: dict[str, str], policy: Policy) -> _Row:
     """One row tokenized and checked (module docstring)."""
     tok = policy.tokenizer
     V = int(policy.model.get_output_embeddings().weight.shape[0])
     where = f"rollouts={str(p)!r} row {line}"
-    ptext = x.get(cols["prompt"]) if "prompt" in cols else None
-    if ptext is not None and not isinstance(ptext, str):
-        raise UsageError(f"{where}: prompt={ptext!r} is not text")
-    pids = x.get(cols["prompt_ids"]) if "prompt_ids" in cols else None
-    if pids is not None:
-        pids = _ids(p, line, "prompt_ids", pids, V)
+    ptext, pids = _text_ids(p, line, x, cols, "prompt", V)
     if ptext is not None:
         enc = tok(ptext, add_special_tokens=True)["input_ids"]
         if pids is None:
@@ -402,12 +388,8 @@ def _parse(p: Path, line: int, x: dict[str, Any], cols: dict[str, str], policy: 
                              "template)")
     if not pids:
         raise UsageError(f"{where}: empty prompt")
-    rtext = x.get(cols["response"]) if "response" in cols else None
-    if rtext is not None and not isinstance(rtext, str):
-        raise UsageError(f"{where}: response={rtext!r} is not text")
-    rids = x.get(cols["response_ids"]) if "response_ids" in cols else None
+    rtext, rids = _text_ids(p, line, x, cols, "response", V)
     if rids is not None:
-        rids = _ids(p, line, "response_ids", rids, V)
         if rtext is not None and rtext not in (tok.decode(rids, skip_special_tokens=False),
                                                tok.decode(rids, skip_special_tokens=True)):
             raise UsageError(f"{where}: response_ids decode to "
