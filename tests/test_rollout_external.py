@@ -319,3 +319,15 @@ def test_variance_exact_reference_on_a_file_of_the_tasks_prompts(tmp_path, micro
     with pytest.raises(UsageError, match=r"prompt 0 .* is not one of task 'sort''s prompts.*"
                                          r"reference='exact' needs that"):
         estimator_variance(micro64, task, rollouts=str(write(tmp_path / "o.jsonl", other)), **kw)
+
+
+def test_groups_follow_the_uid_column_and_must_share_a_prompt(arith_file, micro64):
+    task, d, _, verl_rows = arith_file
+    # one uid per response pair: the first prompt's 3 responses become groups of 2 and 1
+    rows = [{**r, "uid": f"{r['uid']}-{k // 2}"} for k, r in enumerate(verl_rows[:3])]
+    ro = read_rollouts(write(d / "u.jsonl", rows), micro64, task)
+    assert [len(r) for r in ro.rows] == [2, 1] and ro.prompts[0] == ro.prompts[1]
+    mixed = [dict(verl_rows[0]), {**verl_rows[3], "uid": verl_rows[0]["uid"]}]
+    with pytest.raises(UsageError, match="row 2: group \"u0\" has another prompt than its "
+                                         "first row 1"):
+        read_rollouts(write(d / "m.jsonl", mixed), micro64, task)

@@ -97,7 +97,7 @@ def default_logprob_tol(dtype: torch.dtype) -> float:
 
 @dataclass
 class _Row:
-    line: int  # 1-based row of the file (a JSONL line number)
+    line: int  # 1-based row of the file (JSONL: the n-th object, blank lines not counted)
     prompt_ids: tuple[int, ...]
     prompt_text: str | None
     response_ids: list[int]
@@ -120,10 +120,6 @@ class Rollouts:
     logprob_tol: float
     tol_source: str  # "the default for <dtype>" or "given"
     known: list[bool] = field(default_factory=list)  # prompt p is one of the task's own
-
-    def counts(self) -> list[int]:
-        """Responses of each prompt."""
-        return [len(r) for r in self.rows]
 
     def describe(self) -> str:
         """``path (sha256 ...)``: what results computed from this file depend on."""
@@ -231,11 +227,11 @@ def read_rollouts(path: str | Path, policy: Policy, task: Task, *,
                          "number")
     raw = _read_file(p)
     cols = _columns(p, raw)
-    rows = [_parse(p, i, r, cols, policy) for i, r in enumerate(raw, 1)]
     if task.multi_turn and "env_mask" not in cols:
         raise UsageError(
             f"rollouts={str(p)!r}: task {task.name!r} is multi-turn; give response_ids and "
             "env_mask (1 on tool output tokens): without it no token is the environment's")
+    rows = [_parse(p, i, r, cols, policy) for i, r in enumerate(raw, 1)]
     T = task.max_new_tokens
     for r in rows:
         n = len(r.response_ids)
@@ -247,10 +243,10 @@ def read_rollouts(path: str | Path, policy: Policy, task: Task, *,
     groups: dict[Any, list[_Row]] = {}
     keys: dict[Any, tuple[int, ...]] = {}
     for r, x in zip(rows, raw, strict=True):
-        key = x[cols["group"]] if "group" in cols else r.prompt_ids
-        key = json.dumps(key) if isinstance(key, (list, dict)) else key
+        key = x.get(cols["group"]) if "group" in cols else None
+        key = r.prompt_ids if key is None else ("group", json.dumps(key, sort_keys=True))
         if key in keys and keys[key] != r.prompt_ids:
-            raise UsageError(f"rollouts={str(p)!r} row {r.line}: group {key!r} has another "
+            raise UsageError(f"rollouts={str(p)!r} row {r.line}: group {key[1]} has another "
                              f"prompt than its first row {groups[key][0].line}")
         keys[key] = r.prompt_ids
         groups.setdefault(key, []).append(r)
@@ -386,7 +382,9 @@ def _parse(p: Path, line: int, x: dict[str, Any], cols: dict[str, str], policy: 
         if pids is None:
             _round_trip(where, "prompt", ptext, tok, enc, special=True)
             pids = enc
-        elif enc != pids:
+        elif enc != pids and ptext not in (tok.decode(pids, skip_special_tokens=True),
+                                           tok.decode(pids, skip_special_tokens=False)):
+            # verl dumps the prompt decoded without special tokens: either spelling agrees
             raise UsageError(f"{where}: prompt {ptext[:60]!r} encodes to {enc[:12]}..., not the "
                              f"row's prompt_ids {pids[:12]}... (a mismatched tokenizer or chat "
                              "template)")
