@@ -77,9 +77,9 @@ from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
 from varbench.rollout.external import (
     check_columns,
-    read_rollouts,
     rollouts_key,
     rollouts_note,
+    variance_rollouts,
 )
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
@@ -681,13 +681,10 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     prompts = task.prompts(n_prompts, seed=seed)
     ext, reserve = None, n_ref if ref_kind == "sampled" else 0
     if c.rollouts is not None:
-        ext = read_rollouts(c.rollouts, policy, task, known=prompts, reward=reward,
-                            logprob_tol=c.logprob_tol)
-        grow = M_cap if target_rel_se is not None else M_floor
-        prompts = ext.require(n_prompts, grow * Gs[-1] + reserve, what=(
-            f"variance ({grow} groups of G={Gs[-1]}{f' + n_ref={reserve}' if reserve else ''})"))
-        if ref_kind == "exact":
-            ext.check_scorable(range(n_prompts), what="reference='exact'")
+        prompts, ext = variance_rollouts(
+            c.rollouts, policy, task, prompts, reward=reward, logprob_tol=c.logprob_tol,
+            groups=M_cap if target_rel_se is not None else M_floor, G=Gs[-1], reserve=reserve,
+            exact_reference=ref_kind == "exact")
     show = show_progress(progress)
     max_len = task.max_new_tokens
     rank, world = rank_world()

@@ -580,6 +580,23 @@ def rollouts_note(path: str | Path | None) -> tuple[str, ...]:
     return () if path is None else (f"responses read from rollouts={str(path)!r}, not sampled",)
 
 
+def variance_rollouts(path: str | Path, policy: Policy, task: Task, prompts: Sequence[Prompt],
+                      *, reward: str, logprob_tol: float | str, groups: int, G: int,
+                      reserve: int, exact_reference: bool) -> tuple[list[Prompt], Rollouts]:
+    """``(prompts, rollouts)`` of the variance analysis on a file: its first ``len(prompts)``
+    prompts (``prompts``, the task's own for the run's seed, are the known ones), each holding
+    ``groups`` groups of ``G`` and ``reserve`` more for the sampled reference (else a
+    UsageError naming how many); an exact reference needs prompts the task can score."""
+    ro = read_rollouts(path, policy, task, known=prompts, reward=reward,
+                       logprob_tol=logprob_tol)
+    ref = f" + n_ref={reserve}" if reserve else ""
+    out = ro.require(len(prompts), groups * G + reserve,
+                     what=f"variance ({groups} groups of G={G}{ref})")
+    if exact_reference:
+        ro.check_scorable(range(len(prompts)), what="reference='exact'")
+    return out, ro
+
+
 def rollout_batch(path: str | Path, policy: Policy, task: Task, n_prompts: int, G: int, *,
                   seed: int = 0, reward: str | None = None, logprob_tol: float | str = "auto",
                   what: str = "this analysis") -> RolloutBatch:
