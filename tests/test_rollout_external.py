@@ -335,30 +335,15 @@ def test_groups_follow_the_uid_column_and_must_share_a_prompt(arith_file, micro6
 
 def test_a_suite_case_takes_the_rollouts_key(tmp_path, capsys):
     """The suite key comes with the config field: the case reads the file (and says so)."""
+    from _fixtures_app import proxy_suite
+
     from varbench.app.runner import run_suite
 
     policy = build_policy("micro", seed=1)  # the case's random state: its seed
     task = get_task("sort", n=2)
     batch = sample(policy, task, task.prompts(2, seed=1), 2, seed=1)
     path = write(tmp_path / "r.jsonl", rows_of(batch, policy, style="text"))
-    suite = tmp_path / "s.toml"
-    suite.write_text(f"""
-[suite]
-name = "byo"
-[[cases]]
-name = "proxy"
-kind = "proxy"
-preset = "micro"
-states = ["random"]
-task = "sort"
-knobs = {{ n = 2 }}
-n_prompts = 2
-G = 2
-n_boot = 10
-seed = 1
-rollouts = "{path}"
-logprob_tol = 1e-4
-""")
+    suite = proxy_suite(tmp_path / "s.toml", f'rollouts = "{path}"\nlogprob_tol = 1e-4\n')
     run_suite(suite, tmp_path / "out", progress=False)
     assert f"responses read from rollouts='{path}', not sampled" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
