@@ -227,6 +227,13 @@ def test_a_mismatched_checkpoint_is_refused(arith_file, micro64):
     read_rollouts(d / "t.jsonl", other, task, logprob_tol=50.0, rescore="off").batch([0], 0, 3)
     assert default_logprob_tol(torch.bfloat16) > default_logprob_tol(torch.float32) > (
         default_logprob_tol(torch.float64))
+    # float32: the sampler's own log-probs pass the default, other weights' do not
+    f32, f32_other = build_policy("micro", seed=0), build_policy("micro", seed=1)
+    batch = sample(f32, task, task.prompts(2, seed=0), 3, seed=0)
+    path = write(d / "f32.jsonl", rows_of(batch, f32, style="ids"))
+    assert_same(read_rollouts(path, f32, task).batch([0, 1], 0, 3), batch, atol=1e-6)
+    with pytest.raises(UsageError, match=r"above logprob_tol=0.001 \(the default for float32\)"):
+        read_rollouts(path, f32_other, task, rescore="off").batch([0, 1], 0, 3)
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -348,3 +355,27 @@ def test_a_suite_case_takes_the_rollouts_key(tmp_path, capsys):
     assert f"responses read from rollouts='{path}', not sampled" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["analyses"][0]["provenance"]["config"]["rollouts"].startswith(str(path))
+
+
+def test_variance_adaptive_m_draws_the_files_next_groups(tmp_path, micro64, monkeypatch):
+    """Adaptive M takes further rounds from the file in order: a file holding the in-process
+    run's rounds (seeds p_seed + 104729 r) then its reference gives the same cells."""
+    task = get_task("sort", n=2)  # partial credit at random init: nonzero estimates
+    kw = {**VAR, "M_cap": 6, "target_rel_se": 1e-9, "n_prompts": 1, "reward": "positional"}
+    want = estimator_variance(micro64, task, **kw)
+    assert (want.records["reference"]["M_used"] == 6).all()  # it grew to the cap
+    prompt = task.prompts(1, seed=0)[0]
+    rows = []
+    for n, s in ((12, 0), (12, 104729), (8, 7919)):
+        rows += rows_of(sample(micro64, task, [prompt], n, seed=s, reward="positional"),
+                        micro64, style="ids")
+    path = write(tmp_path / "a.jsonl", rows)
+    no_sampling(monkeypatch, "variance")
+    got = estimator_variance(micro64, task, rollouts=str(path), **kw)
+    num = [c for c in want.records["cells"].columns
+           if pd.api.types.is_numeric_dtype(want.records["cells"][c])]
+    pd.testing.assert_frame_equal(want.records["cells"][num], got.records["cells"][num],
+                                  rtol=1e-9, atol=1e-12)
+    with pytest.raises(UsageError, match=r"has 32 responses; variance \(7 groups of G=4 \+ "
+                                         r"n_ref=8\) needs 36"):
+        estimator_variance(micro64, task, rollouts=str(path), **{**kw, "M_cap": 7})
