@@ -11,7 +11,8 @@ the names vLLM's outputs and verl's dumps use):
 - ``prompt`` [``input``]: the text the model was fed, chat template applied (a task's
   ``Prompt.text``); encoded as the sampler encodes prompts (the tokenizer's special tokens
   added). And/or ``prompt_ids`` [``prompt_token_ids``]: its token ids (they win; with both,
-  the text must encode to them).
+  the text must encode to them or be their decoding, with or without special tokens: verl
+  dumps prompts decoded without them).
 - ``response`` [``output``]: the response text, special tokens spelled out (vLLM's
   ``skip_special_tokens=False``: a stop token must be in it, ``<eos>``, or the response is
   taken as cut off); encoded without adding special tokens. And/or ``response_ids``
@@ -21,7 +22,8 @@ the names vLLM's outputs and verl's dumps use):
 - optional ``logprobs`` [``rollout_log_probs``, ``old_log_probs``]: the behaviour
   log-probs, one per response token (log pi at temperature 1; environment tokens' values are
   ignored); checked against the checkpoint's (below).
-- optional ``group`` [``uid``]: rows of one prompt (default: rows with equal prompt ids).
+- optional ``group`` [``uid``]: rows of one group (default: rows with equal prompt ids; two
+  uids of one prompt are two groups, as verl draws them).
 - optional ``env_mask``: 1 on environment (tool output) tokens of a multi-turn response, one
   per response token (``response_ids`` needed).
 
@@ -35,7 +37,9 @@ Checks (each a :class:`UsageError` naming the file, the row and the value): miss
 round-trip through the policy's tokenizer (a mismatched tokenizer); behaviour log-probs whose
 mean absolute difference from the checkpoint's over a response's policy tokens exceeds
 ``logprob_tol`` (a mismatched checkpoint; default :func:`default_logprob_tol` of the model's
-dtype); a NaN or infinite reward; too few responses for what an analysis needs. Rewards: where
+dtype); a NaN or infinite reward; a response longer than the task's ``max_new_tokens`` (a
+fixed-length task: not exactly that long); too few responses for what an analysis needs.
+Rewards (the analyses read with ``"check"``): where
 a file's prompt is one of ``known`` (the task's own prompts, which the task can score), each
 response is re-scored with the task's reward and a disagreement beyond 1e-6 refuses
 (``rescore="check"``), warns (``"warn"``) or is not looked at (``"off"``): the file's reward
