@@ -379,3 +379,19 @@ def test_variance_adaptive_m_draws_the_files_next_groups(tmp_path, micro64, monk
     with pytest.raises(UsageError, match=r"has 32 responses; variance \(7 groups of G=4 \+ "
                                          r"n_ref=8\) needs 36"):
         estimator_variance(micro64, task, rollouts=str(path), **{**kw, "M_cap": 7})
+
+
+def test_rescore_warn_and_off_keep_the_files_rewards(arith_file, micro64):
+    task, d, text_rows, _ = arith_file
+    rows = [dict(r) for r in text_rows]
+    rows[0]["reward"] += 0.5
+    path = write(d / "w.jsonl", rows)
+    known = task.prompts(2, seed=0)
+    with pytest.warns(UserWarning, match=r"row 1: reward .* 1 row\(s\) disagree; the file's "
+                                         "rewards are used"):
+        ro = read_rollouts(path, micro64, task, known=known, rescore="warn")
+    assert float(ro.batch([0], 0, 3).rewards[0, 0]) == rows[0]["reward"]
+    ro = read_rollouts(path, micro64, task, known=known, rescore="off")
+    assert float(ro.batch([0], 0, 3).rewards[0, 0]) == rows[0]["reward"]
+    # a prompt the task does not know is not re-scored
+    assert read_rollouts(path, micro64, task).known == [False, False]
