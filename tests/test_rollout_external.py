@@ -81,6 +81,13 @@ def assert_same(a, b, atol=ATOL):
     assert a.texts == b.texts and a.prompts == b.prompts
 
 
+def assert_same_numbers(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    """Two records' numeric columns equal (float64 runs: up to rounding)."""
+    num = [c for c in a.columns if pd.api.types.is_numeric_dtype(a[c])]
+    assert len(a) == len(b) > 0
+    pd.testing.assert_frame_equal(a[num], b[num], rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("name,style,ext", [
     ("sort", "text", ".jsonl"), ("arith", "text", ".parquet"), ("arith", "ids", ".jsonl"),
     ("arith", "verl", ".parquet"), ("toolsum", "verl", ".jsonl"), ("toolsum", "ids", ".parquet"),
@@ -129,10 +136,7 @@ def test_variance_on_a_file_equals_the_in_process_run(tmp_path, micro64, monkeyp
     no_sampling(monkeypatch, "variance")
     got = estimator_variance(micro64, task, rollouts=str(path), **VAR)
     for key in ("cells", "paired"):
-        a, b = want.records[key], got.records[key]
-        num = [c for c in a.columns if pd.api.types.is_numeric_dtype(a[c])]
-        assert len(a) == len(b) > 0
-        pd.testing.assert_frame_equal(a[num], b[num], rtol=1e-9, atol=1e-12)
+        assert_same_numbers(want.records[key], got.records[key])
     assert got.config["rollouts"].startswith(str(path))
     # too few responses for the groups and the reference: refused, naming how many
     with pytest.raises(UsageError, match=r"has 20 responses; variance \(4 groups of G=4 "
@@ -160,10 +164,7 @@ def test_proxy_and_cancellation_on_a_file_equal_the_in_process_runs(tmp_path, mi
     want = cancellation(micro64, [arith], **kw)
     no_sampling(monkeypatch, "cancellation")
     got = cancellation(micro64, [arith], rollouts=str(path), **kw)
-    num = [c for c in want.records["configs"].columns
-           if pd.api.types.is_numeric_dtype(want.records["configs"][c])]
-    pd.testing.assert_frame_equal(want.records["configs"][num], got.records["configs"][num],
-                                  rtol=1e-9, atol=1e-12)
+    assert_same_numbers(want.records["configs"], got.records["configs"])
     with pytest.raises(UsageError, match="pass one task"):
         cancellation(micro64, [arith, get_task("toolsum")], rollouts=str(path), **kw)
     with pytest.raises(UsageError, match=r"prompt 0 .* has 4 responses; cancellation \(G=5\)"):
@@ -317,10 +318,7 @@ def test_variance_exact_reference_on_a_file_of_the_tasks_prompts(tmp_path, micro
     path = write(tmp_path / "e.jsonl", rows)
     no_sampling(monkeypatch, "variance")
     got = estimator_variance(micro64, task, rollouts=str(path), **kw)
-    num = [c for c in want.records["cells"].columns
-           if pd.api.types.is_numeric_dtype(want.records["cells"][c])]
-    pd.testing.assert_frame_equal(want.records["cells"][num], got.records["cells"][num],
-                                  rtol=1e-9, atol=1e-12)
+    assert_same_numbers(want.records["cells"], got.records["cells"])
     assert (got.records["reference"]["reference"].str.startswith("exact enumeration")).all()
     other = [{**r, "prompt": r["prompt"].replace("=", "==")} for r in rows]
     with pytest.raises(UsageError, match=r"prompt 0 .* is not one of task 'sort''s prompts.*"
@@ -372,10 +370,7 @@ def test_variance_adaptive_m_draws_the_files_next_groups(tmp_path, micro64, monk
     path = write(tmp_path / "a.jsonl", rows)
     no_sampling(monkeypatch, "variance")
     got = estimator_variance(micro64, task, rollouts=str(path), **kw)
-    num = [c for c in want.records["cells"].columns
-           if pd.api.types.is_numeric_dtype(want.records["cells"][c])]
-    pd.testing.assert_frame_equal(want.records["cells"][num], got.records["cells"][num],
-                                  rtol=1e-9, atol=1e-12)
+    assert_same_numbers(want.records["cells"], got.records["cells"])
     with pytest.raises(UsageError, match=r"has 32 responses; variance \(7 groups of G=4 \+ "
                                          r"n_ref=8\) needs 36"):
         estimator_variance(micro64, task, rollouts=str(path), **{**kw, "M_cap": 7})
