@@ -95,14 +95,13 @@ class ProjectedContraction:
         """``[S, n / groups, K]`` float64 host sketches of responses ``ids``/``attn
         [n, Lp + T]`` (``mask [n, T]`` their response tokens) with coefficients ``coef
         [S, n, T]`` (summed over runs of ``groups`` responses)."""
-        S, n, T = coef.shape
-        Lp = ids.shape[1] - T
-        full = torch.zeros(S, n, ids.shape[1], dtype=self.acc)
-        full[..., Lp:] = coef.to(self.acc)
-        resp = torch.zeros(n, ids.shape[1], dtype=self.acc)
-        resp[:, Lp:] = mask.to(self.acc)
+        n, T = mask.shape
+        resp = torch.zeros(n, ids.shape[1], dtype=self.acc, device="cpu")
+        resp[:, ids.shape[1] - T:] = mask.to(self.acc)
         try:
-            r = response_sketches(self.model, ids, resp, attn, coefficients=full, rows=self.rows,
+            # coefficients right-aligned [S, n, T]: each chunk is padded on the device
+            r = response_sketches(self.model, ids, resp, attn, coefficients=coef.to(self.acc),
+                                  rows=self.rows,
                                   out_device="cpu", groups=groups, **self.kw)
         except UsageError as err:
             raise UsageError(f"{err} (in the variance analysis: gradients='vectors' takes the "
@@ -207,7 +206,8 @@ def _from_batch(batch, token_sq: torch.Tensor | None) -> dict[str, torch.Tensor]
     ``||g_t||^2 [1, n, T]`` when a label reads it, else NaN: never read)."""
     flat = batch.flat()
     P, G, T = batch.tokens.shape
-    tsq = (torch.full((P, G, T), float("nan"), dtype=torch.float32) if token_sq is None
+    tsq = (torch.full((P, G, T), float("nan"), dtype=torch.float32, device="cpu")
+           if token_sq is None
            else token_sq)
     out = {"token_sq": tsq, "mask": batch.mask, "logprobs": batch.logprobs,
            "sum_pi_sq": batch.sum_pi_sq, "rewards": batch.rewards,

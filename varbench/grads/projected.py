@@ -352,7 +352,7 @@ def response_sketches(
 
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``;
     ``coefficients`` ``[B, L]`` (one set; ``vec`` is then ``[B, K]``) or ``[S, B, L]``,
-    aligned with the inputs (a sequence-level Delta broadcast over the response positions, or
+    aligned with the inputs (or ``[S?, B, T]``, T <= L: the last T positions, the responses) (a sequence-level Delta broadcast over the response positions, or
     per-token OTB coefficients); only response positions count. ``k1``/``k2``: the Kronecker
     projection's sides (a side at least as large as its dimension stays exact);
     ``projection="identity"`` keeps every block exact (the rows ARE the flat gradients in
@@ -386,7 +386,9 @@ def response_sketches(
     acc = acc_dtype(next(model.parameters()).dtype, accumulate)
     single = coefficients.dim() == 2
     c = coefficients[None] if single else coefficients
-    check_shape("coefficients", c, [None, B, L])
+    check_shape("coefficients", c, [None, B, None])
+    if c.shape[-1] > L:
+        raise UsageError(f"coefficients has {c.shape[-1]} positions, more than the inputs' {L}")
     if not bool(torch.isfinite(c).all()):
         raise UsageError("coefficients contains NaN or inf")
     chosen = select_params(model, params)
@@ -397,7 +399,10 @@ def response_sketches(
     vec = None
     for s in range(0, B, n):
         m = response_mask[s:s + n].to(dev)
-        cs = c[:, s:s + n].to(dev, acc) * m.to(acc)
+        # a chunk's coefficients at full length on the device (right-aligned when shorter)
+        cs = torch.zeros(c.shape[0], m.shape[0], L, dtype=acc, device=dev)
+        cs[..., L - c.shape[-1]:] = c[:, s:s + n].to(dev, acc)
+        cs = cs * m.to(acc)
         part = _block_sketches(model, input_ids[s:s + n].to(dev),
                                attention_mask[s:s + n].to(dev), cs, chosen, state,
                                acc, (k1, k2, seed, projection, k_dense)).to(out_device)
