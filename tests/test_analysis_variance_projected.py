@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-
 from _fixtures_arch import build
+
 from varbench.analysis.variance import estimator_variance
 from varbench.analysis.variance_cells import (
     ProjectedContraction,

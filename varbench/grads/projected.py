@@ -352,7 +352,8 @@ def response_sketches(
 
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``;
     ``coefficients`` ``[B, L]`` (one set; ``vec`` is then ``[B, K]``) or ``[S, B, L]``,
-    aligned with the inputs (or ``[S?, B, T]``, T <= L: the last T positions, the responses) (a sequence-level Delta broadcast over the response positions, or
+    aligned with the inputs (or ``[S?, B, T]``, T <= L: the last T positions, the responses)
+    (a sequence-level Delta broadcast over the response positions, or
     per-token OTB coefficients); only response positions count. ``k1``/``k2``: the Kronecker
     projection's sides (a side at least as large as its dimension stays exact);
     ``projection="identity"`` keeps every block exact (the rows ARE the flat gradients in
