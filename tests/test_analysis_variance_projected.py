@@ -174,7 +174,8 @@ def test_analysis_defaults_to_projected_and_agrees_with_vectors():
     ca, cv = a.records["cells"], v.records["cells"]
     for k in ("variance", "mse", "projection"):
         torch.testing.assert_close(torch.tensor(ca[k].values), torch.tensor(cv[k].values),
-                                   rtol=1e-6, atol=1e-12, msg=k)
+                                   rtol=1e-6, atol=1e-12, equal_nan=True,
+                                   msg=lambda m, k=k: f"{k}: {m}")
     ra, rv = a.records["reference"], v.records["reference"]
     assert math.isclose(ra["seq_sq_sketched"].iloc[0], ra["seq_sq_exact"].iloc[0], rel_tol=1e-6)
     assert math.isclose(ra["ref_norm"].iloc[0], rv["ref_norm"].iloc[0], rel_tol=1e-6)
