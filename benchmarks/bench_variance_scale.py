@@ -45,10 +45,11 @@ from varbench.analysis.variance_cells import (
     group_advantages,
     group_coefficients,
 )
-from varbench.grads.chunking import MEMORY_FRACTION, cotangent_bytes
+from varbench.grads.chunking import MEMORY_FRACTION
 from varbench.grads.group import group_gradients
 from varbench.grads.projected import batch_sketches, projection_sd
 from varbench.grads.vectors import combine, token_vectors
+from varbench.models import memplan
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.batch import RolloutBatch
@@ -289,7 +290,10 @@ def paper_model(args) -> None:
     K = (n * len(linears) + 2) * k1 * k2 + args.k_dense
     # memory: bf16 weights, float32 projections, per-row activations (three cotangents of a
     # sequence as grads.seqnorms.sequence_rows budgets them) in bf16 (half the float32 model)
-    per_row = 3 * cotangent_bytes(SimpleNamespace(config=SimpleNamespace(**c)), T) // 2
+    # the memory plan's per-row bytes of the sequence path (what response_sketches' chunks ask)
+    per_row = memplan.unit_bytes(memplan.ModelShape.from_config(SimpleNamespace(**c),
+                                                                torch.bfloat16),
+                                 "sequence_norms", T)
     weights = 2 * N
     projs = 4 * (n * sum(o * k1 + j * k2 for o, j in linears) + V * k1 + h * k2 + V * k1
                  + h * k2)
