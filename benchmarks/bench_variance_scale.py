@@ -28,6 +28,7 @@ on Llama-3-8B at T = 1024 on one H200. Timings are single runs (``--threads``, d
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import time
 import warnings
@@ -36,10 +37,19 @@ from types import SimpleNamespace
 import torch
 import transformers as tf
 
-from varbench.grads.chunking import MEMORY_FRACTION, cotangent_bytes
+from varbench.analysis.variance_cells import (
+    ProjectedContraction,
+    VectorContraction,
+    _from_batch,
+    _from_sample,
+    group_advantages,
+    group_coefficients,
+)
+from varbench.grads.chunking import MEMORY_FRACTION
 from varbench.grads.group import group_gradients
 from varbench.grads.projected import batch_sketches, projection_sd
 from varbench.grads.vectors import combine, token_vectors
+from varbench.models import memplan
 from varbench.models.forward import forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.batch import RolloutBatch
@@ -164,6 +174,60 @@ def cell(model, T: int, args) -> list[dict]:
     return rows
 
 
+def analysis_cells(model, T: int, args) -> None:
+    """The variance analysis' own cell code (varbench.analysis.variance_cells) on one prompt of
+    ``groups x G`` responses, schemes centered and otb (proxy weights), both contractions:
+    today's gradients="vectors" and the new default gradients="projected"; agreement of the
+    variance within the combined sketch/projection SDs (z)."""
+    b = rollouts(1, args.groups * args.G, T, args.vocab, seed=T + 1)
+    g = torch.Generator().manual_seed(3)
+    b.logprobs = -torch.rand(b.tokens.shape, generator=g) * 3
+    b.sum_pi_sq = torch.rand(b.tokens.shape, generator=g)
+    M, G = args.groups, args.G
+    unit_w, unit_c = fwd_bwd_unit(model, b)
+
+    def sets(data):
+        mask = data["mask"][0].reshape(M, G, T) != 0
+        out = []
+        for label in ("centered", "otb"):
+            adv = group_advantages(label, data["rewards"][0].reshape(M, G).float(), mask,
+                                   data["logprobs"][0].reshape(M, G, T),
+                                   data["sum_pi_sq"][0].reshape(M, G, T), None)
+            out.append(((label, G), group_coefficients(adv, mask.float(), data["logprobs"][0]
+                                                       .reshape(M, G, T),
+                                                       "seq-mean-token-sum", max_len=T)))
+        return out
+
+    def today():
+        tv = token_vectors(model, b, sketch_dim=args.sketch_dim, sketch_seed=0)
+        data = _from_sample(b, tv)
+        con = VectorContraction(args.sketch_dim)
+        return con, con.estimates(data, sets(data))
+
+    def new():
+        data = _from_batch(b, None)
+        con = ProjectedContraction(model, k1=args.k1, k2=args.k2, k_dense=args.k_dense, seed=0)
+        return con, con.estimates(data, sets(data))
+
+    res = {}
+    for name, fn in (("vectors", today), ("projected", new)):
+        (con, est), w, c, peak = measured(fn)
+        var = [variance_stats(e)["variance"][0] for e in est]
+        sd = [con.error_sd(e, e.mean(0))["variance"] for e in est]
+        res[name] = (var, sd)
+        uses = M * G * len(est)
+        print(f"  analysis T={T} {name:<9} wall/use {w / uses / unit_w:6.2f} fb, cpu/use "
+              f"{c / uses / unit_c:6.2f} fb, wall {w:.1f}s cpu {c:.1f}s, peak "
+              f"{peak / 2**20:.0f} MiB, var centered {var[0]:.4e} ± {sd[0]:.2e}, otb "
+              f"{var[1]:.4e} ± {sd[1]:.2e}")
+    (vt, st), (vn, sn) = res["vectors"], res["projected"]
+    zs = [(a - b_) / math.hypot(x, y) if math.hypot(x, y) else float("nan")
+          for a, b_, x, y in zip(vt, vn, st, sn, strict=True)]
+    ok = "within" if all(abs(z) <= 1.96 for z in zs) else "OUTSIDE"
+    print(f"  analysis T={T} agreement (vectors - projected) / combined sd: centered "
+          f"{zs[0]:+.2f}, otb {zs[1]:+.2f} ({ok} 1.96)")
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'T':>5} {'path':<6} {'resp':>5} {'sets':>4} {'fb s':>7} {'wall/use':>9} "
           f"{'cpu/use':>8} {'peak MiB':>9}  " + "  ".join(
@@ -226,7 +290,10 @@ def paper_model(args) -> None:
     K = (n * len(linears) + 2) * k1 * k2 + args.k_dense
     # memory: bf16 weights, float32 projections, per-row activations (three cotangents of a
     # sequence as grads.seqnorms.sequence_rows budgets them) in bf16 (half the float32 model)
-    per_row = 3 * cotangent_bytes(SimpleNamespace(config=SimpleNamespace(**c)), T) // 2
+    # the memory plan's per-row bytes of the sequence path (what response_sketches' chunks ask)
+    per_row = memplan.unit_bytes(memplan.ModelShape.from_config(SimpleNamespace(**c),
+                                                                torch.bfloat16),
+                                 "sequence_norms", T)
     weights = 2 * N
     projs = 4 * (n * sum(o * k1 + j * k2 for o, j in linears) + V * k1 + h * k2 + V * k1
                  + h * k2)
@@ -265,6 +332,8 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=["today", "new", "exact"],
                     choices=["today", "new", "exact"], help="contenders ('new' always runs)")
     ap.add_argument("--paper-only", action="store_true")
+    ap.add_argument("--analysis", action="store_true",
+                    help="also run both paths through the analysis' cell code")
     ap.add_argument("--paper-sets", type=int, default=2, help="coefficient sets in the model")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 bf16 dense")
     ap.add_argument("--efficiency", type=float, default=0.35,
@@ -282,6 +351,10 @@ def main() -> None:
         for T in args.T:
             rows += cell(model, T, args)
         print_table(rows)
+        if args.analysis:
+            print("\nthrough the analysis' cells (varbench.analysis.variance_cells):")
+            for T in args.T:
+                analysis_cells(model, T, args)
         print(f"(max RSS of the process: "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB)")
     paper_model(args)

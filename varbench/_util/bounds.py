@@ -116,6 +116,7 @@ KNOBS: dict[str, Bound] = {
     # counts where 0 means "none" / "off"
     "token_budget": _ints(0), "checkpoint_every": _ints(0, _STEPS),
     "warmup_steps": _ints(0, _STEPS), "sketch_dim": _ints(0, 1 << 24),
+    "proj_k": _ints(1, 1 << 12),
     "min_responses": _ints(0, 1 << 24), "inner_steps": _ints(0, _SIZE),
     # seeds
     "seed": _ints(0, SEED_MAX), "warm_start_seed": _ints(0, SEED_MAX),

@@ -51,24 +51,30 @@ from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.analysis.kinds import AnalysisKind, one_task, register_analysis
-from varbench.analysis.oracle import (
-    ResponseTable,
-    enumerate_distribution,
-    exact_moments,
-    response_table,
-)
+from varbench.analysis.oracle import ResponseTable, enumerate_distribution, response_table
 from varbench.analysis.plan import Plan
+from varbench.analysis.variance_cells import (
+    GRADIENTS,
+    ProjectedContraction,
+    _cell,
+    _concat_arrays,
+    _from_batch,
+    _from_sample,
+    group_advantages,
+    group_coefficients,
+    group_estimates,
+    headline_pairs,
+    scheme_of,
+)
 from varbench.analysis.variance_report import (
-    MIN_DISTINCT_GROUPS,
     PROXY_MIN_RESPONSES,
-    distinct_estimates,
     reads_proxy_weights,
     variance_headlines,
 )
-from varbench.estimators.aggregation import AGGREGATION_MODES, aggregation_weights
-from varbench.estimators.coefficients import token_coefficients
-from varbench.estimators.registry import advantages, reads
+from varbench.estimators.aggregation import AGGREGATION_MODES
+from varbench.estimators.registry import reads
 from varbench.estimators.registry import schemes as registered_schemes
+from varbench.grads.exact import token_grad_norms
 from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.vectors import combine, token_vectors
 from varbench.models.presets import Policy
@@ -82,17 +88,12 @@ from varbench.rollout.external import (
     variance_rollouts,
 )
 from varbench.rollout.sampler import sample
-from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
-from varbench.stats.intervals import (
-    INTERVAL_METHODS,
-    INTERVAL_STATS,
-    adaptive_groups,
-    gram_matrix,
-    group_intervals,
-    paired_ratio_interval,
-    sketch_sd,
-)
+from varbench.stats.intervals import INTERVAL_METHODS, adaptive_groups
 from varbench.tasks.base import Task
+
+__all__ = ["DEFAULT_SCHEMES", "GRADIENTS", "VarianceConfig", "estimator_variance",
+           "group_advantages", "group_coefficients", "group_estimates", "headline_pairs",
+           "scheme_of", "table_cells", "variance_plan"]
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,
 # every other label gets the proxy inputs (logprobs, sum_pi_sq) that OTB-type schemes read.
@@ -104,264 +105,40 @@ _EXACT_LIMIT = 200_000  # largest V**T enumerated for an exact reference
 _FLAT_LIMIT = 200_000  # sketch_dim="auto": flat (exact) vectors up to this many parameters
 
 
-def scheme_of(label: str) -> str:
-    """Registered scheme behind a label (``otb_exact`` -> ``otb``)."""
-    return label[: -len("_exact")] if label.endswith("_exact") else label
-
-
-def group_advantages(label, rewards, mask, logprobs, sum_pi_sq, token_sq, *, k=1):
-    """``[M, G, T]`` advantages of scheme ``label`` for M groups (one group per row)."""
-    opts: dict[str, Any] = {"logprobs": logprobs, "sum_pi_sq": sum_pi_sq, "k": k}
-    if label.endswith("_exact"):
-        opts = {"token_weights": token_sq, "k": k}
-    return advantages(scheme_of(label), rewards, mask, **opts)
-
-
-def group_estimates(vec: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor,
-                    mode: str, *, max_len: int) -> torch.Tensor:
-    """``[M, K]`` ascent-direction estimates ``sum_{i,t} c_{i,t} v_{i,t}`` for each group.
-
-    ``vec [M, G, T, K]``; ``adv``, ``mask``, ``logp`` ``[M, G, T]``. The coefficient is the exact
-    per-token gradient weight of the clipped loss at ratio 1 (``token_coefficients``), computed
-    per group so that each group is its own batch (B = G in the aggregation weights).
-    """
-    # One coefficient pass over all M groups (a batch of B = M*G), then each token's weight
-    # rescaled from the batch's omega to its own group's (omega is linear in c; at ratio 1
-    # no clip is active): no Python loop over groups in the loss terms.
-    coef = -token_coefficients(logp, logp, adv, mask, mode, max_len=max_len)
-    wb = aggregation_weights(mask, mode, max_len=max_len, dtype=torch.float64)
-    wg = aggregation_weights(mask, mode, max_len=max_len, dtype=torch.float64, per_group=True)
-    coef = coef.double() * torch.where(wb > 0, wg / torch.where(wb > 0, wb, 1), 0)
-    # The one contraction (varbench.grads.vectors.combine): in the vectors' dtype, no
-    # per-scheme copy of the large [M, G, T, K] tensor.
-    return combine(vec, coef).to(torch.float64)
-
-
-def _mode_scale(mode: str, mean_len: float, max_len: int) -> float:
-    if mode == "seq-mean-token-sum":
-        return 1.0
-    if mode == "seq-mean-token-sum-norm":
-        return 1.0 / max_len
-    return 1.0 / mean_len
-
-
 def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, progress,
-               pool=None):
-    """(g* [K], se_norm, description) in the sketch space of ``vec_kw``; ``pool``: a rollouts
-    file's responses of the prompt (the sampled reference is its last ``n_ref``)."""
+               proj=None, pool=None):
+    """(g* [K], se_norm, description) in the sketch space of ``vec_kw`` (per-token vectors)
+    or of ``proj`` (a :class:`ProjectedContraction`: one weighted backward per response);
+    ``pool``: a rollouts file's responses of the prompt (the sampled reference is its last
+    ``n_ref``)."""
     if kind == "exact":
         dist = enumerate_distribution(policy, task, prompt, reward=reward)
         batch, coef = dist.gradient_batch()
         if batch.tokens.shape[1] == 0:
             return None, 0.0, "exact (J = 0: every response scores 0)"
+        desc = f"exact enumeration of {dist.responses.shape[0]} responses"
+        if proj is not None:  # g* = sum_i c_i grad log pi(y_i): one group of every response
+            d = _from_batch(batch, None)
+            n = d["mask"].shape[1]
+            g = proj.sketch(d["input_ids"][0], d["attention_mask"][0], d["mask"][0],
+                            coef.double().cpu(), groups=n)[0, 0]
+            return g, 0.0, desc
         tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
         g = combine(tv.vec.double(), coef.double())[0]  # one prompt: P = 1
-        return g, 0.0, f"exact enumeration of {dist.responses.shape[0]} responses"
+        return g, 0.0, desc
     batch = (sample(policy, task, [prompt], n_ref, seed=p_seed + 7919, reward=reward)
              if pool is None else pool.reference(n_ref))
-    tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
-    per = batch.rewards.double()[0, :, None] * tv.vec.double()[0].sum(1)  # [N, K] R_i sum_t v
+    if proj is not None:  # [N, K] S(R_i sum_t g_t), one weighted backward per response
+        d = _from_batch(batch, None)
+        c = d["rewards"].double()[0, :, None] * d["mask"][0].double()
+        per = proj.sketch(d["input_ids"][0], d["attention_mask"][0], d["mask"][0], c[None],
+                          groups=None)[0]
+    else:
+        tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
+        per = batch.rewards.double()[0, :, None] * tv.vec.double()[0].sum(1)  # R_i sum_t v
     g = per.mean(0)
     se = float(((per - g) ** 2).sum() / (n_ref - 1) / n_ref) ** 0.5
     return g, se, f"sampled: raw estimator over {n_ref} independent responses"
-
-
-# The per-response arrays a cell reads ([1, n, ...]; vec [1, n, T, K]).
-_ARRAYS = ("vec", "token_sq", "mask", "logprobs", "sum_pi_sq", "rewards")
-
-
-def _from_sample(batch, tv) -> dict[str, torch.Tensor]:
-    return {"vec": tv.vec, "token_sq": tv.token_sq, "mask": batch.mask,
-            "logprobs": batch.logprobs, "sum_pi_sq": batch.sum_pi_sq, "rewards": batch.rewards}
-
-
-def _concat_arrays(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Responses of several sampling rounds side by side (dim 1), zero-padded to one T."""
-    T = max(p["mask"].shape[2] for p in parts)
-    out = {}
-    for k in _ARRAYS:
-        xs = []
-        for p in parts:
-            x = p[k]
-            if k != "rewards" and x.shape[2] < T:
-                pad = [0, 0] * (x.dim() - 3) + [0, T - x.shape[2]]
-                x = torch.nn.functional.pad(x, pad)
-            xs.append(x)
-        out[k] = torch.cat(xs, 1)
-    return out
-
-
-def _coef_fn(label: str, mode: str, *, topk_k: int, max_len: int):
-    """``coef_fn(rewards [C, G], mask [C, G, T])`` for :func:`exact_moments` (None: the
-    scheme needs more than rewards, e.g. OTB's token weights)."""
-    def fn(R, mask):
-        adv = advantages(scheme_of(label), R, mask != 0, k=topk_k)
-        lp = torch.zeros_like(adv)
-        # every configuration its own batch of G, in one pass (no loop over configurations)
-        return -token_coefficients(lp, lp, adv, mask, mode, max_len=max_len, per_group=True)
-    return None if label.endswith("_exact") else fn
-
-
-def _exact_cell(table, label, mode, G, ref, *, topk_k, max_len):
-    fn = _coef_fn(label, mode, topk_k=topk_k, max_len=max_len)
-    if fn is None or ref is None:
-        return None
-    try:
-        return exact_moments(table, fn, G, ref)
-    except UsageError:
-        return None  # the scheme needs token statistics: Monte Carlo
-
-
-def _widen(st: dict[str, float], sd: float, z: float) -> dict[str, float]:
-    """Add a sketch standard deviation in quadrature to an SE and to both sides of a CI."""
-    if sd == 0 or not math.isfinite(sd):
-        return st
-    v = st["value"]
-    return {"value": v, "se": math.hypot(st["se"], sd),
-            "ci_low": v - math.hypot(v - st["ci_low"], z * sd),
-            "ci_high": v + math.hypot(st["ci_high"] - v, z * sd)}
-
-
-def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=None,
-          sketch_k=None, interval="studentized", n_boot=1000, level=0.95, seed=0,
-          intervals=True):
-    """Statistics of every (scheme, mode) at group size G for one prompt; paired ratios.
-
-    ``data``: the ``_ARRAYS`` of >= M*G responses. With ``table`` (an enumerable prompt), a
-    scheme that reads only rewards gets exact values (``method = exact``); otherwise the
-    Monte Carlo values over the M groups (``method = mc``) with bootstrap-t intervals, widened
-    by the sketch's own error when the vectors are sketched (``sketch_k`` buckets).
-    """
-    n = M * G
-
-    def grp(x):
-        return x[0, :n].reshape(M, G, *x.shape[2:])
-
-    vec, mask = grp(data["vec"]), grp(data["mask"]) != 0
-    T = mask.shape[-1]
-    logp, spsq, tsq = grp(data["logprobs"]), grp(data["sum_pi_sq"]), grp(data["token_sq"])
-    rewards = data["rewards"][0, :n].reshape(M, G).to(logp.dtype)
-    tokens = mask.sum((1, 2)).double().cpu()
-    agree = (rewards == rewards[:, :1]).all(1).double().mean()
-    z = float(torch.distributions.Normal(*torch.tensor([0.0, 1.0], device="cpu")).icdf(
-        torch.tensor((1 + level) / 2, device="cpu")))
-    table_k = None if table is None else table.sketch_k
-    exact_label = "exact" if table_k is None else "exact-sketched"
-    rows, paired, est = [], [], {}
-    for label in labels:
-        adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)
-        nonzero = ((adv != 0) & mask).any(-1).double().mean()
-        for mode in modes:
-            r = None if ref is None else ref.cpu() * _mode_scale(mode, mean_len, max_len)
-            # the statistics are host code (floats out): the [M, K] estimates move there once
-            e = group_estimates(vec, adv, mask.to(logp.dtype), logp, mode, max_len=max_len).cpu()
-            st = variance_stats(e, r, tokens=tokens)
-            row = {"scheme": label, "G": G, "mode": mode, "M": M, "T": T}
-            for k in VARIANCE_STATS:
-                row[k], row[f"{k}_se"] = st[k]
-            row["frac_nonzero_delta"] = float(nonzero)
-            row["frac_all_agree"] = float(agree)
-            row["tokens_per_group"] = float(tokens.mean())
-            ex = None if table is None else _exact_cell(table, label, mode, G, r,
-                                                        topk_k=topk_k, max_len=max_len)
-            row["method"] = "mc" if ex is None else exact_label
-            row["distinct_groups"] = distinct_estimates(e)
-            row["degenerate_ci"] = 0.0
-            # X X^T once per estimate set: the intervals, the sketch SD and the paired ratios
-            # all read it
-            gram = gram_matrix(e) if r is not None and (intervals or ex is not None) else None
-            if ex is not None:
-                # an exact contraction of sketched vectors is exact for the sketch, not for the
-                # gradients: its one draw's error (read from the sampled groups) is its SE
-                _set_exact(row, ex, sketch_sd(e, r, table_k, gram=gram) if table_k else None,
-                           z)
-            elif r is not None and intervals:
-                iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
-                                     method=interval, gram=gram)
-                sd = (sketch_sd(e, r, sketch_k, gram=gram) if sketch_k
-                      else dict.fromkeys(INTERVAL_STATS, 0.0))
-                for k in INTERVAL_STATS:
-                    w = _widen(iv[k], sd[k], z)
-                    row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
-                        w["se"], w["ci_low"], w["ci_high"])
-                    row[f"{k}_sketch_sd"] = sd[k]
-                # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
-                row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
-                    row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
-            est[label, mode] = (e, r, None if ex is None else row, gram)
-            rows.append(row)
-    for label, base in headline_pairs(labels):
-        for mode in modes:
-            (e, r, ex, gram), (eb, _, exb, gram_b) = est[label, mode], est[base, mode]
-            for stat in ("variance", "mse"):
-                if stat == "mse" and r is None:
-                    continue
-                row = {"scheme": label, "baseline": base, "G": G, "mode": mode, "stat": stat}
-                if ex is not None and exb is not None:
-                    row.update(_exact_ratio(ex, exb, stat, z), method=exact_label)
-                else:
-                    c = paired_compare(e, eb, r, stat=stat)
-                    row.update(ratio=c["ratio"], ratio_se=c["ratio_se"], diff=c["diff"],
-                               diff_se=c["diff_se"], method="mc")
-                    if (intervals and r is not None and math.isfinite(c["ratio"])
-                            and c["ratio"] > 0):
-                        pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
-                                                   n_boot=n_boot, seed=seed, method=interval,
-                                                   gram_a=gram, gram_b=gram_b)
-                        row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
-                        few = min(distinct_estimates(e), distinct_estimates(eb))
-                        row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS
-                                                     or pi["ci_low"] == pi["ci_high"])
-                paired.append(row)
-    return pd.DataFrame(rows), pd.DataFrame(paired)
-
-
-def _exact_ratio(row: dict, base: dict, stat: str, z: float) -> dict[str, float]:
-    """Ratio and difference of two exact cells' ``stat``; with sketched vectors (both cells
-    share one sketch draw) an SE from their sketch SEs that holds whatever the two errors'
-    correlation: ``sd(log a - log b) <= sd_a / a + sd_b / b`` (first order)."""
-    a, b = row[stat], base[stat]
-    sa, sb = row[f"{stat}_se"], base[f"{stat}_se"]
-    ratio = a / b if b else float("nan")
-    rel = sa / a + sb / b if a > 0 and b > 0 else (0.0 if sa == sb == 0 else float("nan"))
-    return {"ratio": ratio, "ratio_se": abs(ratio) * rel, "diff": a - b, "diff_se": sa + sb,
-            "ratio_ci_low": ratio * math.exp(-z * rel), "ratio_ci_high": ratio * math.exp(z * rel)}
-
-
-def _set_exact(row: dict, ex: dict[str, float], sketch: dict[str, float] | None = None,
-               z: float = 1.96) -> None:
-    """Overwrite a cell's moment statistics with their exact values: SE 0, or with
-    ``sketch`` (the sketch's SD of variance, MSE and projection, ``exact-sketched``) those as
-    SEs and ``value -/+ z sd`` as intervals, and NaN SEs for the statistics derived from them
-    (their sketch error is not modelled)."""
-    var = ex["variance"]
-    vals = {
-        "variance": var, "mse": ex["mse"], "projection": ex["projection"],
-        "bias": max(ex["bias2"], 0.0) ** 0.5, "bias2_debiased": ex["bias2"],
-        "signal_norm2": ex["signal_norm2"],
-        "snr": ex["signal_norm2"] / var if var > 0 else float("nan"),
-        "noise_scale": var / ex["signal_norm2"] if ex["signal_norm2"] > 0 else float("nan"),
-        "variance_x_tokens": var * row["tokens_per_group"],
-        "frac_all_agree": ex["frac_all_agree"], "frac_zero": ex["frac_zero"],
-    }
-    for k, v in vals.items():
-        row[k] = v
-        if f"{k}_se" in row:
-            row[f"{k}_se"] = 0.0 if sketch is None else float("nan")
-    for k in INTERVAL_STATS:
-        sd = 0.0 if sketch is None else sketch[k]
-        row[f"{k}_se"] = sd
-        lo = vals[k] - z * sd
-        row[f"{k}_ci_low"] = max(lo, 0.0) if k in ("variance", "mse") else lo
-        row[f"{k}_ci_high"] = vals[k] + z * sd
-        row[f"{k}_sketch_sd"] = sd
-
-
-def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
-    """The (scheme, baseline) pairs whose paired ratios are headlines: every label against
-    centered, and an OTB-type label against its ``_exact`` twin (what the proxy costs)."""
-    pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
-    return pairs + [(lab, f"{lab}_exact") for lab in labels if f"{lab}_exact" in labels]
 
 
 def _targeted(label: str, baseline: str) -> bool:
@@ -372,7 +149,7 @@ def _targeted(label: str, baseline: str) -> bool:
 
 
 def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_len,
-                     ) -> tuple[float, str]:
+                     contraction=None) -> tuple[float, str]:
     """(largest relative SE, its name) over the figures the headlines report (adaptive M).
 
     Targeted: each label's projection (with g*) and the headline paired ratios of variance and
@@ -383,7 +160,8 @@ def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_l
     worst, name = 0.0, ""
     for G in Gs:
         c, pr = _cell(data, G, _groups(M, G, Gs), labels, modes, ref, topk_k=topk_k,
-                      max_len=max_len, mean_len=mean_len, intervals=False)
+                      max_len=max_len, mean_len=mean_len, intervals=False,
+                      contraction=contraction)
         vals = []
         if ref is not None:
             vals += [(f"projection:{r.scheme}:G={G}:{r.mode}", r.projection_se / abs(r.projection))
@@ -484,7 +262,15 @@ class VarianceConfig(Config):
     """CountSketch dimension K; 0 (or None): flat vectors, an exact contraction; ``auto``:
     flat up to 200k parameters, else 1024."""
     sketch_seed: int = knob(0)
-    """Seed of the count sketch, independent of ``seed``."""
+    """Seed of the count sketch and of the projections, independent of ``seed``."""
+    gradients: str = choice("projected", GRADIENTS)
+    """Group estimates: ``projected`` (coefficient-first: one weighted backward per response
+    and coefficient set, each weight's gradient Kronecker-projected to ``proj_k x proj_k``,
+    the small parameters count-sketched to ``sketch_dim``; flat sketch_dim: exact) or
+    ``vectors`` (per-token vectors, count-sketched to ``sketch_dim``: the reference path).
+    Enumerated tables (exact cells) always use vectors."""
+    proj_k: int = knob(16, minimum=1)
+    """``gradients="projected"``: each side of a weight's Kronecker projection."""
     exact: str = choice("auto", ("auto", "never"))
     """Exact cells from an enumerated response table (``auto``) or never."""
     table_limit: int = knob(256)
@@ -654,6 +440,10 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     n_prompts, n_ref, sketch_dim, sketch_seed = c.n_prompts, c.n_ref, c.sketch_dim, c.sketch_seed
     exact, interval, n_boot, level, topk_k, seed = (c.exact, c.interval, c.n_boot, c.level,
                                                     c.topk_k, c.seed)
+    gradients, proj_k = c.gradients, c.proj_k
+    # exact ||g_t||^2 OTB weights: the per-token norm harness on the projected path (the
+    # coefficients are then known: one sketch space for every label), the vectors' own else
+    need_tsq = any(label.endswith("_exact") for label in schemes)
     reward = task.check_reward(c.reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":
@@ -674,6 +464,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
            "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
+           "gradients": "vectors" if use_table else gradients, "proj_k": proj_k,
            "groups": "every response at every G",
            **rollouts_key(c.rollouts, c.logprob_tol), **(config or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(policy))
@@ -699,7 +490,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
         if ref_row is None or any(c is None or pr is None for c, pr in done):
             p_seed = seed + 1000 * p
             pool = None if ext is None else ext.pool(p, reserve=reserve)
-            table = None
+            table = proj = None
             if use_table:
                 dist = enumerate_distribution(policy, task, prompt, reward=reward)
                 table = response_table(policy, dist, progress=show, **vec_kw)
@@ -713,27 +504,37 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                     return table.sample(m * Gs[-1], gen)
                 sketch_desc, D = table.sketch, table.n_params
             else:
+                if gradients == "projected":  # the same projections for g* and every cell
+                    flat_k = None if sketch_dim is None else proj_k
+                    proj = ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
+                                                k_dense=sketch_dim, seed=sketch_seed)
                 g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
                                                  reward=reward, n_ref=n_ref, vec_kw=vec_kw,
-                                                 progress=show, pool=pool)
+                                                 progress=show, proj=proj, pool=pool)
                 rounds, first = [0], []
 
-                def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, pool=pool):
+                def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, proj=proj,
+                         pool=pool):
                     # round 0 is the historical sample (seed p_seed); later rounds new seeds
                     s_ = p_seed + 104729 * rounds[0]
                     rounds[0] += 1
                     b = (sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
                          if pool is None else pool.draw(m * Gs[-1]))
+                    if proj is not None:  # no per-token vectors: the arrays go to the host
+                        if not first:
+                            first.append((b, None))
+                        return _from_batch(b, _token_sq(policy.model, b) if need_tsq else None)
                     tv = token_vectors(policy.model, b, progress=show, **vec_kw)
                     if not first:
                         first.append((b, tv))
                     return _from_sample(b, tv)
                 sketch_desc, D = None, n_params
+            kw["contraction"] = proj
             parts = [draw(M)]
             while len(parts) * M < M_floor:
                 parts.append(draw(M))
             # the sketch checked per prompt on the first round (sampled groups only)
-            seq_norms = (_sequence_norms(policy.model, *first[0]) if table is None
+            seq_norms = (_sequence_norms(policy.model, *first[0], proj) if table is None
                          else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
             # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
             M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
@@ -761,6 +562,9 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
             data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
             parts.clear()  # one copy of the (possibly flat) vectors from here on
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
+            if sketch_desc is None and proj is not None:
+                sketch_desc = ("flat (projected, exact)" if sketch_dim is None
+                               else f"projected: {proj.description}")
             if sketch_desc is None:
                 sketch_desc = ("flat" if sketch_dim is None or sketch_dim >= D else
                                f"countsketch(K={sketch_dim}, seed={sketch_seed})")
@@ -816,15 +620,30 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     )
 
 
-def _sequence_norms(model, batch, tv) -> dict[str, float]:
-    """Mean per-response ``||sum_t g_t||^2``: exact (one batched backward,
-    :func:`varbench.grads.sequence_grad_norms`) and through the sketch of ``tv`` (its
-    expectation over sketches is the exact value: a per-prompt check of the sketch)."""
+def _sequence_norms(model, batch, tv, proj=None) -> dict[str, float]:
+    """Mean per-response ``||sum_t g_t||^2``: exact (a backward per chunk of rows,
+    :func:`varbench.grads.sequence_grad_norms`) and through the sketch of ``tv`` or the
+    projection of ``proj`` (its expectation over sketches is the exact value: a per-prompt
+    check of the sketch)."""
     flat = batch.flat()
     exact = sequence_grad_norms(model, flat.input_ids, flat.response_mask, flat.attention_mask)
-    sketched = tv.vec.sum(2).pow(2).sum(-1)  # [P, G]: ||S sum_t g_t||^2 (0 off the mask)
+    if proj is not None:  # S(sum_t g_t) per response: coefficient 1 on every response token
+        d = _from_batch(batch, None)
+        m = d["mask"][0].double()
+        sketched = proj.sketch(d["input_ids"][0], d["attention_mask"][0], d["mask"][0],
+                               m[None], groups=None)[0].pow(2).sum(-1)
+    else:
+        sketched = tv.vec.sum(2).pow(2).sum(-1)  # [P, G]: ||S sum_t g_t||^2 (0 off the mask)
     return {"seq_sq_exact": float(exact.double().mean()),
             "seq_sq_sketched": float(sketched.double().mean())}
+
+
+def _token_sq(model, batch) -> torch.Tensor:
+    """Exact ``||g_t||^2 [P, G, T]`` of a batch (:func:`token_grad_norms`, no vectors)."""
+    flat = batch.flat()
+    tok = token_grad_norms(model, flat.input_ids, flat.response_mask, flat.attention_mask,
+                           progress=False).token_sq
+    return batch.to_groups(tok)
 
 
 def table_cells(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from varbench._util.checks import UsageError, check_positive_int, check_shape
-from varbench.grads._inputs import eval_mode, prepare
+from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
 from varbench.grads.ghost import _QUIET, CallRecorder, acc_dtype, checked_form
 from varbench.grads.params import ParamFilter, select_params
 from varbench.grads.seqnorms import (
@@ -345,13 +345,15 @@ def response_sketches(
     device: str | torch.device | None = None,
     accumulate: torch.dtype | None = None,
     out_device: str | torch.device | None = None,
+    groups: int | None = None,
 ) -> ResponseSketches:
     """Per-response sketches ``S(sum_t c_{s,b,t} grad log p_{b,t})``: ``[S, B, K]`` from one
     forward per chunk of ``rows`` responses and ONE weighted backward per chunk and set.
 
     Shapes: ``input_ids``, ``response_mask``, ``attention_mask`` ``[B, L]``;
     ``coefficients`` ``[B, L]`` (one set; ``vec`` is then ``[B, K]``) or ``[S, B, L]``,
-    aligned with the inputs (a sequence-level Delta broadcast over the response positions, or
+    aligned with the inputs (or ``[S?, B, T]``, T <= L: the last T positions, the responses)
+    (a sequence-level Delta broadcast over the response positions, or
     per-token OTB coefficients); only response positions count. ``k1``/``k2``: the Kronecker
     projection's sides (a side at least as large as its dimension stays exact);
     ``projection="identity"`` keeps every block exact (the rows ARE the flat gradients in
@@ -362,7 +364,10 @@ def response_sketches(
     Caveat: inner products of rows are unbiased for the exact ones over the random projection
     (per fixed ``seed`` they carry its error: :func:`projection_sd`); accumulation in float32
     at least (float64 for a float64 model or ``accumulate``), on the model's device, each
-    chunk's rows moved to ``out_device`` (default: stay there).
+    chunk's rows moved to ``out_device`` (default: stay there). ``groups``: sum each run of
+    ``groups`` consecutive responses into one row as the chunks stream (``vec [S, B/groups,
+    K]``: group estimates, memory O(chunk) on the device and O(B/groups) on ``out_device``).
+    Inputs and coefficients stay where they are and go to the device one chunk at a time.
     """
     if projection not in PROJECTIONS:
         raise UsageError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
@@ -370,30 +375,49 @@ def response_sketches(
     check_positive_int("k2", k2)
     if k_dense is not None:
         check_positive_int("k_dense", k_dense)
-    model, input_ids, response_mask, attention_mask = prepare(
-        model, input_ids, response_mask, attention_mask, dtype, device)
-    dev = input_ids.device
+    input_ids, response_mask, attention_mask = check_inputs(
+        input_ids, response_mask, attention_mask)
+    model = prepare_model(model, dtype, device)
+    dev = next(model.parameters()).device
     B, L = input_ids.shape
+    if groups is not None:
+        check_positive_int("groups", groups)
+    if groups is not None and B % groups:
+        raise UsageError(f"groups={groups} does not divide the {B} responses")
     acc = acc_dtype(next(model.parameters()).dtype, accumulate)
     single = coefficients.dim() == 2
     c = coefficients[None] if single else coefficients
-    check_shape("coefficients", c, [None, B, L])
-    c = c.to(dev, acc)
+    check_shape("coefficients", c, [None, B, None])
+    if c.shape[-1] > L:
+        raise UsageError(f"coefficients has {c.shape[-1]} positions, more than the inputs' {L}")
     if not bool(torch.isfinite(c).all()):
         raise UsageError("coefficients contains NaN or inf")
-    c = c * response_mask.to(acc)
     chosen = select_params(model, params)
     out_device = dev if out_device is None else torch.device(out_device)
     n = sequence_rows(model, B, L, dev, rows)
     state: dict = {}
     parts = []
+    vec = None
     for s in range(0, B, n):
-        part = _block_sketches(model, input_ids[s:s + n], attention_mask[s:s + n],
-                               c[:, s:s + n], chosen, state,
-                               acc, (k1, k2, seed, projection, k_dense))
-        parts.append(part.to(out_device))
+        m = response_mask[s:s + n].to(dev)
+        # a chunk's coefficients at full length on the device (right-aligned when shorter)
+        cs = torch.zeros(c.shape[0], m.shape[0], L, dtype=acc, device=dev)
+        cs[..., L - c.shape[-1]:] = c[:, s:s + n].to(dev, acc)
+        cs = cs * m.to(acc)
+        part = _block_sketches(model, input_ids[s:s + n].to(dev),
+                               attention_mask[s:s + n].to(dev), cs, chosen, state,
+                               acc, (k1, k2, seed, projection, k_dense)).to(out_device)
+        if groups is None:
+            parts.append(part)
+            continue
+        if vec is None:  # group sums accumulate online: a chunk may split a group
+            vec = torch.zeros(c.shape[0], B // groups, part.shape[-1], dtype=part.dtype,
+                              device=out_device)
+        idx = torch.arange(s, s + part.shape[1], device=out_device) // groups
+        vec.index_add_(1, idx, part)
     pl: _Plan = state["plan"]
-    vec = torch.cat(parts, 1)
+    if groups is None:
+        vec = torch.cat(parts, 1)
     methods = {}
     for name, p in chosen:
         r = state["route"].get(id(p), "unused")
