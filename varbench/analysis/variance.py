@@ -62,6 +62,7 @@ from varbench.analysis.variance_report import (
     MIN_DISTINCT_GROUPS,
     PROXY_MIN_RESPONSES,
     distinct_estimates,
+    headline_vs_centered,
     reads_proxy_weights,
     variance_headlines,
 )
@@ -358,7 +359,7 @@ def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
 def _targeted(label: str, baseline: str) -> bool:
     """Whether a paired ratio is a headline (variance_report): OTB-type and rloo vs centered,
     and a scheme vs its exact-weights twin."""
-    return (baseline == "centered" and (label.startswith("otb") or label == "rloo")
+    return (baseline == "centered" and headline_vs_centered(label)
             or baseline == f"{label}_exact")
 
 
