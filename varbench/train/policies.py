@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from varbench._util.checks import UsageError
-from varbench.models import Policy, load_policy, presets
-from varbench.models import build_policy as build_preset
+from varbench.models import Policy, build_preset, load_policy, presets
+from varbench.models.presets import not_a_policy
 from varbench.tasks import Task
 
 
@@ -24,13 +24,13 @@ def is_checkpoint_dir(spec: str | Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
-def check_policy_spec(spec: str | Path) -> str:
+def check_policy_spec(spec: str | Path, arg: str = "policy") -> str:
     """``spec`` as a string if it names a preset or a local checkpoint directory, else a
-    UsageError naming it and the presets."""
+    UsageError naming the argument ``arg`` (``"--policy"`` for a flag), the value and the
+    presets: the one home of that refusal for the library, the CLI and the warm start."""
     name = str(spec)
     if name not in presets() and not is_checkpoint_dir(name):
-        raise UsageError(f"policy={name!r} is not valid; choose a preset {presets()} or a local "
-                         "checkpoint directory containing config.json")
+        raise not_a_policy(arg, name)
     return name
 
 
@@ -115,10 +115,13 @@ def build_policy(
     trust_remote_code: bool = False,
     add_task_tokens: bool = False,
     progress: bool | None = None,
+    tie_embeddings: bool = False,
 ) -> Policy:
-    """The policy ``spec`` names: a preset name or a local checkpoint directory.
+    """The policy ``spec`` names: a preset name or a local checkpoint directory (the one policy
+    builder: the CLI, suites, the trainer and the warm start all build through it).
 
-    A preset is built at random initialisation from ``seed``; a checkpoint directory is loaded
+    A preset is built at random initialisation from ``seed`` (``tie_embeddings``: input and
+    output embeddings shared); a checkpoint directory is loaded
     (its stored dtype unless ``dtype`` is given). With ``warm=True`` either is warm-started on
     ``task``'s demonstrations from ``warm_seed`` (default ``seed``; cached, see
     :func:`varbench.train.warm_start`); a task without demonstrations is refused. With a
@@ -145,7 +148,7 @@ def build_policy(
         if dtype is None and stored is not None:
             dtype = getattr(torch, stored)  # "auto": the checkpoint's own dtype
     elif name in presets():
-        policy = build_preset(name, seed=seed)
+        policy = build_preset(name, seed=seed, tie_embeddings=tie_embeddings)
     else:
         policy = load_policy(name, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is not None or device is not None:
