@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from varbench._util.checks import UsageError
+from varbench._util.checks import UsageError, check_device
 from varbench.models import Policy, build_preset, load_policy, presets
 from varbench.models.presets import not_a_policy
 from varbench.tasks import Task
@@ -55,27 +55,6 @@ def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
     if not isinstance(n, int) or n < 1:
         raise UsageError(f"the config of {name!r} has no vocab_size")
     return n
-
-
-def check_dtype_on_device(dtype: torch.dtype | None, device: str | torch.device | None) -> None:
-    """UsageError unless ``device`` can hold and compute in ``dtype`` (bfloat16 needs a GPU with
-    bf16 support, or the CPU; float16 on the CPU runs but slowly and is allowed)."""
-    if dtype is None:
-        return
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dtype == torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported(
-            including_emulation=False):
-        raise UsageError(f"--dtype=bfloat16 is not supported on --device={str(dev)!r} (this GPU "
-                         "has no bfloat16 arithmetic); choose one of ['float16', 'float32']")
-    if dtype in (torch.bfloat16, torch.float16) and dev.type == "mps":
-        try:
-            (torch.ones(2, 2, dtype=dtype, device=dev) @ torch.ones(2, 2, dtype=dtype,
-                                                                    device=dev)).cpu()
-        except (RuntimeError, TypeError) as err:
-            raise UsageError(f"--dtype={str(dtype).removeprefix('torch.')} is not supported on "
-                             f"--device={str(dev)!r} ({err}); use --dtype float32") from None
-    if dtype == torch.float64 and dev.type == "mps":
-        raise UsageError("--dtype=float64 is not supported on --device='mps'; use float32")
 
 
 def prepare_for_task(policy: Policy, task: Task | None, *, add_task_tokens: bool = False
@@ -130,7 +109,7 @@ def build_policy(
     presets when ``spec`` is neither a preset nor a checkpoint directory.
     """
     name = str(spec)
-    check_dtype_on_device(dtype, device)
+    check_device("device", "cpu" if device is None else device, dtype=dtype)
     check_policy_spec(name)
     if warm:
         if task is None:

@@ -64,7 +64,7 @@ def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
     changed) on ``config.device`` in ``config.dtype`` ("auto": its own), bound to ``task``."""
     import copy
 
-    from varbench.train.policies import check_dtype_on_device, prepare_for_task
+    from varbench.train.policies import prepare_for_task
 
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     if dtype is None and next(policy.model.parameters()).dtype == torch.float16:
@@ -73,7 +73,7 @@ def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
         raise UsageError(f"dtype='auto' on {policy.name!r}, a float16 checkpoint, would train "
                          "in float16, which needs loss scaling; choose dtype='bfloat16' or "
                          "'float32'")
-    check_dtype_on_device(dtype, config.device)
+    check_device("device", config.device, dtype=dtype)
     model = copy.deepcopy(policy.model).to(device=config.device, dtype=dtype)
     own = Policy(model=model, tokenizer=copy.deepcopy(policy.tokenizer), name=policy.name,
                  meta=copy.deepcopy(policy.meta))
