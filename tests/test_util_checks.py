@@ -133,3 +133,21 @@ def test_check_device_also_checks_the_dtype_it_must_hold(monkeypatch):
     with pytest.raises(UsageError, match=r"^dtype=bfloat16 is not supported on device='cuda:0'"):
         build_policy("micro", device="cuda:0", dtype=torch.bfloat16)
     assert check_device("--device", "cuda:0", dtype=torch.float16) == torch.device("cuda:0")
+
+
+def test_one_dtype_parser_for_the_cli_suites_and_the_trainer():
+    """--dtype, a suite's dtype and TrainConfig.dtype are parsed by _util.config.resolve_dtype
+    (the app's name is the same function), over the one DTYPES table."""
+    import varbench.app.specs as specs
+    from varbench._util.checks import UsageError
+    from varbench._util.config import DTYPES, resolve_dtype
+
+    assert specs.resolve_dtype is resolve_dtype
+    assert resolve_dtype("auto") is None and resolve_dtype(None) is None
+    assert resolve_dtype(torch.float64) is torch.float64
+    for name in DTYPES[1:]:
+        assert resolve_dtype(name) is getattr(torch, name)
+    with pytest.raises(UsageError, match=r"^dtype='fp8' is not valid; choose one of \['auto'"):
+        resolve_dtype("fp8", "dtype")
+    with pytest.raises(UsageError, match=r"^--dtype='half' is not valid"):
+        resolve_dtype("half")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from varbench._util.checks import UsageError, check_device
+from varbench._util.config import resolve_dtype
 from varbench.models import Policy, build_preset, load_policy, presets
 from varbench.models.presets import not_a_policy
 from varbench.tasks import Task
@@ -125,7 +126,7 @@ def build_policy(
                             progress=progress)
         stored = policy.meta.get("stored_dtype")
         if dtype is None and stored is not None:
-            dtype = getattr(torch, stored)  # "auto": the checkpoint's own dtype
+            dtype = resolve_dtype(stored, "stored dtype")  # "auto": the checkpoint's own
     elif name in presets():
         policy = build_preset(name, seed=seed, tie_embeddings=tie_embeddings)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from varbench._util.checks import UsageError, UsageTypeError, check_choice, check_device
+from varbench._util.config import resolve_dtype
 from varbench.estimators import AGGREGATION_MODES, aggregation_weights, schemes
 from varbench.models import Policy
 from varbench.rollout import RolloutBatch, sample
@@ -66,7 +67,7 @@ def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
 
     from varbench.train.policies import prepare_for_task
 
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    dtype = resolve_dtype(config.dtype, "dtype")
     if dtype is None and next(policy.model.parameters()).dtype == torch.float16:
         from varbench._util.checks import UsageError
 
