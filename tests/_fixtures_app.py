@@ -55,6 +55,30 @@ baselines = []
 """
 
 
+PROXY_SUITE = """
+[suite]
+name = "one"
+[[cases]]
+name = "proxy"
+kind = "proxy"
+preset = "micro"
+states = ["random"]
+task = "sort"
+knobs = { n = 2 }
+n_prompts = 2
+G = 2
+n_boot = 10
+seed = 1
+"""
+
+
+def proxy_suite(path: Path, extra: str = "") -> Path:
+    """A one-case proxy suite (micro, random init, sort n=2, 2 prompts x G=2, seed 1) with
+    ``extra`` lines appended to its case, written to ``path``."""
+    path.write_text(PROXY_SUITE + extra)
+    return path
+
+
 def write_suite(dir_: Path, extra: str = "", name: str = "mini.toml") -> Path:
     path = Path(dir_) / name
     path.write_text(SUITE.format(extra=extra))

@@ -6,6 +6,7 @@ import json
 
 import pandas as pd
 import pytest
+from _fixtures_app import proxy_suite
 
 import varbench.app.specs as specs
 from varbench.app.cli import main
@@ -50,22 +51,7 @@ def test_cancellation_rejects_an_unknown_knob_before_any_work(tmp_path, capsys):
 
 def test_proxy_command_and_suite_case_share_one_executor(tmp_path, capsys):
     assert main(["proxy", *PROXY, "--out", str(tmp_path / "cli")]) == 0
-    suite = tmp_path / "s.toml"
-    suite.write_text("""
-[suite]
-name = "one"
-[[cases]]
-name = "proxy"
-kind = "proxy"
-preset = "micro"
-states = ["random"]
-task = "sort"
-knobs = { n = 2 }
-n_prompts = 2
-G = 2
-n_boot = 10
-seed = 1
-""")
+    suite = proxy_suite(tmp_path / "s.toml")
     capsys.readouterr()
     run_suite(suite, tmp_path / "suite", progress=False)
     # the suite case prints the same cost notice as the command, before its work

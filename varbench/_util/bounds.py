@@ -141,6 +141,7 @@ KNOBS: dict[str, Bound] = {
     "target_rel_se": Bound(float, 0, None, lo_open=True),
     "tolerance": Bound(float, 0), "rel_tolerance": Bound(float, 0),
     "abs_tolerance": Bound(float, 0),
+    "logprob_tol": Bound(float, 0, None, lo_open=True),  # rollouts: behaviour vs checkpoint
     "max_variance_ratio": Bound(float, 0, None, lo_open=True),
     # validate: the threshold acc0 + frac x (1 - acc0) lies above the warm start, at most at 1
     "threshold_frac": Bound(float, 0, 1, lo_open=True),

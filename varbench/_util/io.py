@@ -330,3 +330,35 @@ def check_seal(payload: Any, what: str) -> dict[str, Any]:
     if not ok:
         raise IntegrityError(f"{what} does not match its content hash (changed or corrupt)")
     return payload
+
+
+# ----------------------------------------------------------------------------- record files
+def jsonl_rows(p: Path, text: str, *, what: str) -> list[dict[str, Any]]:
+    """The JSON objects of ``text`` (the JSONL file ``p``), one a line, blank lines skipped;
+    UsageError ``"<what>='<p>': line N ..."`` for a line that is not a JSON object."""
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{what}={str(p)!r}: line {i} is not valid JSON ({err})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{what}={str(p)!r}: line {i} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def parquet_rows(p: Path, *, what: str, extra: str) -> list[dict[str, Any]]:
+    """The rows of the Parquet file ``p`` as dicts; UsageError naming ``what``, the path and
+    the extra to install (``pip install 'varbench[<extra>]'``) when pyarrow is missing."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"{what}={str(p)!r}: reading .parquet needs pyarrow; pip install "
+                         f"'varbench[{extra}]'") from None
+    try:
+        return pq.read_table(p).to_pylist()
+    except Exception as err:  # noqa: BLE001 - a corrupt file: name it
+        raise UsageError(f"{what}={str(p)!r}: cannot read parquet file ({err})") from None

@@ -46,6 +46,12 @@ from varbench.report.headline import fmt, with_se
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
 from varbench.rollout import response_logprobs, sample
+from varbench.rollout.external import (
+    check_columns,
+    rollout_batch,
+    rollouts_key,
+    rollouts_note,
+)
 from varbench.tasks.base import Task
 
 
@@ -86,9 +92,14 @@ def _cluster_mean_se(df: pd.DataFrame, col: str) -> tuple[float, float, int]:
 
 
 def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ratios, steps,
-                  transforms, clip, lr, top_tokens, sketch_dim, progress):
-    prompts = task.prompts(n_prompts, seed=seed)
-    batch = sample(policy, task, prompts, G, seed=seed, reward=reward)
+                  transforms, clip, lr, top_tokens, sketch_dim, progress, rollouts=None,
+                  logprob_tol="auto"):
+    if rollouts is None:
+        batch = sample(policy, task, task.prompts(n_prompts, seed=seed), G, seed=seed,
+                       reward=reward)
+    else:
+        batch = rollout_batch(rollouts, policy, task, n_prompts, G, seed=seed, reward=reward,
+                              logprob_tol=logprob_tol, what="cancellation")
     mask = batch.mask != 0
     rewards = batch.rewards.to(batch.logprobs.dtype)
     adv = advantages(scheme, rewards, mask, logprobs=batch.logprobs, sum_pi_sq=batch.sum_pi_sq)
@@ -179,6 +190,13 @@ class CancellationConfig(Config):
     the ratio is then NaN)."""
     seed: int = knob(0)
     """Seed of the prompts, the samples and the sketch."""
+    rollouts: str | None = text(None)
+    """Responses sampled elsewhere from this checkpoint (.jsonl / .parquet,
+    varbench.rollout.external) instead of sampling: the file's first n_prompts prompts x their
+    first G responses; one task only."""
+    logprob_tol: float | str = knob("auto", auto=True)
+    """Largest mean |behaviour - recomputed| log-prob per token of a rollouts file (auto: by
+    the model's dtype, varbench.rollout.external.default_logprob_tol)."""
 
     def check_together(self) -> None:
         """A registered scheme (or MODULE:FUNCTION); clip's low end in [0, 1)."""
@@ -187,6 +205,8 @@ class CancellationConfig(Config):
         check_knob("clip_low", self.clip[0], arg="clip")
         if self.sketch_dim == 0:  # one spelling of "no sketch" inside the run
             object.__setattr__(self, "sketch_dim", None)
+        if self.rollouts is not None:  # before any model is built
+            check_columns(self.rollouts)
 
 
 def plan(tasks: Sequence[Task], config: CancellationConfig, vocab_size=None) -> Plan:
@@ -202,6 +222,7 @@ def plan(tasks: Sequence[Task], config: CancellationConfig, vocab_size=None) -> 
         why.append(f"{k} PPO inner step(s) over each task's batch")
     if grads:
         why.append("per-token gradient sketches of every response")
+    why += rollouts_note(config.rollouts)
     return Plan("cancellation", n, passes=n * (k + grads), details=tuple(why))
 
 
@@ -222,6 +243,9 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
         raise UsageError(f"policy has no entry for tasks {missing}; got {sorted(pols)}")
     for t in tasks:  # each task's own reward names (before any work)
         t.check_reward(c.reward)
+    if c.rollouts is not None and len(tasks) != 1:
+        raise UsageError(f"rollouts={c.rollouts!r} holds one task's responses; got tasks "
+                         f"{[t.name for t in tasks]}: pass one task (--tasks NAME)")
     steps = sorted(set(c.inner_steps))
     modes, ratios, transforms = list(c.modes), list(c.ratios), list(c.transforms)
     t0 = time.perf_counter()
@@ -231,7 +255,7 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
            "reward": c.reward, "scheme": c.scheme, "modes": modes, "ratios": ratios,
            "inner_steps": steps, "transforms": transforms, "clip": list(c.clip), "lr": c.lr,
            "top_tokens": c.top_tokens, "sketch_dim": c.sketch_dim, "seed": c.seed,
-           **(settings or {})}
+           **rollouts_key(c.rollouts, c.logprob_tol), **(settings or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(pols))
     out: dict[str, list[pd.DataFrame]] = {"configs": [], "nodes": [], "token_ids": []}
     for task in tasks:
@@ -241,7 +265,8 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
                 pols[task.name], task, n_prompts=c.n_prompts, G=c.G, reward=c.reward,
                 seed=c.seed, scheme=c.scheme, modes=modes, ratios=ratios, steps=steps,
                 transforms=transforms, clip=tuple(c.clip), lr=c.lr, top_tokens=c.top_tokens,
-                sketch_dim=c.sketch_dim, progress=show_progress(progress))
+                sketch_dim=c.sketch_dim, progress=show_progress(progress),
+                rollouts=c.rollouts, logprob_tol=c.logprob_tol)
             cells = {"configs": conf, "nodes": nodes, "token_ids": toks}
             for k, v in cells.items():
                 cache.save(f"{task.name}__{k}", v)

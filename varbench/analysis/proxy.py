@@ -44,6 +44,12 @@ from varbench.report.figures import proxy_figures
 from varbench.report.headline import correlation_sentence, fmt
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult, Headline
+from varbench.rollout.external import (
+    check_columns,
+    rollout_batch,
+    rollouts_key,
+    rollouts_note,
+)
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import MAGNITUDE_METHODS, correlations
 from varbench.tasks.base import Task
@@ -201,13 +207,26 @@ class ProxyConfig(Config):
     """Bootstrap draws of the correlation intervals (resampling sequences)."""
     n_bins: int = knob(10)
     """Quantile bins of the calibration table."""
+    rollouts: str | None = text(None)
+    """Responses sampled elsewhere from this checkpoint (.jsonl / .parquet,
+    varbench.rollout.external) instead of sampling: the file's first n_prompts prompts x their
+    first G responses."""
+    logprob_tol: float | str = knob("auto", auto=True)
+    """Largest mean |behaviour - recomputed| log-prob per token of a rollouts file (auto: by
+    the model's dtype, varbench.rollout.external.default_logprob_tol)."""
+
+    def check_together(self) -> None:
+        """A rollouts file exists and has the needed columns (before any model is built)."""
+        if self.rollouts is not None:
+            check_columns(self.rollouts)
 
 
 def plan(tasks: Sequence[Task], config: ProxyConfig, vocab_size=None) -> Plan:
     """What :func:`run` spends per policy state: ``n_prompts x G`` responses, each one
     forward+backward pass of the exact per-token norms."""
     n = config.n_prompts * config.G
-    return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",))
+    return Plan("proxy", n, passes=n, details=(f"{config.n_prompts} prompts x G = {config.G}",
+                                               *rollouts_note(config.rollouts)))
 
 
 def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConfig, *,
@@ -225,7 +244,8 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConf
     t0 = time.perf_counter()
     cfg = {"analysis": "proxy", "task": task.name, "knobs": task.knobs, "n_prompts": c.n_prompts,
            "G": c.G, "reward": task.check_reward(c.reward), "seed": c.seed, "n_boot": c.n_boot,
-           "n_bins": c.n_bins, "states": list(policies), **(settings or {})}
+           "n_bins": c.n_bins, "states": list(policies),
+           **rollouts_key(c.rollouts, c.logprob_tol), **(settings or {})}
     seed, reward = c.seed, c.reward
     cache = CellCache(cache_dir, cfg, placement=placement_of(policies))
     prompts = task.prompts(c.n_prompts, seed=seed)
@@ -235,7 +255,10 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: ProxyConf
         cells = {k: cache.load(f"{state}__{k}") for k in recs}
         # Under torchrun every rank must take the same branch (token_records gathers).
         if any(gather_objects(any(v is None for v in cells.values()))):
-            batch = sample(pol, task, prompts, c.G, seed=seed, reward=reward)
+            batch = (sample(pol, task, prompts, c.G, seed=seed, reward=reward)
+                     if c.rollouts is None else
+                     rollout_batch(c.rollouts, pol, task, c.n_prompts, c.G, seed=seed,
+                                   reward=reward, logprob_tol=c.logprob_tol, what="proxy"))
             tok = token_records(pol, batch, state=state, progress=show_progress(progress))
             cells = {
                 "tokens": tok,

@@ -76,6 +76,12 @@ from varbench.models.presets import Policy
 from varbench.report.figures import variance_figures
 from varbench.report.provenance import provenance
 from varbench.report.result import AnalysisResult
+from varbench.rollout.external import (
+    check_columns,
+    rollouts_key,
+    rollouts_note,
+    variance_rollouts,
+)
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
 from varbench.stats.intervals import (
@@ -140,8 +146,10 @@ def _mode_scale(mode: str, mean_len: float, max_len: int) -> float:
     return 1.0 / mean_len
 
 
-def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, progress):
-    """(g* [K], se_norm, description) in the sketch space of ``vec_kw``."""
+def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, progress,
+               pool=None):
+    """(g* [K], se_norm, description) in the sketch space of ``vec_kw``; ``pool``: a rollouts
+    file's responses of the prompt (the sampled reference is its last ``n_ref``)."""
     if kind == "exact":
         dist = enumerate_distribution(policy, task, prompt, reward=reward)
         batch, coef = dist.gradient_batch()
@@ -150,7 +158,8 @@ def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, pro
         tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
         g = combine(tv.vec.double(), coef.double())[0]  # one prompt: P = 1
         return g, 0.0, f"exact enumeration of {dist.responses.shape[0]} responses"
-    batch = sample(policy, task, [prompt], n_ref, seed=p_seed + 7919, reward=reward)
+    batch = (sample(policy, task, [prompt], n_ref, seed=p_seed + 7919, reward=reward)
+             if pool is None else pool.reference(n_ref))
     tv = token_vectors(policy.model, batch, progress=progress, **vec_kw)
     per = batch.rewards.double()[0, :, None] * tv.vec.double()[0].sum(1)  # [N, K] R_i sum_t v
     g = per.mean(0)
@@ -491,6 +500,16 @@ class VarianceConfig(Config):
     """k of the topk scheme."""
     seed: int = knob(0)
     """Seed of the prompts and samples (prompt p samples with seed + 1000 p)."""
+    rollouts: str | None = text(None)
+    """Responses sampled elsewhere from this checkpoint (.jsonl / .parquet,
+    varbench.rollout.external) instead of sampling: the file's first n_prompts prompts; each
+    one's groups are its responses from the first on (disjoint groups of max(G), as the
+    sampled rounds), the sampled reference its last n_ref; a prompt needs (M_cap with
+    target_rel_se, else the floor's M) x max(G) + n_ref responses. No enumerated table;
+    reference auto is then sampled."""
+    logprob_tol: float | str = knob("auto", auto=True)
+    """Largest mean |behaviour - recomputed| log-prob per token of a rollouts file (auto: by
+    the model's dtype, varbench.rollout.external.default_logprob_tol)."""
 
     def check_together(self) -> None:
         """Labels name registered schemes (``_exact`` only for those reading token weights);
@@ -507,6 +526,8 @@ class VarianceConfig(Config):
             check_knob("M_cap", self.M_cap, minimum=self.M)
         if self.sketch_dim == 0:
             object.__setattr__(self, "sketch_dim", None)
+        if self.rollouts is not None:  # before any model is built
+            check_columns(self.rollouts)
 
 
 def exact_label_ok(label: str) -> bool:
@@ -543,8 +564,10 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
             f"reference='exact' needs a fixed-length task with V**T <= {_EXACT_LIMIT}; task "
             f"{task.name!r} (V={V}, T={task.max_new_tokens}) is not; use reference='sampled'"
         )
-    use_exact = reference == "exact" or (reference == "auto" and enumerable)
-    use_table = use_exact and exact == "auto" and V**T * T <= table_limit
+    # a rollouts file's responses replace sampling: no table, auto reference from the file
+    own = c.rollouts is None
+    use_exact = reference == "exact" or (reference == "auto" and enumerable and own)
+    use_table = use_exact and exact == "auto" and V**T * T <= table_limit and own
     Gs = sorted(set(int(g) for g in c.Gs))
     # the floor: whole rounds of M groups (round 0 stays the historical sample)
     M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
@@ -557,6 +580,7 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
     if target_rel_se is not None and max(M_cap, M_floor) > M_floor:
         details.append(f"adaptive M from {M_floor} up to {max(M_cap, M_floor)} "
                        f"(target relative SE {target_rel_se})")
+    details += rollouts_note(c.rollouts)
     return VarianceSizes(Gs=Gs, M=M, min_responses=min_responses, M_floor=M_floor,
                          M_cap=max(M_cap, M_floor), reference="exact" if use_exact else "sampled",
                          table=use_table, n_ref=int(n_ref), space=V**T if use_exact else 0,
@@ -651,10 +675,17 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
            "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
-           "groups": "every response at every G", **(config or {})}
+           "groups": "every response at every G",
+           **rollouts_key(c.rollouts, c.logprob_tol), **(config or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(policy))
     vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": sketch_seed}
     prompts = task.prompts(n_prompts, seed=seed)
+    ext, reserve = None, n_ref if ref_kind == "sampled" else 0
+    if c.rollouts is not None:
+        prompts, ext = variance_rollouts(
+            c.rollouts, policy, task, prompts, reward=reward, logprob_tol=c.logprob_tol,
+            groups=M_cap if target_rel_se is not None else M_floor, G=Gs[-1], reserve=reserve,
+            exact_reference=ref_kind == "exact")
     show = show_progress(progress)
     max_len = task.max_new_tokens
     rank, world = rank_world()
@@ -668,6 +699,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
         ref_row = cache.load(f"p{p}_reference")
         if ref_row is None or any(c is None or pr is None for c, pr in done):
             p_seed = seed + 1000 * p
+            pool = None if ext is None else ext.pool(p, reserve=reserve)
             table = None
             if use_table:
                 dist = enumerate_distribution(policy, task, prompt, reward=reward)
@@ -684,14 +716,15 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
             else:
                 g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
                                                  reward=reward, n_ref=n_ref, vec_kw=vec_kw,
-                                                 progress=show)
+                                                 progress=show, pool=pool)
                 rounds, first = [0], []
 
-                def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first):
+                def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, pool=pool):
                     # round 0 is the historical sample (seed p_seed); later rounds new seeds
                     s_ = p_seed + 104729 * rounds[0]
                     rounds[0] += 1
-                    b = sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
+                    b = (sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
+                         if pool is None else pool.draw(m * Gs[-1]))
                     tv = token_vectors(policy.model, b, progress=show, **vec_kw)
                     if not first:
                         first.append((b, tv))

@@ -41,6 +41,7 @@ from varbench._util.checks import (
     check_choice,
     check_positive_int,
 )
+from varbench._util.io import jsonl_rows, parquet_rows
 from varbench.tasks.base import SPLITS, Prompt, Task
 from varbench.tasks.verifiers import (
     UnreadableNumber,
@@ -151,19 +152,7 @@ def _read(p: Path, split: str) -> tuple[list[dict[str, Any]], tuple[str, int] | 
         raise UsageError(f"knob split={split!r} applies to a datasets directory; {str(p)!r} is "
                          "a file (its held-out rows come from the heldout fraction)")
     if ext == ".jsonl":
-        rows = []
-        for i, line in enumerate(_text(p).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UsageError(f"task={str(p)!r}: line {i} is not valid JSON ({err})"
-                                 ) from None
-            if not isinstance(row, dict):
-                raise UsageError(f"task={str(p)!r}: line {i} is not a JSON object")
-            rows.append(row)
-        return rows, None
+        return jsonl_rows(p, _text(p), what="task"), None
     if ext == ".json":
         try:
             data = json.loads(_text(p))
@@ -178,15 +167,7 @@ def _read(p: Path, split: str) -> tuple[list[dict[str, Any]], tuple[str, int] | 
     if ext == ".csv":
         return _read_csv(p, _text(p)), None
     if ext == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UsageError(f"task={str(p)!r}: reading .parquet needs pyarrow; pip install "
-                             "'varbench[data]'") from None
-        try:
-            return pq.read_table(p).to_pylist(), None
-        except Exception as err:  # noqa: BLE001 - a corrupt file: name it
-            raise UsageError(f"task={str(p)!r}: cannot read parquet file ({err})") from None
+        return parquet_rows(p, what="task", extra="data"), None
     raise UsageError(f"task={str(p)!r}: unknown data file extension {p.suffix!r}; choose one "
                      f"of {list(EXTENSIONS)} or a datasets save_to_disk directory")
 
