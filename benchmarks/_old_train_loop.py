@@ -148,7 +148,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
     # ---------------------------------------------------------------- setup
     task, reward = setup.build_task(config)
     if policy is None:
-        policy = setup.build_policy(config, task)
+        policy = setup.policy_for(config, task)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         policy.model.to(device=config.device, dtype=dtype)
     else:

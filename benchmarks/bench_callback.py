@@ -32,13 +32,13 @@ def run(preset: str, arm: str, steps: int, length: int, seed: int = 0) -> tuple[
     from transformers.trainer_callback import PrinterCallback
 
     from varbench.integrations.trl import VarbenchCallback
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.tasks import get_task
 
     task = get_task("sort")
     prompts = task.prompts(2 * steps, split="train", seed=0)
     ds = Dataset.from_list([{"prompt": p.text} for p in prompts])
-    policy = build_policy(preset, seed=seed)
+    policy = build_preset(preset, seed=seed)
 
     def reward(completions, **kw):
         return [float(len(c) % 3) for c in completions]
@@ -73,7 +73,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     transformers.logging.set_verbosity_error()
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
     arms = ("none", "default", "every=1")
     print(f"VarbenchCallback overhead: {a.steps} steps, {a.rounds} rounds, "
@@ -87,7 +87,7 @@ def main() -> None:
             order = arms if r % 2 == 0 else arms[::-1]
             for arm in order:
                 times[arm].append(run(preset, arm, a.steps, a.length))
-        n = sum(p.numel() for p in build_policy(preset, seed=0).model.parameters())
+        n = sum(p.numel() for p in build_preset(preset, seed=0).model.parameters())
         base_w = statistics.median(t[0] for t in times["none"])
         base_c = statistics.median(t[1] for t in times["none"])
         for arm in arms:

@@ -61,9 +61,9 @@ def build_model(kind: str):
         cfg = Qwen2Config(**QWEN2)
         cfg._attn_implementation = "sdpa"
         return Qwen2ForCausalLM(cfg).eval()
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
-    return build_policy(kind).model
+    return build_preset(kind).model
 
 
 def _vocab(model) -> int:

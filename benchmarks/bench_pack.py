@@ -29,7 +29,7 @@ import torch
 
 from varbench.grads.exact import token_grad_norms
 from varbench.grads.vectors import token_vectors
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.rollout.batch import RolloutBatch
 
 
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--method", default="ghost", choices=["ghost", "materialize"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    pol = build_policy(args.preset, seed=0)
+    pol = build_preset(args.preset, seed=0)
     V = int(pol.model.get_output_embeddings().weight.shape[0])
     print(f"preset {args.preset}, B = {args.B}, prompt 8, threads {args.threads}, "
           f"median of {args.rounds} interleaved rounds (seconds per call)")

@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.rollout import sample
 from varbench.rollout.sampler import encode_prompts
 from varbench.tasks import get_task
@@ -46,7 +46,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    policy = build_policy(args.preset, seed=0, device=args.device)
+    policy = build_preset(args.preset, seed=0, device=args.device)
     task = get_task("sort", n=8)
     prompts = task.prompts(args.prompts, seed=0)
     T = args.new_tokens

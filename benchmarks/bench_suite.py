@@ -137,12 +137,12 @@ VARIANCE_SCRIPT = """
 import pickle, sys, time
 import torch, torch.distributed as dist
 from varbench.analysis.variance import estimator_variance
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench._util.distributed import init_from_env, shutdown
 from varbench.tasks import get_task
 torch.set_num_threads(1)
 rank, world = init_from_env("gloo")
-policy, task = build_policy("tiny", seed=0), get_task("sort", n=3)
+policy, task = build_preset("tiny", seed=0), get_task("sort", n=3)
 if world > 1:
     dist.barrier()
 t0 = time.perf_counter()

@@ -178,7 +178,7 @@ def floor_ms(preset: str, G: int, P: int, reps: int = 30, task: str = "sort") ->
 
     cfg = _config(preset, G, P, 1, 1e-4, task)
     task, reward = setup.build_task(cfg)
-    policy = setup.build_policy(cfg, task)
+    policy = setup.policy_for(cfg, task)
     model = policy.model.eval()
     batch = sample(policy, task, task.prompts(P, split="train", seed=0), G, seed=0,
                    reward=reward)
@@ -309,7 +309,7 @@ def main() -> None:
         ap.error("--steps must be >= 2 (the window is steps 2..N)")
     import torch
 
-    from varbench.models import build_policy, save_policy
+    from varbench.models import build_preset, save_policy
 
     presets = args.presets.split(",")
     gs = [int(g) for g in args.G.split(",")]
@@ -324,7 +324,7 @@ def main() -> None:
         dirs = {}
         for preset in presets:
             dirs[preset] = str(Path(tmp) / preset)
-            save_policy(build_policy(preset, seed=0), dirs[preset])
+            save_policy(build_preset(preset, seed=0), dirs[preset])
         # contenders alternate, repeat by repeat, so a change in machine load hits all alike
         for _ in range(args.repeat):
             for preset in presets:

@@ -29,7 +29,7 @@ from varbench.analysis.variance import group_advantages, group_estimates
 from varbench.estimators.coefficients import token_coefficients
 from varbench.grads.group import group_gradients
 from varbench.grads.vectors import token_vectors
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import variance_stats
 from varbench.tasks import get_task
@@ -104,7 +104,7 @@ def main() -> None:
                     help="process CPU time (default) or wall time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    policy = build_policy(args.preset, seed=0)
+    policy = build_preset(args.preset, seed=0)
     task = get_task("sort")
     batch = sample(policy, task, task.prompts(1, seed=0), args.M * args.G, seed=0,
                    reward="positional")

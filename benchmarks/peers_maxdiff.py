@@ -81,13 +81,13 @@ def trl_rows(tmp: Path):
     import trl
 
     from varbench.integrations.trl import VarbenchCallback
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
     def reward(completions, **kwargs):
         return [float(c.count("1")) - 0.5 * float(c.count("2")) for c in completions]
 
     def trainer(**kw):
-        policy = build_policy("micro", seed=0)
+        policy = build_preset("micro", seed=0)
         ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2="] * 8})
         args = trl.GRPOConfig(output_dir=str(tmp), per_device_train_batch_size=8,
                               num_generations=4, max_completion_length=6, max_steps=1,

@@ -69,9 +69,9 @@ def opacus_case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
     from varbench.grads.params import select_params
     from varbench.grads.sequence import sequence_grads
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
-    model = build_policy("micro", seed=0, dtype=dtype, attn_implementation="eager").model
+    model = build_preset("micro", seed=0, dtype=dtype, attn_implementation="eager").model
     gen = torch.Generator().manual_seed(0)
     B, L = 5, 9
     ids = torch.randint(4, 30, (B, L), generator=gen)

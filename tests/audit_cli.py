@@ -474,7 +474,7 @@ def build_cases(root: Path) -> list[Case]:
 def _issue29_cases(root: Path) -> list[Case]:
     """Issue 29: a user's own checkpoint and data (non-UTF-8 rows, empty answers, a model
     vocabulary smaller than its tokenizer, a missing tokenizer, an existing run directory)."""
-    from varbench.models import build_policy, save_policy
+    from varbench.models import build_preset, save_policy
 
     d = root / "i29"
     d.mkdir()
@@ -486,13 +486,13 @@ def _issue29_cases(root: Path) -> list[Case]:
                                    '{"question": "b", "answer": ""}\n')
     (d / "ok.jsonl").write_text("".join(f'{{"question": "q{i}", "answer": "{i}"}}\n'
                                         for i in range(4)))
-    small = save_policy(build_policy("micro", seed=0), d / "small")
+    small = save_policy(build_preset("micro", seed=0), d / "small")
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(str(small))
     m.resize_token_embeddings(m.get_input_embeddings().num_embeddings - 3)
     m.save_pretrained(small, safe_serialization=True)
-    notok = save_policy(build_policy("micro", seed=0), d / "notok")
+    notok = save_policy(build_preset("micro", seed=0), d / "notok")
     for f in list(notok.glob("tokenizer*")) + list(notok.glob("special_tokens_map.json")):
         f.unlink()
     run = d / "run"
@@ -570,12 +570,12 @@ def _issue32_cases(root: Path, *, manifest_of: dict, shard: Path) -> list[Case]:
     import torch
 
     import varbench as vb
-    from varbench.models import build_policy, save_policy
+    from varbench.models import build_preset, save_policy
 
     d = root / "i32"
     d.mkdir()
     out = str(d / "out")
-    base = save_policy(build_policy("micro", seed=0), d / "ckpt")
+    base = save_policy(build_preset("micro", seed=0), d / "ckpt")
 
     def ckpt(label: str, change: Callable[[Path], None]) -> str:
         c = d / label
@@ -701,7 +701,7 @@ def _issue32_cases(root: Path, *, manifest_of: dict, shard: Path) -> list[Case]:
     code_cfg = d / "code.toml"
     code_cfg.write_text('scheme = "os:system"\n[task_options]\nverifier = "evil:fn"\n')
     (d / "bad.toml").write_text("steps = \n")
-    pol, task = build_policy("micro", seed=0), vb.get_task("sort", n=2)
+    pol, task = build_preset("micro", seed=0), vb.get_task("sort", n=2)
     P, G, T = 2, 4, 3
     m, lp = torch.ones(P, G, T), -torch.rand(P, G, T)
     nan = float("nan")

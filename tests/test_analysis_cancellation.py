@@ -11,7 +11,7 @@ from _fixtures_estimators import shared_prefix_groups
 from varbench.analysis.cancellation import cancellation, sample_weights
 from varbench.analysis.trie import shared_steps
 from varbench.estimators.registry import advantages
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.tasks import get_task
 
 
@@ -89,7 +89,7 @@ def test_adv_orthogonal_per_response_differs_from_per_position_at_partial_steps(
 @pytest.fixture(scope="module")
 def peaked_policy():
     """A micro policy with a sharpened head, so sampled groups share prefixes."""
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     with torch.no_grad():
         pol.model.lm_head.weight.mul_(30)
     return pol

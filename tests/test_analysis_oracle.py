@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from varbench.analysis.oracle import enumerate_distribution
-from varbench.models import build_policy, forward_logits
+from varbench.models import build_preset, forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task
@@ -16,7 +16,7 @@ from varbench.tasks import get_task
 
 @pytest.fixture(scope="module")
 def micro64():
-    return build_policy("micro", seed=3, dtype=torch.float64)
+    return build_preset("micro", seed=3, dtype=torch.float64)
 
 
 def _batch_logp(model, batch):
@@ -75,7 +75,7 @@ def test_variable_length_task_refused(micro64):
 def _peaked_policy():
     """A random micro policy with a sharpened head: on ``<sort>1=`` (n = 1) the correct token
     has probability ~0.13, so G = 4 groups mix all-agree and mixed reward configurations."""
-    pol = build_policy("micro", seed=1, dtype=torch.float64)
+    pol = build_preset("micro", seed=1, dtype=torch.float64)
     with torch.no_grad():
         pol.model.get_output_embeddings().weight.mul_(6)
     return pol

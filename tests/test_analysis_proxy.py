@@ -9,7 +9,7 @@ import torch
 from scipy import stats as sps
 
 from varbench.analysis.proxy import otb_baseline_records, proxy_correlation
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.report import write_report
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task
@@ -18,8 +18,8 @@ from varbench.tasks import get_task
 @pytest.fixture(scope="module")
 def result():
     task = get_task("sort", n=3, max_value=3)
-    states = {"random init": build_policy("micro", seed=0),
-              "other init": build_policy("micro", seed=1)}
+    states = {"random init": build_preset("micro", seed=0),
+              "other init": build_preset("micro", seed=1)}
     return proxy_correlation(states, task, n_prompts=2, G=4, n_boot=20, reward="positional")
 
 
@@ -65,7 +65,7 @@ def test_records_are_consistent(result):
 
 
 def test_otb_baseline_difference_is_zero_when_weights_agree():
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     task = get_task("sort", n=3, max_value=3)
     batch = sample(pol, task, task.prompts(2, seed=0), 4, seed=0, reward="positional")
     mask = batch.mask != 0
@@ -83,7 +83,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="policies"):
         proxy_correlation({}, get_task("sort"))
     with pytest.raises(ValueError, match="G="):
-        proxy_correlation(build_policy("micro"), get_task("sort"), G=0)
+        proxy_correlation(build_preset("micro"), get_task("sort"), G=0)
 
 
 def test_magnitude_methods_against_direct_formulas():
@@ -108,7 +108,7 @@ def test_library_cells_are_keyed_by_dtype(tmp_path):
     """Called from Python (no application layer), the cell key still carries the policies'
     device type and dtype: a float64 run never reads a float32 run's cells."""
     task = get_task("sort")
-    pol = build_policy("micro")
+    pol = build_preset("micro")
     kw = dict(n_prompts=1, G=2, n_boot=5, reward="positional", cache_dir=tmp_path)
     proxy_correlation(pol, task, **kw)
     n32 = len(list(tmp_path.glob("*.json")))

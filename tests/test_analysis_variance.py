@@ -12,7 +12,7 @@ import varbench.analysis.variance as varmod
 from varbench.analysis.variance import estimator_variance, group_advantages, group_estimates
 from varbench.estimators.loss import policy_loss
 from varbench.grads.vectors import token_vectors
-from varbench.models import build_policy, forward_logits
+from varbench.models import build_preset, forward_logits
 from varbench.models.logits import token_logprobs
 from varbench.rollout.sampler import sample
 from varbench.stats.estimates import variance_stats
@@ -21,7 +21,7 @@ from varbench.tasks import get_task
 
 @pytest.fixture(scope="module")
 def micro64():
-    return build_policy("micro", seed=1, dtype=torch.float64)
+    return build_preset("micro", seed=1, dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def _run(pol, tmp_path, **kw):
 
 
 def test_analysis_records_and_resume(tmp_path, monkeypatch):
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     res = _run(pol, tmp_path)
     cells = res.records["cells"]
     assert set(cells["scheme"]) == {"raw", "centered", "otb", "otb_exact"}
@@ -117,7 +117,7 @@ def test_analysis_records_and_resume(tmp_path, monkeypatch):
 
 
 def test_bad_input(tmp_path):
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     with pytest.raises(ValueError, match="schemes"):
         _run(pol, tmp_path, schemes=["nope"])
     with pytest.raises(ValueError, match="Gs"):
@@ -170,7 +170,7 @@ def test_adaptive_M_targets_the_headline_figures(tmp_path):
     """M grows in steps of M until the headline figures' relative SE meets the target (pooled
     over prompts) or M reaches the cap; every response is used at every G; the notes state the
     M used and the reached relative SE of the headlines."""
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50)
     capped = _run(pol, tmp_path / "a", target_rel_se=1e-6, M_cap=12, **kw)
     ref = capped.records["reference"].iloc[0]
@@ -203,7 +203,7 @@ def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
                                              "opo")] == [True, True] + [False] * 8
     for mod in (variance, variance_report):  # 30 responses: M 4 -> 12 at G = 3
         monkeypatch.setattr(mod, "PROXY_MIN_RESPONSES", 30)
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50,
               exact="never", min_responses="auto")
     floor = _run(pol, tmp_path / "a", M_cap=4, **kw)
@@ -229,7 +229,7 @@ def test_small_M_all_agree_intervals_are_flagged_degenerate(tmp_path):
 
     from varbench.report import write_report
 
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     res = estimator_variance(pol, get_task("sort", n=2), schemes=["centered", "rloo"], Gs=[2],
                              M=3, min_responses=0, n_prompts=1, sketch_dim=None, n_boot=50)
     cells = res.records["cells"]
@@ -250,7 +250,7 @@ def test_headlines_carry_their_intervals_at_the_analysis_level(tmp_path):
 
     from varbench.report import write_report
 
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     res = _run(pol, tmp_path, level=0.9, n_boot=100)
     cells, paired = res.records["cells"], res.records["paired"]
     heads = {h.key: h for h in res.headlines}

@@ -165,3 +165,40 @@ def test_an_interval_from_too_few_distinct_groups_is_flagged():
     assert flat["projection:otb:G=2:token-mean"].degenerate_ci
     assert flat["variance_ratio:otb:centered:G=2:token-mean"].degenerate_ci
     assert not flat["proxy_cost:otb:mse:G=2:token-mean"].degenerate_ci
+
+
+def test_a_user_scheme_that_declares_token_weights_gets_the_otb_headlines():
+    """The OTB-type headlines follow the declared capability (register_scheme(..., reads=
+    ("token_weights",))), not the name: a user scheme under another name gets otb's rows, and
+    otb itself would lose them if it did not declare the read."""
+    import varbench.estimators as E
+    from varbench.analysis.variance import _targeted
+    from varbench.analysis.variance_report import headline_vs_centered, otb_type
+
+    def weighted(rewards, mask, opts):  # scheme shape; the records below are hand-built
+        return rewards.unsqueeze(-1) * mask
+
+    records = _records()
+    renamed = {k: v.replace({"otb": "userw", "otb_exact": "userw_exact"})
+               for k, v in records.items() if k != "reference"}
+    renamed["reference"] = records["reference"]
+    assert not otb_type("userw") and not headline_vs_centered("userw")  # not yet registered
+    E.register_scheme("userw", reads=("token_weights",))(weighted)
+    E.register_scheme("otbish_unweighted")(weighted)  # an "otb" prefix declares nothing
+    try:
+        assert otb_type("userw") and otb_type("userw_exact") and otb_type("otb_loo")
+        assert not otb_type("otbish_unweighted") and not otb_type("rloo")
+        assert _targeted("userw", "centered") and not _targeted("otbish_unweighted", "centered")
+        keys = [h.key for h in variance_headlines(renamed, "exact")[0]]
+        want = [k.replace(":otb:", ":userw:") for k in
+                [h.key for h in variance_headlines(records, "exact")[0]]]
+        assert keys == want
+        assert "shrinkage_share:userw:G=2:token-mean" in keys
+        assert "budget:userw:G=2:vs_centered:G=8:token-mean" in keys
+        unweighted = {k: v.replace({"otb": "otbish_unweighted"}) for k, v in records.items()}
+        keys = [h.key for h in variance_headlines(unweighted, "exact")[0]]
+        assert not any(k.startswith(("shrinkage_share", "budget", "variance_ratio:otbish"))
+                       for k in keys)
+    finally:
+        E.unregister_scheme("userw")
+        E.unregister_scheme("otbish_unweighted")

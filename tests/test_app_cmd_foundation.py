@@ -7,7 +7,7 @@ import re
 import pytest
 
 from varbench.app.cli import main
-from varbench.models import build_policy, save_policy
+from varbench.models import build_preset, save_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def test_sample_warm_and_knobs(vb, tmp_path, monkeypatch):
 
 
 def test_sample_local_checkpoint(vb, tmp_path):
-    save_policy(build_policy("micro"), tmp_path / "ck")
+    save_policy(build_preset("micro"), tmp_path / "ck")
     code, out, err = vb("sample", "--task", "toolsum", "--policy", str(tmp_path / "ck"), "-G", "2")
     assert code == 0, err
     assert str(tmp_path / "ck") in out

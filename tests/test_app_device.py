@@ -82,8 +82,8 @@ def record(monkeypatch):
         seen.append(str(device))
         raise Reached
 
-    def check_dtype_on_device(dtype, device):  # warmstart: before the (CPU) warm start
-        seen.append(str(device))
+    def check_device(arg, value, *, dtype=None):  # warmstart: before the (CPU) warm start
+        seen.append(str(value))
         raise Reached
 
     def train(config, *a, **k):
@@ -100,7 +100,8 @@ def record(monkeypatch):
         raise Reached
 
     monkeypatch.setattr(policies_mod, "build_policy", build_policy)
-    monkeypatch.setattr(policies_mod, "check_dtype_on_device", check_dtype_on_device)
+    monkeypatch.setattr(import_module("varbench.app.cmd_foundation"), "check_device",
+                        check_device)
     monkeypatch.setattr(loop_mod, "train", train)
     monkeypatch.setattr(validate_mod, "run_validation", run_validation)
     monkeypatch.setattr(check_mod, "check_estimator", check_estimator)

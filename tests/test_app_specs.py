@@ -15,7 +15,7 @@ from varbench.app.specs import (
     resolve_policy,
     resolve_task,
 )
-from varbench.models import build_policy, save_policy
+from varbench.models import build_preset, save_policy
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -58,7 +58,7 @@ def test_dtype_and_device():
 
 def test_policy_specs(tmp_path):
     pol = resolve_policy("micro", seed=3)
-    ref = build_policy("micro", seed=3)
+    ref = build_preset("micro", seed=3)
     assert all(torch.equal(a, b) for a, b in zip(pol.model.parameters(),
                                                  ref.model.parameters(), strict=True))
     save_policy(ref, tmp_path / "ckpt")

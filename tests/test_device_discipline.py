@@ -25,7 +25,7 @@ from varbench.grads.exact import iter_token_grads, token_chunks
 from varbench.grads.group import group_gradients
 from varbench.grads.sketch import sketched_token_norms
 from varbench.grads.vectors import CountSketch, token_vectors
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.rollout.sampler import sample
 from varbench.tasks import get_task
 
@@ -171,7 +171,7 @@ def test_token_chunks_plan_one_sequence_or_packed():
 
 @pytest.fixture(scope="module")
 def policy():
-    return build_policy("micro", seed=0)
+    return build_preset("micro", seed=0)
 
 
 def test_proxy_records_run_under_the_meta_default_device(policy):

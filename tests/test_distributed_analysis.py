@@ -16,7 +16,7 @@ import torch
 from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.variance import estimator_variance
 from varbench.app.cli import main
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.tasks import get_task
 
 # Small enough to launch 2 ranks in seconds: micro preset, sort n=2, 3 prompts (rank 0 gets
@@ -40,16 +40,16 @@ import pickle, sys
 import torch.distributed as dist
 from varbench.analysis.variance import estimator_variance
 from varbench.app.cli import main
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench._util.distributed import init_from_env
 from varbench.tasks import get_task
 
 rank, world = init_from_env()
 assert world == 2 and dist.get_backend() == "gloo"
-res = estimator_variance(build_policy("micro", seed=1), get_task("sort", n=2), **%r)
+res = estimator_variance(build_preset("micro", seed=1), get_task("sort", n=2), **%r)
 pickle.dump(res.records, open(sys.argv[1] + str(rank), "wb"))
 from varbench.analysis.proxy import proxy_correlation
-res = proxy_correlation(build_policy("micro", seed=1), get_task("sort", n=2), **%r)
+res = proxy_correlation(build_preset("micro", seed=1), get_task("sort", n=2), **%r)
 pickle.dump(res.records, open(sys.argv[1] + "proxy" + str(rank), "wb"))
 assert main(%r + ["--out", sys.argv[2]]) == 0
 assert not dist.is_initialized()
@@ -90,13 +90,13 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("report: ") == 1  # only rank 0 writes and prints
 
-    single = estimator_variance(build_policy("micro", seed=1), get_task("sort", n=2), **KW).records
+    single = estimator_variance(build_preset("micro", seed=1), get_task("sort", n=2), **KW).records
     for rank in (0, 1):  # every rank returns the full, gathered result
         dp = pickle.loads((tmp_path / f"rec{rank}").read_bytes())
         assert set(dp) == set(single)
         for name in single:
             _assert_frames_close(dp[name], single[name], name)
-    single_proxy = proxy_correlation(build_policy("micro", seed=1), get_task("sort", n=2),
+    single_proxy = proxy_correlation(build_preset("micro", seed=1), get_task("sort", n=2),
                                      **PROXY_KW).records
     for rank in (0, 1):
         dp = pickle.loads((tmp_path / f"recproxy{rank}").read_bytes())

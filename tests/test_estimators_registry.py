@@ -181,3 +181,36 @@ def test_nonfinite_masked_token_rewards_take_the_exact_path():
     assert torch.isfinite(E.advantages("centered", rewards, mask)).all()
     huge = torch.full((2, 2), 3e38)  # finite values whose float32 total overflows to inf
     assert torch.isfinite(E.advantages("centered", huge, torch.ones(2, 2, 3))).all()
+
+
+def test_exact_weights_are_one_declared_capability_in_train_and_variance():
+    """A user scheme that declares reads=("token_weights",) takes exact weights everywhere
+    (TrainConfig(token_weights="exact"), a variance label <name>_exact); one that does not is
+    refused by both, whatever its name."""
+    from varbench._util.checks import UsageError
+    from varbench.analysis.variance import VarianceConfig
+    from varbench.estimators.registry import (
+        register_scheme,
+        unregister_scheme,
+        weighted_schemes,
+    )
+    from varbench.train.config import TrainConfig
+
+    def user(rewards, mask, opts):
+        return rewards.unsqueeze(-1) * mask
+
+    register_scheme("user_weighted", reads=("token_weights",))(user)
+    register_scheme("otb_named_plain")(user)
+    try:
+        assert "user_weighted" in weighted_schemes()
+        assert "otb_named_plain" not in weighted_schemes()
+        TrainConfig(scheme="user_weighted", token_weights="exact")
+        VarianceConfig(schemes=("user_weighted", "user_weighted_exact"))
+        with pytest.raises(UsageError, match=r"token_weights='exact' is not valid with "
+                                             r"scheme='otb_named_plain'"):
+            TrainConfig(scheme="otb_named_plain", token_weights="exact")
+        with pytest.raises(UsageError, match=r"schemes='otb_named_plain_exact' is not valid"):
+            VarianceConfig(schemes=("otb_named_plain_exact",))
+    finally:
+        unregister_scheme("user_weighted")
+        unregister_scheme("otb_named_plain")

@@ -150,12 +150,16 @@ def test_a_users_task_class_and_the_bpe_tokenizer_on_sort(workdir, capsys):
 
 
 def test_bf16_unsupported_device_and_bad_dtype_are_usage_errors(monkeypatch, capsys):
-    from varbench.train.policies import check_dtype_on_device
+    from varbench._util.checks import check_device
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU without bf16
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(Exception, match=r"--dtype=bfloat16 is not supported on "
                                         r"--device='cuda'.*choose one of \['float16', 'float32'\]"):
-        check_dtype_on_device(torch.bfloat16, "cuda")
+        check_device("--device", "cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match=r"^dtype=bfloat16 is not supported on device='cuda'"):
+        check_device("device", "cuda", dtype=torch.bfloat16)  # the library's spelling
     # argparse's refusal is main's exit 2 with one line, like every bad input
     assert _cli("sample", "--dtype", "bf16") == 2
     err = capsys.readouterr().err

@@ -225,11 +225,11 @@ def test_combine_matches_brute_force_group_loop_flat_and_sketched():
 
 def test_token_vectors_exact_norms_stock_preset():
     """Flat vectors of a stock preset (float64 parameters): ``token_sq == ||vec||^2``."""
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.rollout.sampler import sample
     from varbench.tasks import get_task
 
-    pol = build_policy("micro", seed=1, dtype=torch.float64)
+    pol = build_preset("micro", seed=1, dtype=torch.float64)
     task = get_task("arith", digits=1)
     batch = sample(pol, task, task.prompts(1, seed=0), 6, seed=0, max_new_tokens=5)
     tv = token_vectors(pol.model, batch, sketch_dim=None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from varbench.integrations import measure_groups, records_result
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.models.logits import token_logprobs
 from varbench.report import write_report
 
@@ -54,7 +54,7 @@ def _flat_grad(model, ids, attn, start, cmask, adv) -> torch.Tensor:
 def test_split_variance_is_the_exact_half_difference(dtype):
     """No probes: the record is ||g_1 - g_2||^2 / 4 of the two halves' gradients, leaving
     the model's .grad untouched."""
-    model = build_policy("micro", seed=0, dtype=dtype).model
+    model = build_preset("micro", seed=0, dtype=dtype).model
     prompt, pmask, comp, cmask, R = _batch(1)
     adv = R - R.reshape(4, 3).mean(1).repeat_interleave(3)
     rec = measure_groups(step=0, rewards=R, completion_ids=comp, completion_mask=cmask,
@@ -72,7 +72,7 @@ def test_split_variance_is_the_exact_half_difference(dtype):
 
 
 def test_proxy_correlation_and_report(tmp_path):
-    policy = build_policy("micro", seed=0)
+    policy = build_preset("micro", seed=0)
     prompt, pmask, comp, cmask, R = _batch(2)
     recs = measure_groups(step=1, rewards=R, completion_ids=comp, completion_mask=cmask,
                           model=policy.model, prompt_ids=prompt, prompt_mask=pmask, G=3,
@@ -91,7 +91,7 @@ def test_proxy_sequence_record_against_a_per_row_autograd_loop():
 
     from varbench.grads.stats import forward_stats
 
-    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    model = build_preset("micro", seed=0, dtype=torch.float64).model
     prompt, pmask, comp, cmask, R = _batch(3)
     recs = measure_groups(step=2, rewards=R, completion_ids=comp, completion_mask=cmask,
                           model=model, prompt_ids=prompt, prompt_mask=pmask, G=3,

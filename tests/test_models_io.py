@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from varbench.models import build_policy, load_policy, save_policy
+from varbench.models import build_preset, load_policy, save_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_load_round_trip(tmp_path, tie):
-    p = build_policy("micro", seed=2, tie_embeddings=tie)
+    p = build_preset("micro", seed=2, tie_embeddings=tie)
     save_policy(p, tmp_path / "ck")
     assert (tmp_path / "ck" / "model.safetensors").is_file()
     q = load_policy(tmp_path / "ck")
@@ -36,7 +36,7 @@ def test_load_refuses_hub_names_and_bad_dirs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="config.json"):
         load_policy(tmp_path / "empty")
-    p = build_policy("micro")
+    p = build_preset("micro")
     save_policy(p, tmp_path / "noweights")
     (tmp_path / "noweights" / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="holds no weights"):
@@ -45,7 +45,7 @@ def test_load_refuses_hub_names_and_bad_dirs(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_corrupt_checkpoint_names_the_file(tmp_path, damage):
-    save_policy(build_policy("micro"), tmp_path / "ck")
+    save_policy(build_preset("micro"), tmp_path / "ck")
     f = tmp_path / "ck" / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 100] if damage == "truncate" else b"\x00garbage" * 10)
@@ -55,7 +55,7 @@ def test_corrupt_checkpoint_names_the_file(tmp_path, damage):
 
 def test_remote_code_never_runs_by_default(tmp_path):
     ck = tmp_path / "ck"
-    save_policy(build_policy("micro"), ck)
+    save_policy(build_preset("micro"), ck)
     marker = tmp_path / "ran.txt"
     (ck / "evil.py").write_text(
         f"open({str(marker)!r}, 'w').write('x')\n"
@@ -73,9 +73,9 @@ def test_remote_code_never_runs_by_default(tmp_path):
 
 # ---- issue 29: checkpoint sanity before work, one read of the weights
 def _saved_tiny(tmp_path):
-    from varbench.models import build_policy, save_policy
+    from varbench.models import build_preset, save_policy
 
-    return save_policy(build_policy("micro", seed=0), tmp_path / "ck")
+    return save_policy(build_preset("micro", seed=0), tmp_path / "ck")
 
 
 def test_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):

@@ -18,7 +18,7 @@ import varbench.estimators as E  # noqa: E402
 from varbench._util.checks import UsageError  # noqa: E402
 from varbench.grads.stats import forward_stats  # noqa: E402
 from varbench.integrations.trl import VarbenchCallback, with_varbench_advantages  # noqa: E402
-from varbench.models import build_policy  # noqa: E402
+from varbench.models import build_preset  # noqa: E402
 from varbench.models.logits import token_logprobs  # noqa: E402
 from varbench.report import write_report  # noqa: E402
 
@@ -32,7 +32,7 @@ def _reward(completions, **kwargs):
 
 def _trainer(tmp_path, cls=None, scale_rewards="group", steps=2, model=None, reward=_reward,
              **config):
-    policy = build_policy("micro", seed=0)
+    policy = build_preset("micro", seed=0)
     tok = policy.tokenizer
     ds = datasets.Dataset.from_dict({"prompt": ["<sort>3,1,2", "<add>1+2=", "<sort>2,2,1",
                                                 "<sum>4:"] * 4})
@@ -113,7 +113,7 @@ def _measured_and_offline(tmp_path, loss_type: str, **config) -> tuple[dict, flo
     keep = _Keep(cb.attach(trainer))
     trainer.train()
     (rec,) = [r for r in cb.records if r["metric"] == "grad_var_split"]
-    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref = build_preset("micro", seed=0, dtype=torch.float64).model
     ref.load_state_dict({k: v.double() for k, v in keep.weights.items()})
     return rec, _offline_variance(ref, keep.out, loss_type)
 
@@ -206,7 +206,7 @@ def test_callback_variance_in_fp16_tracks_the_fp32_measurement(tmp_path):
 
 def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
     peft = require("peft")
-    base = build_policy("micro", seed=0).model
+    base = build_preset("micro", seed=0).model
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
                                                        target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():  # B != 0, so the A factors get gradients too
@@ -222,7 +222,7 @@ def test_callback_on_a_lora_model_measures_the_adapters_only(tmp_path):
     lora = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
     assert rec["params"] == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    ref = peft.get_peft_model(build_policy("micro", seed=0).model,
+    ref = peft.get_peft_model(build_preset("micro", seed=0).model,
                               peft.LoraConfig(r=4, lora_alpha=8,
                                               target_modules=["q_proj", "v_proj"]))
     ref.load_state_dict(keep.weights, strict=True)
@@ -336,7 +336,7 @@ def test_callback_under_two_processes_measures_the_global_batch(tmp_path, loss_t
     assert recs[0]["groups"] == 4 and recs[0]["responses"] == 16
     # counts summed over ranks, each from its own slice (rank 1 once counted rank 0's)
     assert recs[0]["nonzero_raw"] == int((ranks[0]["last"]["rewards"] != 0).sum())
-    ref = build_policy("micro", seed=0, dtype=torch.float64).model
+    ref = build_preset("micro", seed=0, dtype=torch.float64).model
     ref.load_state_dict({k: v.double() for k, v in ranks[0]["weights"].items()})
     items = sum(float(r["out"]["completion_mask"].sum()) for r in ranks)
     diffs = [_offline_diff(ref, r["out"], loss_type, items=items, K=2) for r in ranks]
@@ -428,7 +428,7 @@ def test_hook_runs_otb_with_token_statistics_from_the_model(tmp_path):
     ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
     cm = b["completion_mask"]
     resp = torch.cat([torch.zeros_like(b["prompt_mask"]), cm], 1)
-    st = forward_stats(build_policy("micro", seed=0, dtype=torch.float64).model, ids, resp,
+    st = forward_stats(build_preset("micro", seed=0, dtype=torch.float64).model, ids, resp,
                        torch.cat([b["prompt_mask"], cm], 1))
     Lp = b["prompt_ids"].shape[1]
     m = cm.reshape(2, 4, -1) != 0
@@ -445,7 +445,7 @@ def test_hook_refuses_up_front(tmp_path):
         with_varbench_advantages(trl.GRPOTrainer, "rloo", foo=1)
     cls = with_varbench_advantages(trl.GRPOTrainer, "otb")
     with pytest.raises(UsageError, match="temperature=0.7"):
-        policy = build_policy("micro", seed=0)
+        policy = build_preset("micro", seed=0)
         args = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=4, use_cpu=True,
                               per_device_train_batch_size=8, temperature=0.7, report_to=[],
                               max_steps=1)

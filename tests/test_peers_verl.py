@@ -363,10 +363,10 @@ def test_batch_records_measure_the_dataproto_verl_holds(tmp_path):
     scaled by 3 scale the variance by 9."""
     from varbench.grads import exact_float64
     from varbench.integrations.verl import batch_records, records_result
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.report import write_report
 
-    model = exact_float64(build_policy("micro", seed=0).model)  # float64 norms too
+    model = exact_float64(build_preset("micro", seed=0).model)  # float64 norms too
     data = _actor_batch()
     recs = batch_records(data, step=3, model=model, proxy_rows=4)
     by = {r["metric"]: r["value"] for r in recs}
@@ -386,7 +386,7 @@ def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
     """The mixed-size batch (groups of 1 to 5, empty responses) as a mapping of DataProto's
     keys: counts and records that render."""
     from varbench.integrations.verl import batch_records, records_result
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.report import write_report
 
     b = verl_batch(0, torch.float32)
@@ -399,9 +399,9 @@ def test_verl_integration_records_over_a_dataproto_batch(tmp_path):
     data.batch["attention_mask"] = torch.cat([torch.ones(B, 3, dtype=torch.long),
                                               b["mask"].long()], 1)
     batch = {**{k: data.batch[k] for k in data.batch.keys()}, "uid": data.non_tensor_batch["uid"]}
-    records = batch_records(batch, step=3, model=build_policy("micro", seed=0).model,
+    records = batch_records(batch, step=3, model=build_preset("micro", seed=0).model,
                             proxy_rows=4)
-    assert records == batch_records(data, step=3, model=build_policy("micro", seed=0).model,
+    assert records == batch_records(data, step=3, model=build_preset("micro", seed=0).model,
                                     proxy_rows=4)
     by = {r["metric"]: r for r in records}
     assert by["all_agree_groups"]["value"] == 2  # the all-equal group and the G = 1 group
@@ -418,10 +418,10 @@ def test_verl_variance_proxy_against_exact_norms():
     mean_b ||sum_t A grad log pi||^2 (a per-row autograd loop here), their scale and rank."""
     from varbench.grads.stats import forward_stats
     from varbench.integrations.verl import verl_proxy_records
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.models.logits import token_logprobs
 
-    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    model = build_preset("micro", seed=0, dtype=torch.float64).model
     data = _actor_batch(1)
     t = data.batch
     ids = torch.cat([t["prompts"], t["responses"]], 1)
@@ -500,9 +500,9 @@ def test_varbench_loss_in_verls_ppo_loss_equals_per_row_gradients(mode):
     from verl.workers.utils.losses import ppo_loss
 
     from varbench.integrations.verl import split_halves, varbench_loss
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
-    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    model = build_preset("micro", seed=0, dtype=torch.float64).model
     params = list(model.parameters())
     inner = partial(ppo_loss, config=_actor(loss_agg_mode=mode, clip_ratio=0.2))
     wrapped = varbench_loss(inner)
@@ -542,9 +542,9 @@ def test_varbench_loss_cadence_missing_uid_and_bad_options():
     from verl.workers.utils.losses import ppo_loss
 
     from varbench.integrations.verl import varbench_loss
-    from varbench.models import build_policy
+    from varbench.models import build_preset
 
-    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    model = build_preset("micro", seed=0, dtype=torch.float64).model
     inner = partial(ppo_loss, config=_actor(loss_agg_mode="token-mean"))
     every2 = varbench_loss(inner, every=2)
     mbs = _micro_batches(1, per=4)
@@ -602,7 +602,7 @@ from test_peers_verl import _actor, _forward, _micro_batches
 from verl.workers.utils.losses import ppo_loss
 
 from varbench.integrations.verl import varbench_loss
-from varbench.models import build_policy
+from varbench.models import build_preset
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -610,13 +610,13 @@ out = Path(sys.argv[1])
 mb = _micro_batches()[rank]  # each rank its own micro-batch of the global batch
 inner = partial(ppo_loss, config=_actor(loss_agg_mode="token-mean"))
 # unsharded: this rank's own ||d_r||^2
-plain = build_policy("micro", seed=0, dtype=torch.float64).model
+plain = build_preset("micro", seed=0, dtype=torch.float64).model
 _, m = varbench_loss(inner)(model_output=_forward(plain, mb), data=mb)
 local = m["varbench/grad_var_split"].values[0]
 
 
 def sharded(wrap):
-    model = build_policy("micro", seed=0, dtype=torch.float64).model
+    model = build_preset("micro", seed=0, dtype=torch.float64).model
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -632,7 +632,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from varbench._util.checks import UsageError
 
-fsdp1 = FullyShardedDataParallel(build_policy("micro", seed=0, dtype=torch.float64).model,
+fsdp1 = FullyShardedDataParallel(build_preset("micro", seed=0, dtype=torch.float64).model,
                                  device_id=torch.device("cpu"), use_orig_params=True)
 try:
     varbench_loss(inner)(model_output=_forward(fsdp1, mb), data=mb, dp_group=dist.group.WORLD)

@@ -15,7 +15,7 @@ from varbench._util.checks import UsageError
 from varbench.analysis.cancellation import cancellation
 from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.variance import estimator_variance
-from varbench.models import Policy, build_policy
+from varbench.models import Policy, build_preset
 from varbench.rollout import sample
 from varbench.rollout.external import default_logprob_tol, read_rollouts, rollout_batch
 from varbench.tasks import get_task
@@ -31,7 +31,7 @@ ATOL = 1e-12
 
 @pytest.fixture(scope="module")
 def micro64():
-    return build_policy("micro", seed=0, dtype=torch.float64)
+    return build_preset("micro", seed=0, dtype=torch.float64)
 
 
 def rows_of(batch, policy, *, style: str) -> list[dict]:
@@ -217,7 +217,7 @@ def test_a_mismatched_tokenizer_is_refused(arith_file, micro64):
 
 def test_a_mismatched_checkpoint_is_refused(arith_file, micro64):
     task, d, text_rows, _ = arith_file
-    other = build_policy("micro", seed=1, dtype=torch.float64)
+    other = build_preset("micro", seed=1, dtype=torch.float64)
     ro = read_rollouts(write(d / "t.jsonl", text_rows), other, task, rescore="off")
     with pytest.raises(UsageError, match=r"row 1: behaviour log-probs differ .* above "
                                          r"logprob_tol=1e-06 \(the default for float64\): "
@@ -229,7 +229,7 @@ def test_a_mismatched_checkpoint_is_refused(arith_file, micro64):
     assert default_logprob_tol(torch.bfloat16) > default_logprob_tol(torch.float32) > (
         default_logprob_tol(torch.float64))
     # float32: the sampler's own log-probs pass the default, other weights' do not
-    f32, f32_other = build_policy("micro", seed=0), build_policy("micro", seed=1)
+    f32, f32_other = build_preset("micro", seed=0), build_preset("micro", seed=1)
     batch = sample(f32, task, task.prompts(2, seed=0), 3, seed=0)
     path = write(d / "f32.jsonl", rows_of(batch, f32, style="ids"))
     assert_same(read_rollouts(path, f32, task).batch([0, 1], 0, 3), batch, atol=1e-6)
@@ -344,7 +344,7 @@ def test_a_suite_case_takes_the_rollouts_key(tmp_path, capsys):
 
     from varbench.app.runner import run_suite
 
-    policy = build_policy("micro", seed=1)  # the case's random state: its seed
+    policy = build_preset("micro", seed=1)  # the case's random state: its seed
     task = get_task("sort", n=2)
     batch = sample(policy, task, task.prompts(2, seed=1), 2, seed=1)
     path = write(tmp_path / "r.jsonl", rows_of(batch, policy, style="text"))

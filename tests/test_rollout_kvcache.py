@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.rollout import sample
 from varbench.tasks import get_task
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def micro():
-    return build_policy("micro", seed=0)
+    return build_preset("micro", seed=0)
 
 
 @pytest.mark.parametrize("name,knobs", [("sort", {}), ("arith", {"digits": 2}), ("toolsum", {})])

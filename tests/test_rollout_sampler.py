@@ -8,7 +8,7 @@ import torch
 from reference_rollout import reference_sample, teacher_forced
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from varbench.models import Policy, build_policy, build_tokenizer
+from varbench.models import Policy, build_preset, build_tokenizer
 from varbench.rollout import RolloutBatch, sample
 from varbench.tasks import Prompt, get_task
 from varbench.tasks.sort import SortTask
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def micro():
-    return build_policy("micro", seed=0)
+    return build_preset("micro", seed=0)
 
 
 def check_batch_invariants(batch: RolloutBatch, task):
@@ -122,7 +122,7 @@ def test_same_seed_same_batch_and_generator(micro):
 
 
 def test_kv_cache_sampler_matches_no_cache_reference_float64():
-    policy = build_policy("micro", seed=4, dtype=torch.float64)
+    policy = build_preset("micro", seed=4, dtype=torch.float64)
     task = get_task("sort", n=4)  # fixed length: no stopping logic in the reference
     prompts = task.prompts(3, seed=0)
     b = sample(policy, task, prompts, 5, seed=9)
@@ -134,7 +134,7 @@ def test_kv_cache_sampler_matches_no_cache_reference_float64():
 
 @pytest.mark.parametrize("tie,attn", [(True, "sdpa"), (False, "eager")])
 def test_tied_and_eager_policies(tie, attn):
-    policy = build_policy("micro", seed=1, tie_embeddings=tie, attn_implementation=attn)
+    policy = build_preset("micro", seed=1, tie_embeddings=tie, attn_implementation=attn)
     task = get_task("arith")
     b = sample(policy, task, task.prompts(3, seed=0), 4, seed=0)
     lp, _, _ = teacher_forced(policy, b)
@@ -228,7 +228,7 @@ def test_bad_input_fails_before_any_work(micro):
 
 def test_masked_vocabulary_gives_finite_entropy():
     """A checkpoint that masks tokens with -inf logits must not produce NaN statistics."""
-    policy = build_policy("micro", seed=0)
+    policy = build_preset("micro", seed=0)
     head = policy.model.lm_head
 
     class Masked(torch.nn.Module):
@@ -258,7 +258,7 @@ def test_deferred_statistics_equal_per_step_statistics(monkeypatch, dtype, name,
     """Statistics computed once over [B, T, V] after the loop equal the per-step ones bitwise."""
     from varbench.rollout import sampler
 
-    policy = build_policy("micro", seed=2, dtype=dtype)
+    policy = build_preset("micro", seed=2, dtype=dtype)
     task = get_task(name, **knobs)
     prompts = task.prompts(3, seed=4)  # B = 3 * G rows: odd sizes, rows stop at EOS (arith)
     fast = sample(policy, task, prompts, G, seed=1)
@@ -312,7 +312,7 @@ def _check_differentiable(policy, task, prompts, G, seed):
 def test_differentiable_sampling_covers_eos_padding_and_env_tokens():
     """On the micro policy (float64): left padding and EOS-stopped rows (arith), tool output
     fed as context (toolsum), a fixed-length task (sort)."""
-    micro = build_policy("micro", seed=0)
+    micro = build_preset("micro", seed=0)
     policy = _float64_policy(micro.model, "micro")
     arith = _check_differentiable(policy, get_task("arith", digits=2),
                                   get_task("arith", digits=2).prompts(4, seed=1), 8, 3)
@@ -418,7 +418,7 @@ def test_rows_in_chunks_equal_one_cache_in_float64(monkeypatch, name, knobs):
     from varbench.models import memplan
     from varbench.rollout import sampler
 
-    policy = build_policy("micro", seed=0)
+    policy = build_preset("micro", seed=0)
     policy.model.to(torch.float64)
     task = get_task(name, **knobs)
     prompts = task.prompts(3, seed=4)

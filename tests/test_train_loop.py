@@ -211,9 +211,9 @@ def test_sampler_forward_refuses_a_model_without_a_differentiable_cache():
 
 
 def test_local_checkpoint_policy_and_toml_config(tmp_path):
-    from varbench.models import build_policy, save_policy
+    from varbench.models import build_preset, save_policy
 
-    path = save_policy(build_policy("micro", seed=1), tmp_path / "ckpt")
+    path = save_policy(build_preset("micro", seed=1), tmp_path / "ckpt")
     toml = tmp_path / "run.toml"
     toml.write_text(f'policy = "{path}"\nreward = "positional"\nsteps = 2\neval_every = 2\n'
                     "eval_prompts = 4\nG = 2\nprompts_per_step = 2\n")
@@ -321,12 +321,12 @@ def test_same_parameters_as_the_slow_reference_in_float64(extra):
     from reference_train import reference_train_steps
 
     from varbench.grads.precision import exact_float64
-    from varbench.models import Policy, build_policy
+    from varbench.models import Policy, build_preset
 
     cfg = TrainConfig(policy="micro", warm_start=False, G=4, prompts_per_step=4, steps=3,
                       lr=3e-3, reward="positional", dtype="float64", eval_every=10**6,
                       eval_prompts=1, eval_samples=1, seed=5, **extra)
-    micro = build_policy("micro", seed=1)
+    micro = build_preset("micro", seed=1)
     # float64 throughout (transformers' RMSNorm would round to float32 inside a .double() model)
     pol = Policy(model=exact_float64(micro.model), tokenizer=micro.tokenizer, name="micro")
     got = train(cfg, policy=pol, progress=False)
@@ -346,11 +346,11 @@ def test_exact_token_weights_are_the_per_response_exact_norms():
     """exact_token_weights (OTB's exact w_t in training) equals the exact harness run on each
     response alone, in float64, and is 0 off the policy's tokens."""
     from varbench.grads import exact_float64, token_grad_norms
-    from varbench.models import build_policy
+    from varbench.models import build_preset
     from varbench.rollout import sample
     from varbench.tasks import get_task
 
-    pol = build_policy("micro")
+    pol = build_preset("micro")
     pol.model = exact_float64(pol.model)
     task = get_task("sort", n=2, max_value=3)
     batch = sample(pol, task, task.prompts(2, seed=0), 3, seed=0)

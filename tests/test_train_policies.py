@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from varbench._util.checks import UsageError
-from varbench.models import build_policy as build_preset
-from varbench.models import load_policy, save_policy
+from varbench.models import build_preset, load_policy, save_policy
 from varbench.tasks import get_task
 from varbench.train import warmstart
 from varbench.train.policies import build_policy, is_checkpoint_dir
@@ -79,3 +78,32 @@ def test_bad_spec_names_the_presets_and_checkpoints(tmp_path):
                                              r"\[.*'micro'.*\] or a local checkpoint directory "
                                              r"containing config\.json"):
             build_policy(bad)
+
+
+def test_every_route_refuses_a_non_policy_with_the_one_message(tmp_path, capsys):
+    """The loader, the builder, the warm start and the CLI (train's --policy, warmstart's) all
+    raise models.presets.not_a_policy: the same text, only the argument's name differs."""
+    from varbench.app.cli import main
+    from varbench.models import load_policy
+    from varbench.models.presets import not_a_policy
+    from varbench.tasks import get_task
+    from varbench.train.policies import check_policy_spec
+    from varbench.train.warmstart import warm_start
+
+    bad = str(tmp_path / "absent")
+    want = str(not_a_policy("ARG", bad)).removeprefix("ARG")
+    seen = {}
+    for arg, call in (("policy", lambda: load_policy(bad)),
+                      ("policy", lambda: build_policy(bad)),
+                      ("--policy", lambda: check_policy_spec(bad, arg="--policy")),
+                      ("preset", lambda: warm_start(bad, get_task("sort", n=3)))):
+        with pytest.raises(UsageError) as err:
+            call()
+        seen[arg] = str(err.value)
+        assert str(err.value) == arg + want
+    assert len(seen) == 3
+    for argv in (["warmstart", "--task", "sort", "--policy", bad],
+                 ["validate", "--policy", bad, "--out", str(tmp_path / "run")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        assert "--policy" + want in capsys.readouterr().err, argv

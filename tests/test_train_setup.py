@@ -8,8 +8,7 @@ import torch
 from _fixtures_grads import rollout_batch
 
 from varbench._util.checks import UsageError, UsageTypeError
-from varbench.models import build_policy as build_preset
-from varbench.models import save_policy
+from varbench.models import build_preset, save_policy
 from varbench.tasks import Prompt
 from varbench.tasks.sort import SortTask
 from varbench.train import policies, setup
@@ -44,21 +43,21 @@ def test_build_task(monkeypatch):
         setup.build_task(TrainConfig(task="sort", reward="positional"))
 
 
-def test_build_policy_warm_starts_presets_only(tmp_path, monkeypatch):
+def test_policy_for_warm_starts_presets_only(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(policies, "build_policy",
                         lambda spec, **kw: calls.append((str(spec), kw)) or "policy")
     task = SortTask()
-    assert setup.build_policy(TrainConfig(policy="micro", seed=3, warm_start_seed=5), task) == \
+    assert setup.policy_for(TrainConfig(policy="micro", seed=3, warm_start_seed=5), task) == \
         "policy"
     assert calls[-1] == ("micro", {"task": task, "warm": True, "seed": 3, "warm_seed": 5,
                                    "trust_remote_code": False, "add_task_tokens": False})
-    setup.build_policy(TrainConfig(policy="micro", warm_start=False), task)
+    setup.policy_for(TrainConfig(policy="micro", warm_start=False), task)
     assert calls[-1][1]["warm"] is False
     ck = save_policy(build_preset("micro"), tmp_path / "ck")
-    setup.build_policy(TrainConfig(policy=str(ck), warm_start=True), task)
+    setup.policy_for(TrainConfig(policy=str(ck), warm_start=True), task)
     assert calls[-1][0] == str(ck) and calls[-1][1]["warm"] is False  # used as it is
-    setup.build_policy(TrainConfig(policy=str(ck), warm_start_dir=True, add_task_tokens=True),
+    setup.policy_for(TrainConfig(policy=str(ck), warm_start_dir=True, add_task_tokens=True),
                        task)
     assert calls[-1][1]["warm"] is True and calls[-1][1]["add_task_tokens"] is True
 

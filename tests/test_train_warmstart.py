@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from varbench.models import build_policy, build_tokenizer, forward_logits
+from varbench.models import build_preset, build_tokenizer, forward_logits
 from varbench.tasks import get_task
 from varbench.train import warmstart as ws
 from varbench.train.warmstart import demo_tokens, sft_loss, warm_start
@@ -106,7 +106,7 @@ def test_demo_tokens_mask_tool_output():
 
 
 def test_sft_loss_matches_per_token_loop_float64():
-    policy = build_policy("micro", seed=3, dtype=torch.float64)
+    policy = build_preset("micro", seed=3, dtype=torch.float64)
     task = get_task("toolsum")
     ids, attn, tgt = ws._sft_batch(task, policy.tokenizer, task.prompts(3, seed=0), "cpu")
     got = sft_loss(policy.model, ids, attn, tgt)

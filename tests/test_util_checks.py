@@ -112,3 +112,42 @@ def test_check_nonempty_names_the_argument():
         check_nonempty("Gs", [])
     with pytest.raises(UsageError, match=r"schemes='otb' is not valid; expected a list"):
         check_nonempty("schemes", "otb")
+
+
+def test_check_device_also_checks_the_dtype_it_must_hold(monkeypatch):
+    """One device check: existence and, given a dtype, the dtype's support on it (the policy
+    builder's and the trainer's former second checker)."""
+    import torch
+
+    from varbench._util.checks import UsageError, check_device
+    from varbench.train.policies import build_policy
+
+    for dt in (torch.bfloat16, torch.float16, torch.float64, None):
+        assert check_device("device", "cpu", dtype=dt) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"device='cuda:1': no CUDA device is visible"):
+        build_policy("micro", device="cuda:1")  # before any build
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(UsageError, match=r"^dtype=bfloat16 is not supported on device='cuda:0'"):
+        build_policy("micro", device="cuda:0", dtype=torch.bfloat16)
+    assert check_device("--device", "cuda:0", dtype=torch.float16) == torch.device("cuda:0")
+
+
+def test_one_dtype_parser_for_the_cli_suites_and_the_trainer():
+    """--dtype, a suite's dtype and TrainConfig.dtype are parsed by _util.config.resolve_dtype
+    (the app's name is the same function), over the one DTYPES table."""
+    import varbench.app.specs as specs
+    from varbench._util.checks import UsageError
+    from varbench._util.config import DTYPES, resolve_dtype
+
+    assert specs.resolve_dtype is resolve_dtype
+    assert resolve_dtype("auto") is None and resolve_dtype(None) is None
+    assert resolve_dtype(torch.float64) is torch.float64
+    for name in DTYPES[1:]:
+        assert resolve_dtype(name) is getattr(torch, name)
+    with pytest.raises(UsageError, match=r"^dtype='fp8' is not valid; choose one of \['auto'"):
+        resolve_dtype("fp8", "dtype")
+    with pytest.raises(UsageError, match=r"^--dtype='half' is not valid"):
+        resolve_dtype("half")

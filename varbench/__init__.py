@@ -29,7 +29,8 @@ _EXPORTS: dict[str, str] = {
     # policies
     "Policy": "varbench.models",
     "presets": "varbench.models",
-    "build_policy": "varbench.models",
+    "build_policy": "varbench.train.policies",
+    "build_preset": "varbench.models",
     "build_tokenizer": "varbench.models",
     "load_policy": "varbench.models",
     "save_policy": "varbench.models",

@@ -30,7 +30,7 @@ from IPython.display import Markdown, display
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets
 from varbench.analysis import proxy_correlation
 from varbench.grads import logit_proxy, sum_pi_sq
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.tasks import get_task
 from varbench.train import warm_start
 
@@ -72,7 +72,7 @@ for name, w, s in zip(["peaked, y = argmax", "peaked, y = other", "uniform"],
 # %%
 task = get_task("sort", n=3)
 policies = {
-    "random init": build_policy("tiny", seed=0),
+    "random init": build_preset("tiny", seed=0),
     "warm-started": warm_start("tiny", task, seed=0, progress=False),
 }
 ws = policies["warm-started"].meta["warmstart"]

@@ -76,10 +76,11 @@ def check_finite_number(arg: str, value: Any, *, minimum: float | None = None,
     return float(value)
 
 
-def check_device(arg: str, value: Any) -> torch.device:
-    """``value`` as a torch.device that exists on this machine and can hold data; UsageError
-    naming ``arg`` otherwise (a typo, ``cuda``/``cuda:N``/``mps`` where there is no such device,
-    or ``meta``, which holds no values). The one device check of the library and the CLI."""
+def check_device(arg: str, value: Any, *, dtype: torch.dtype | None = None) -> torch.device:
+    """``value`` as a torch.device that exists on this machine and can hold data (and, given
+    ``dtype``, hold and compute in it); UsageError naming ``arg`` otherwise (a typo,
+    ``cuda``/``cuda:N``/``mps`` where there is no such device, ``meta``, which holds no values,
+    or a dtype the device lacks). The one device check of the library and the CLI."""
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
@@ -95,7 +96,29 @@ def check_device(arg: str, value: Any) -> torch.device:
         raise UsageError(f"{arg}={value!r}: MPS is not available here; use cpu")
     elif dev.type not in ("cpu", "cuda", "mps"):
         raise UsageError(f"{arg}={value!r} is not valid; use cpu, cuda, cuda:N or mps")
+    if dtype is not None:
+        _check_dtype_on(arg, dev, dtype)
     return dev
+
+
+def _check_dtype_on(arg: str, dev: torch.device, dtype: torch.dtype) -> None:
+    """UsageError unless ``dev`` can hold and compute in ``dtype`` (bfloat16 needs a GPU with
+    bf16 arithmetic, or the CPU; float16 on the CPU runs but slowly and is allowed)."""
+    flag = "--dtype" if arg.startswith("--") else "dtype"
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        raise UsageError(f"{flag}=bfloat16 is not supported on {arg}={str(dev)!r} (this GPU "
+                         "has no bfloat16 arithmetic); choose one of ['float16', 'float32']")
+    if dtype in (torch.bfloat16, torch.float16) and dev.type == "mps":
+        try:
+            (torch.ones(2, 2, dtype=dtype, device=dev) @ torch.ones(2, 2, dtype=dtype,
+                                                                    device=dev)).cpu()
+        except (RuntimeError, TypeError) as err:
+            raise UsageError(f"{flag}={name} is not supported on {arg}={str(dev)!r} ({err}); "
+                             f"use {flag} float32") from None
+    if dtype == torch.float64 and dev.type == "mps":
+        raise UsageError(f"{flag}=float64 is not supported on {arg}='mps'; use float32")
 
 
 def check_finite_at(arg: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:

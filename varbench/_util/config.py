@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field, fields
 from typing import Any
 
+import torch
+
 from varbench._util.bounds import KNOBS, check_knob
 from varbench._util.checks import UsageError, UsageTypeError, check_choice
 
@@ -27,6 +29,18 @@ Choices = Sequence[str] | Callable[[], Sequence[str]]
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 """Model dtypes a user may name (``auto``: the checkpoint's own): the one table of ``--dtype``,
 a suite's ``dtype`` and TrainConfig's (which refuses float16: it would need loss scaling)."""
+
+
+def resolve_dtype(name: str | torch.dtype | None, arg: str = "--dtype") -> torch.dtype | None:
+    """The one parser of a :data:`DTYPES` name: ``"auto"``/None -> None (keep the stored
+    dtype), a torch.dtype as it is, otherwise the torch dtype; UsageError naming ``arg``."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPES:
+        raise UsageError(f"{arg}={name!r} is not valid; choose one of {list(DTYPES)}")
+    return getattr(torch, name)
 
 
 def knob(default: Any, *, key: str | None = None, minimum: int | None = None,

@@ -68,6 +68,7 @@ from varbench.analysis.variance_cells import (
 )
 from varbench.analysis.variance_report import (
     PROXY_MIN_RESPONSES,
+    headline_vs_centered,
     reads_proxy_weights,
     variance_headlines,
 )
@@ -144,7 +145,7 @@ def _reference(policy, task, prompt, p_seed, *, kind, reward, n_ref, vec_kw, pro
 def _targeted(label: str, baseline: str) -> bool:
     """Whether a paired ratio is a headline (variance_report): OTB-type and rloo vs centered,
     and a scheme vs its exact-weights twin."""
-    return (baseline == "centered" and (label.startswith("otb") or label == "rloo")
+    return (baseline == "centered" and headline_vs_centered(label)
             or baseline == f"{label}_exact")
 
 

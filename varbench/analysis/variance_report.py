@@ -53,6 +53,20 @@ def reads_proxy_weights(label: str) -> bool:
     return reads(label, "token_weights")  # declared at register_scheme(..., reads=...)
 
 
+def otb_type(label: str) -> bool:
+    """Whether label ``label``'s scheme (``<scheme>_exact`` -> ``<scheme>``) declared that it
+    reads token weights (``register_scheme(..., reads=("token_weights", ...))``): the OTB-type
+    schemes the headlines compare with centered, whatever their name."""
+    scheme = label.removesuffix("_exact")
+    return scheme in schemes() and reads(scheme, "token_weights")
+
+
+def headline_vs_centered(label: str) -> bool:
+    """Whether ``label`` vs centered is a headline ratio: OTB-type labels (:func:`otb_type`) and
+    rloo, the leave-one-out baseline they are judged against."""
+    return otb_type(label) or label == "rloo"
+
+
 def _ratio_se(a: float, sa: float, b: float, sb: float) -> float:
     """Delta-method SE of a/b for independent a, b."""
     if a == 0 or b == 0:
@@ -204,7 +218,7 @@ def variance_headlines(
         lo, hi = _get(r, "ratio_ci_low"), _get(r, "ratio_ci_high")
         exact = getattr(r, "method", "mc") == "exact"
         ci = {} if exact else {"ci_lo": lo, "ci_hi": hi, "level": level}
-        if r.baseline == "centered" and (r.scheme.startswith("otb") or r.scheme == "rloo"):
+        if r.baseline == "centered" and headline_vs_centered(r.scheme):
             heads.append(Headline(
                 f"{r.stat}_ratio:{r.scheme}:centered:G={r.G}:{r.mode}", r.ratio, r.ratio_se,
                 ratio_sentence(f"{r.scheme} at G={r.G}", f"centered at G={r.G}",
@@ -220,7 +234,7 @@ def variance_headlines(
                 f"{r.stat} of {r.baseline} (exact ||g_t||^2 weights) on the same groups.", **ci))
     for (scheme, G, mode), r in by_cell.items():
         base = by_cell.get(("centered", G, mode))
-        if not scheme.startswith("otb") or base is None:
+        if not otb_type(scheme) or base is None:
             continue
         v = paired[(paired["scheme"] == scheme) & (paired["baseline"] == "centered")
                    & (paired["G"] == G) & (paired["mode"] == mode)
@@ -250,7 +264,7 @@ def variance_headlines(
             if not len(base):
                 continue
             b = base.iloc[0]
-            for r in cells[(cells["mode"] == mode) & cells["scheme"].str.startswith("otb")
+            for r in cells[(cells["mode"] == mode) & cells["scheme"].map(otb_type)
                            & (cells["G"] < gmax)].itertuples():
                 if not b["variance"]:
                     continue  # 0 / 0: covered by the degenerate headlines above

@@ -8,7 +8,7 @@ import time
 import torch
 
 from varbench._util.bounds import argtype
-from varbench._util.checks import UsageError
+from varbench._util.checks import check_device
 from varbench.app.specs import (
     add_policy_flags,
     parse_knobs,
@@ -136,16 +136,14 @@ def _dtype_name(policy) -> str:
 def _warmstart(args: argparse.Namespace) -> int:
     from varbench.app.specs import resolve_device, resolve_dtype
     from varbench.models.io import save_policy
-    from varbench.train.policies import check_dtype_on_device, is_checkpoint_dir, prepare_for_task
+    from varbench.train.policies import check_policy_spec, prepare_for_task
     from varbench.train.warmstart import warm_start
 
     task = resolve_task(args.task, parse_knobs(args.knob))
-    if args.preset not in presets() and not is_checkpoint_dir(args.preset):
-        raise UsageError(f"--policy={args.preset!r} is not valid; choose a preset {presets()} "
-                         "or a local checkpoint directory containing config.json")
+    check_policy_spec(args.preset, arg="--policy")
     dtype = resolve_dtype(args.dtype)
-    device = resolve_device(args.device)  # default: cuda when available, else cpu
-    check_dtype_on_device(dtype, device)
+    # default: cuda when available, else cpu; checked to hold dtype before the (CPU) warm start
+    device = check_device("--device", resolve_device(args.device), dtype=dtype)
     t0 = time.perf_counter()
     policy = warm_start(args.preset, task, target=tuple(args.target), seed=args.seed,
                         max_steps=args.max_steps, cache_dir=args.cache_dir,

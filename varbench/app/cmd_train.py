@@ -208,13 +208,9 @@ def validate_config(args: argparse.Namespace):
         changes["threshold_frac"] = args.threshold_frac
     base = dict(cfg.base)
     if args.policy is not None:
-        from varbench.models import presets
-        from varbench.train.policies import is_checkpoint_dir
+        from varbench.train.policies import check_policy_spec, is_checkpoint_dir
 
-        if args.policy not in presets() and not is_checkpoint_dir(args.policy):
-            raise UsageError(f"--policy={args.policy!r} is not valid; choose a preset "
-                             f"{presets()} or a local checkpoint directory containing "
-                             "config.json")
+        check_policy_spec(args.policy, arg="--policy")
         # a checkpoint directory is warm-started like a preset (its tasks need demonstrations)
         base.update(policy=args.policy, warm_start_dir=is_checkpoint_dir(args.policy))
     for key in ("dtype", "device"):

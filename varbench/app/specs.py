@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from varbench._util.checks import UsageError, UsageTypeError, check_device
-from varbench._util.config import DTYPES
+from varbench._util.config import DTYPES, resolve_dtype
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,17 +88,6 @@ def resolve_scheme(ref: str) -> str:
         return ref
     raise UsageError(f"scheme={ref!r} is not valid; choose one of {schemes()} or give "
                      "MODULE:FUNCTION (an estimator imported by name)")
-
-
-def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """``"auto"``/None -> None (keep the stored dtype); otherwise the torch dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name is None or name == "auto":
-        return None
-    if name not in DTYPES:
-        raise UsageError(f"--dtype={name!r} is not valid; choose one of {list(DTYPES)}")
-    return getattr(torch, name)
 
 
 def default_device() -> str:

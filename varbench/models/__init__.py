@@ -5,14 +5,14 @@
 
 from varbench.models.forward import forward_logits, position_ids_from_mask
 from varbench.models.io import load_policy, save_policy
-from varbench.models.presets import Policy, build_policy, preset_config, presets
+from varbench.models.presets import Policy, build_preset, preset_config, presets
 from varbench.models.tokenizer import MARKUP, SPECIALS, build_tokenizer, check_tokenizer_covers
 
 __all__ = [
     "MARKUP",
     "SPECIALS",
     "Policy",
-    "build_policy",
+    "build_preset",
     "build_tokenizer",
     "check_tokenizer_covers",
     "forward_logits",

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from varbench._util.checks import UsageError
-from varbench.models.presets import Policy, presets
+from varbench.models.presets import Policy, not_a_policy
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "spiece.model", "vocab.txt")
@@ -125,10 +125,7 @@ def load_policy(
     """
     p = Path(path).expanduser()
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise UsageError(
-            f"policy={str(path)!r} is not valid; choose a preset {presets()} or a local "
-            "checkpoint directory containing config.json"
-        )
+        raise not_a_policy("policy", path)
     _validate_weights(p)
     kwargs = dict(local_files_only=True, trust_remote_code=bool(trust_remote_code))
     if not any((p / x).is_file() for x in _TOKENIZER_FILES):

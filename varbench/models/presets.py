@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from varbench._util.checks import UsageTypeError, check_choice
+from varbench._util.checks import UsageError, UsageTypeError, check_choice
 from varbench.models.tokenizer import build_tokenizer
 
 _PRESETS: dict[str, dict] = {
@@ -74,7 +74,14 @@ def preset_config(preset: str, *, tie_embeddings: bool = False, attn_implementat
     return cfg
 
 
-def build_policy(
+def not_a_policy(arg: str, value: object) -> UsageError:
+    """The one refusal of a value that names neither a preset nor a local checkpoint
+    directory (raised by the loader, the policy builder, the warm start and the CLI)."""
+    return UsageError(f"{arg}={str(value)!r} is not valid; choose a preset {presets()} or a "
+                      "local checkpoint directory containing config.json")
+
+
+def build_preset(
     preset: str,
     *,
     seed: int = 0,

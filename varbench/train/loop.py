@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError
+from varbench._util.config import resolve_dtype
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.estimators import advantages, kl_penalty, policy_loss
@@ -164,8 +165,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
     # ---------------------------------------------------------------- setup
     task, reward = setup.build_task(config)
     if policy is None:
-        policy = setup.build_policy(config, task)
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        policy = setup.policy_for(config, task)
+        dtype = resolve_dtype(config.dtype, "dtype")
         policy.model.to(device=config.device, dtype=dtype)
     else:
         policy = setup.own_policy(policy, config, task)

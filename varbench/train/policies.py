@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from varbench._util.checks import UsageError
-from varbench.models import Policy, load_policy, presets
-from varbench.models import build_policy as build_preset
+from varbench._util.checks import UsageError, check_device
+from varbench._util.config import resolve_dtype
+from varbench.models import Policy, build_preset, load_policy, presets
+from varbench.models.presets import not_a_policy
 from varbench.tasks import Task
 
 
@@ -24,13 +25,13 @@ def is_checkpoint_dir(spec: str | Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
-def check_policy_spec(spec: str | Path) -> str:
+def check_policy_spec(spec: str | Path, arg: str = "policy") -> str:
     """``spec`` as a string if it names a preset or a local checkpoint directory, else a
-    UsageError naming it and the presets."""
+    UsageError naming the argument ``arg`` (``"--policy"`` for a flag), the value and the
+    presets: the one home of that refusal for the library, the CLI and the warm start."""
     name = str(spec)
     if name not in presets() and not is_checkpoint_dir(name):
-        raise UsageError(f"policy={name!r} is not valid; choose a preset {presets()} or a local "
-                         "checkpoint directory containing config.json")
+        raise not_a_policy(arg, name)
     return name
 
 
@@ -55,27 +56,6 @@ def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
     if not isinstance(n, int) or n < 1:
         raise UsageError(f"the config of {name!r} has no vocab_size")
     return n
-
-
-def check_dtype_on_device(dtype: torch.dtype | None, device: str | torch.device | None) -> None:
-    """UsageError unless ``device`` can hold and compute in ``dtype`` (bfloat16 needs a GPU with
-    bf16 support, or the CPU; float16 on the CPU runs but slowly and is allowed)."""
-    if dtype is None:
-        return
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dtype == torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported(
-            including_emulation=False):
-        raise UsageError(f"--dtype=bfloat16 is not supported on --device={str(dev)!r} (this GPU "
-                         "has no bfloat16 arithmetic); choose one of ['float16', 'float32']")
-    if dtype in (torch.bfloat16, torch.float16) and dev.type == "mps":
-        try:
-            (torch.ones(2, 2, dtype=dtype, device=dev) @ torch.ones(2, 2, dtype=dtype,
-                                                                    device=dev)).cpu()
-        except (RuntimeError, TypeError) as err:
-            raise UsageError(f"--dtype={str(dtype).removeprefix('torch.')} is not supported on "
-                             f"--device={str(dev)!r} ({err}); use --dtype float32") from None
-    if dtype == torch.float64 and dev.type == "mps":
-        raise UsageError("--dtype=float64 is not supported on --device='mps'; use float32")
 
 
 def prepare_for_task(policy: Policy, task: Task | None, *, add_task_tokens: bool = False
@@ -115,10 +95,13 @@ def build_policy(
     trust_remote_code: bool = False,
     add_task_tokens: bool = False,
     progress: bool | None = None,
+    tie_embeddings: bool = False,
 ) -> Policy:
-    """The policy ``spec`` names: a preset name or a local checkpoint directory.
+    """The policy ``spec`` names: a preset name or a local checkpoint directory (the one policy
+    builder: the CLI, suites, the trainer and the warm start all build through it).
 
-    A preset is built at random initialisation from ``seed``; a checkpoint directory is loaded
+    A preset is built at random initialisation from ``seed`` (``tie_embeddings``: input and
+    output embeddings shared); a checkpoint directory is loaded
     (its stored dtype unless ``dtype`` is given). With ``warm=True`` either is warm-started on
     ``task``'s demonstrations from ``warm_seed`` (default ``seed``; cached, see
     :func:`varbench.train.warm_start`); a task without demonstrations is refused. With a
@@ -127,7 +110,7 @@ def build_policy(
     presets when ``spec`` is neither a preset nor a checkpoint directory.
     """
     name = str(spec)
-    check_dtype_on_device(dtype, device)
+    check_device("device", "cpu" if device is None else device, dtype=dtype)
     check_policy_spec(name)
     if warm:
         if task is None:
@@ -143,9 +126,9 @@ def build_policy(
                             progress=progress)
         stored = policy.meta.get("stored_dtype")
         if dtype is None and stored is not None:
-            dtype = getattr(torch, stored)  # "auto": the checkpoint's own dtype
+            dtype = resolve_dtype(stored, "stored dtype")  # "auto": the checkpoint's own
     elif name in presets():
-        policy = build_preset(name, seed=seed)
+        policy = build_preset(name, seed=seed, tie_embeddings=tie_embeddings)
     else:
         policy = load_policy(name, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is not None or device is not None:

@@ -32,11 +32,15 @@ from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.models.io import load_policy, save_policy
 from varbench.models.logits import sequence_logprobs
-from varbench.models.presets import Policy, build_policy, presets
-from varbench.models.tokenizer import add_task_tokens as add_tokens
-from varbench.models.tokenizer import check_tokenizer_covers
+from varbench.models.presets import Policy, presets
 from varbench.rollout.sampler import sample
 from varbench.tasks.base import Prompt, Task, get_task
+from varbench.train.policies import (
+    build_policy,
+    check_policy_spec,
+    is_checkpoint_dir,
+    prepare_for_task,
+)
 
 _VERSION = "warmstart-v1"  # bump when the training recipe changes: invalidates old caches
 
@@ -162,11 +166,8 @@ def warm_start(
     """
     if isinstance(task, str):
         task = get_task(task)
-    preset = str(preset)
-    is_dir = preset not in presets() and (Path(preset).expanduser() / "config.json").is_file()
-    if preset not in presets() and not is_dir:
-        raise UsageError(f"preset={preset!r} is not valid; choose one of {presets()} or a local "
-                         "checkpoint directory containing config.json")
+    preset = check_policy_spec(preset, arg="preset")
+    is_dir = preset not in presets() and is_checkpoint_dir(preset)
     if not task.has_demonstrations:
         raise UsageError(f"task {task.name!r} has no demonstrations to warm-start on (a "
                          "dataset task: set --knob solution_key=COLUMN)")
@@ -232,18 +233,15 @@ _LOCK_WAIT_S = 3600.0  # a warm start of the largest preset takes minutes, not h
 def _build(preset, task, cfg, entry, use_cache, is_dir, seed, tie_embeddings, threads, lo, hi,
            max_steps, batch_size, lr, eval_every, eval_prompts, reward, progress, target,
            add_task_tokens, trust_remote_code) -> Policy:
+    # The one policy builder (train.policies) loads or builds it; bound to the task after the
+    # float32 cast so that added task tokens' embedding rows are made in float32.
+    policy = build_policy(preset, seed=seed, tie_embeddings=tie_embeddings,
+                          trust_remote_code=trust_remote_code)
     if is_dir:
-        policy = load_policy(preset, trust_remote_code=trust_remote_code)
         stored = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
         policy.model.to(torch.float32)  # SFT with float32 weights and optimizer states
         policy.meta = {**policy.meta, "stored_dtype": stored, "base": str(preset)}
-    else:
-        policy = build_policy(preset, seed=seed, tie_embeddings=tie_embeddings)
-    if add_task_tokens:
-        added = add_tokens(policy.tokenizer, policy.model, task.alphabet)
-        policy.meta["added_tokens"] = added
-    check_tokenizer_covers(policy.tokenizer, task.alphabet, what=f"task {task.name!r}")
-    task.bind(policy.tokenizer)
+    policy = prepare_for_task(policy, task, add_task_tokens=add_task_tokens)
     if threads is None and preset in ("micro", "tiny"):
         threads = 1
     before = torch.get_num_threads()
