@@ -179,3 +179,19 @@ def _check_grid_end_to_end(tmp_path, cfg, calls):
     stab = pd.read_csv(rep / "tables" / "validation__stability.csv")
     assert {"collapsed_outcome", "surge_score", "flag_surge", "collapsed"} <= set(stab.columns)
     assert (out / "prediction").is_dir()  # the variance cells are cached with the runs
+
+
+def test_two_shards_may_run_at_once_into_one_directory(tmp_path, fake):
+    """Each shard holds its own lock (README: two cores, one shard each into one --out); the
+    same shard twice at once is refused, naming the directory."""
+    from varbench._util.locks import BusyError, dir_lock
+
+    cfg, out = tiny_grid(), tmp_path / "out"
+    out.mkdir()
+    with dir_lock(out, lock_file=out / ".varbench-shard-1-of-2.lock"):  # shard 1 is running
+        run_validation(cfg, out, shard=(2, 2), progress=False)
+        assert len(fake) == 7
+        with pytest.raises(BusyError, match="output directory"):
+            run_validation(cfg, out, shard=(1, 2), progress=False)
+    run_validation(cfg, out, shard=(1, 2), progress=False)
+    assert len(fake) == 14 and len(finished_runs(out)) == 14
