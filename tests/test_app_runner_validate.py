@@ -195,3 +195,39 @@ def test_two_shards_may_run_at_once_into_one_directory(tmp_path, fake):
             run_validation(cfg, out, shard=(1, 2), progress=False)
     run_validation(cfg, out, shard=(1, 2), progress=False)
     assert len(fake) == 14 and len(finished_runs(out)) == 14
+
+
+def test_a_validate_case_in_a_suite_runs_its_grid_through_the_runner(tmp_path, fake):
+    """A suite's ``validate`` case (suites/otb-claims-smoke.toml's kind) runs its grid as train
+    cases inside its work directory and is itself one cached case."""
+    from varbench.app.runner import run_suite
+
+    suite = tmp_path / "s.toml"
+    suite.write_text("""
+[suite]
+name = "grid"
+[[cases]]
+name = "claims"
+kind = "validate"
+tasks = ["sort"]
+schemes = ["normalized", "otb"]
+Gs = [2, 4]
+seeds = [0, 1]
+eval_responses = 4
+budgets = { sort = 60 }
+base = { policy = "micro", warm_start = false, prompts_per_step = 2, eval_prompts = 4, \
+eval_samples = 1, agg = "token-mean", steps = 100000 }
+claims = [{ kind = "tokens", task = "sort", a = "otb/4", b = "normalized/4" }]
+hacking_rewards = ["positional"]
+hacking_G = 2
+hacking_seeds = [0]
+prediction = false
+""")
+    out = tmp_path / "out"
+    first = run_suite(suite, out, progress=False)
+    assert first.computed == ["claims"] and len(fake) == 9  # 2 x 2 x 2 + the probe
+    assert "sort: otb/4 vs normalized/4 (tokens-to-threshold)" in (out / "report.md").read_text()
+    grid = next((out / "work").glob("claims-*/validation"))
+    assert len(list((grid / "cases").glob("*.json"))) == 9
+    again = run_suite(suite, out, progress=False)
+    assert again.cached == ["claims"] and len(fake) == 9
