@@ -19,7 +19,7 @@ probe on ``sort``.
 
 This module holds the grid (:class:`ValidateConfig`, :func:`jobs_of`, :func:`job_config`) and
 the statistics on finished runs (:func:`report`); the runs themselves are ordinary ``train``
-suite cases, run, cached, sharded and resumed by :func:`varbench.app.runner.run_validation`
+suite cases, run, cached, sharded and resumed by :func:`varbench.app.validation.run_validation`
 like any suite. Plans and power: :mod:`varbench.analysis.validate_plan`.
 """
 
