@@ -1,23 +1,26 @@
 """varbench.analysis.validate: the experiment grid, its checks before any training, the run
-configurations and the reuse of finished runs (the experiment end to end:
-tests/test_app_cmd_train.py)."""
+configurations and the stability statistics (the grid run, sharded, resumed and reported:
+tests/test_app_runner_validate.py; through the CLI: tests/test_app_cmd_train.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
+from importlib import import_module
 
 import pandas as pd
 import pytest
+from _fixtures_validate import tiny_grid
 
 from varbench._util.checks import UsageError
 from varbench.analysis import validate as V
+from varbench.app.validation import run_validation
 
 
 @pytest.fixture
 def no_training(monkeypatch):
-    monkeypatch.setattr(V, "train", lambda *a, **k: pytest.fail("trained before checking"))
+    loop = import_module("varbench.train.loop")  # by path: varbench.train is also a function
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("trained before checking"))
 
 
 @pytest.mark.parametrize(
@@ -34,7 +37,7 @@ def no_training(monkeypatch):
 def test_bad_grids_are_refused_before_any_training(tmp_path, no_training, changes, message):
     cfg = V.ValidateConfig(**changes)
     with pytest.raises(UsageError, match=message):
-        V.run_validation(cfg, tmp_path / "out")
+        run_validation(cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -61,77 +64,19 @@ def test_run_configs_space_evaluations_by_responses():
     assert V._run_config(tiny, "sort", "otb", 32, 0).eval_every == 1
 
 
-def test_a_finished_run_is_reused_and_a_changed_one_retrained(tmp_path, monkeypatch):
-    from varbench.train.records import RecordWriter
-
-    tc = V._run_config(V.ValidateConfig(), "sort", "otb", 4, 0)
-    run = tmp_path / "run"
-    run.mkdir()
-    RecordWriter(run / "records.csv").write({"step": 0, "eval/acc_sampled": 0.25})
-    (run / "done.json").write_text(json.dumps({"config": tc.to_dict(), "stopped": "budget"}))
-    monkeypatch.setattr(V, "train", lambda *a, **k: pytest.fail("retrained a finished run"))
-    df = V._run(tc, run)
-    assert list(df["step"]) == [0] and df["eval/acc_sampled"].iloc[0] == 0.25
-    # a run finished before a config field existed ran with its default: still finished
-    older = {k: v for k, v in tc.to_dict().items() if k != "update_forward"}
-    (run / "done.json").write_text(json.dumps({"config": older, "stopped": "budget"}))
-    assert list(V._run(tc, run)["step"]) == [0]
-    assert not V._is_done(tc.replace(update_forward="sampler"), run)
-
-    calls = []
-
-    class Result:
-        records = pd.DataFrame({"step": [0, 1]})
-        stopped = "budget"
-
-    monkeypatch.setattr(V, "train", lambda cfg, run_dir, progress: calls.append(cfg) or Result)
-    changed = tc.replace(seed=1)
-    assert list(V._run(changed, run)["step"]) == [0, 1] and calls == [changed]
-    assert json.loads((run / "done.json").read_text())["config"] == changed.to_dict()
-
-
-def _tiny_grid(**changes) -> V.ValidateConfig:
-    """Random-init micro policy, a few hundred tokens per run: seconds for the whole grid."""
-    base = dict(policy="micro", warm_start=False, prompts_per_step=2, lr=1e-3, eval_prompts=4,
-                eval_samples=1, agg="token-mean", steps=100_000)
-    cfg = V.ValidateConfig(
-        tasks=("sort",), schemes=("normalized", "otb"), Gs=(2, 4), seeds=(0, 1),
-        budgets={"sort": 60, "arith": 40, "toolsum_long": 150},
-        task_specs={"toolsum_long": {"task": "toolsum", "k": 4}}, eval_responses=4, base=base,
-        arms=({"task": "arith", "scheme": "normalized", "G": 2, "variant": "gspo",
-               "ratio": "sequence"},
-              {"task": "arith", "scheme": "normalized", "G": 2, "variant": "gspo_mr",
-               "ratio": "sequence", "transform": "min_replace"},
-              {"task": "toolsum_long", "scheme": "otb", "G": 4, "seeds": [0]}),
-        claims=({"kind": "tokens", "task": "sort", "a": "otb/4", "b": "normalized/4"},
-                {"kind": "compute", "task": "arith", "a": "normalized/2/gspo_mr",
-                 "b": "normalized/2/gspo"},
-                {"kind": "proxy", "task": "sort", "a": "otb/2", "b": "otb/4"},
-                {"kind": "stability", "a": ["otb/4"], "b": ["normalized/2", "normalized/4"]}),
-        hacking_rewards=("positional",), hacking_G=2, hacking_seeds=(0,),
-        variance_M=3, variance_prompts=1, prediction=True)
-    return V.ValidateConfig(**{**cfg.__dict__, **changes})
-
-
-def test_jobs_arms_and_shards():
-    cfg = _tiny_grid()
+def test_jobs_and_arms():
+    cfg = tiny_grid()
     jobs = V.jobs_of(cfg)
     # core 2 x 2 x 2 seeds, arms 2 + 2 + 1 (own seeds), hacking 1
     assert len(jobs) == 8 + 5 + 1
     assert {j.arm for j in jobs if j.variant} == {"normalized/2/gspo", "normalized/2/gspo_mr"}
     gspo = next(j for j in jobs if j.variant == "gspo_mr")
-    tc = V._job_config(cfg, gspo)
+    tc = V.job_config(cfg, gspo)
     assert (tc.task, tc.ratio, tc.transform, tc.G) == ("arith", "sequence", "min_replace", 2)
-    long = V._job_config(cfg, next(j for j in jobs if j.task == "toolsum_long"))
+    long = V.job_config(cfg, next(j for j in jobs if j.task == "toolsum_long"))
     assert long.task == "toolsum" and dict(long.task_options) == {"k": 4}
     assert long.token_budget == 150
-    shards = [V.shard_jobs(jobs, (i, 3)) for i in (1, 2, 3)]
-    assert sorted(map(repr, sum(shards, []))) == sorted(map(repr, jobs))  # a partition
-    assert shards[1][0] == jobs[1] and shards[1][1] == jobs[4]
-    assert len({j.rel_dir for j in jobs}) == len(jobs)  # one directory per run
-    with pytest.raises(UsageError, match="shard"):
-        V.shard_jobs(jobs, (4, 3))
-    more = V.jobs_of(_tiny_grid(task_seeds={"sort": [0, 1, 2]}))
+    more = V.jobs_of(tiny_grid(task_seeds={"sort": [0, 1, 2]}))
     assert len(more) == len(jobs) + 4 and {j.seed for j in more if j.task == "sort"} == {0, 1, 2}
 
 
@@ -153,105 +98,7 @@ def test_jobs_arms_and_shards():
 def test_bad_arms_and_claims_are_refused_before_training(tmp_path, no_training, changes,
                                                          message):
     with pytest.raises(UsageError, match=message):
-        V.run_validation(_tiny_grid(**changes), tmp_path / "out")
-
-
-def _fake_train(tc, run_dir, progress=False):
-    """Deterministic records of a run: accuracy rises at a speed set by the arm and seed, so
-    arms differ and some runs never reach the threshold (censored)."""
-    from varbench.train.records import RecordWriter
-
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    speed = {"otb": 2.0, "normalized": 1.0}.get(tc.scheme, 1.0) * (1 + 0.3 * tc.seed)
-    speed *= 1.2 if tc.transform != "none" else 1.0
-    per_step = tc.prompts_per_step * tc.G * 3
-    w = RecordWriter(Path(run_dir) / "records.csv")
-    rows, step, tok = [], 0, 0
-    while True:
-        acc = min(1.0, 0.2 + speed * tok / (4.0 * tc.token_budget))
-        row = {"step": step, "tokens/sampled": tok, "tokens/env": 0, "eval/acc_sampled": acc,
-               "eval/acc_greedy": acc, "eval/reward_sampled": acc, "time/wall_s": 0.01 * step
-               + 0.001 * tc.G}
-        if step:
-            row.update({"grad/norm": 1.0 + 0.1 * ((step * 7 + tc.seed) % 5),
-                        "policy/entropy": 1.0, "collapse/grad_surge": 0,
-                        "collapse/entropy": 0})
-        w.write(row)
-        rows.append(row)
-        if tok >= tc.token_budget:
-            break
-        step, tok = step + 1, tok + per_step
-
-    class Result:
-        records = pd.DataFrame(rows)
-        stopped = "budget"
-    return Result
-
-
-def _fake_variance(policy, task, *, schemes, Gs, **kw):
-    from varbench.report.result import AnalysisResult
-
-    cells = pd.DataFrame([{"scheme": s, "G": G, "variance": 1.0 / G,
-                           "variance_x_tokens": (2.0 if s == "normalized" else 1.0) / G}
-                          for s in schemes for G in Gs])
-    return AnalysisResult("variance", "v", {"cells": cells}, {}, [], {}, {}, [])
-
-
-def test_grid_sharded_resumed_and_reported(tmp_path, monkeypatch):
-    """The grid machinery end to end on synthetic runs (the real loop: the slow test below)."""
-    import varbench.analysis.variance as variance
-
-    monkeypatch.setattr(V, "train", _fake_train)
-    monkeypatch.setattr(variance, "estimator_variance", _fake_variance)
-    monkeypatch.setattr(V, "build_policy", lambda tc, task: None)
-    _check_grid_end_to_end(tmp_path, monkeypatch, _tiny_grid())
-    claims = pd.read_csv(tmp_path / "report" / "tables" / "validation__claims.csv")
-    tok = claims[claims.kind == "tokens"].iloc[0]  # otb reaches the threshold 2x faster
-    assert tok["estimate"] > 0.2 and tok["verdict"] in ("confirmed", "refuted", "undecided")
-
-
-@pytest.mark.slow
-def test_tiny_grid_sharded_resumed_and_reported(tmp_path, monkeypatch):
-    """The same on the real training loop (micro policy at random init, tiny budgets)."""
-    monkeypatch.setenv("VARBENCH_CACHE", str(tmp_path / "cache"))
-    _check_grid_end_to_end(tmp_path, monkeypatch, _tiny_grid())
-
-
-def _check_grid_end_to_end(tmp_path, monkeypatch, cfg):
-    out, rep = tmp_path / "work", tmp_path / "report"
-    text = V.run_validation(cfg, out, shard=(1, 2), progress=False)
-    assert "shard 1/2: 7 of 14 runs" in text and not (out / "report.md").exists()
-    with pytest.raises(UsageError, match="7 of 14 runs are not finished"):
-        V.run_validation(cfg, out, report_only=True, report_dir=rep)
-    V.run_validation(cfg, out, shard=(2, 2), progress=False)
-    timing = V.timing_from_runs(out)
-    assert len(timing) == 13 and (timing["wall_s"] > 0).all()  # the probe run is left out
-    est, fast = V.estimate_wall(cfg, timing), V.estimate_wall(cfg, timing, speedup=3.0)
-    assert est["jobs"] == 14 and fast["total_s"] == pytest.approx(est["total_s"] / 3)
-    assert "estimated wall time at 3x" in V.plan_text(cfg, timing, speedups=(1.0, 3.0))
-
-    monkeypatch.setattr(V, "train", lambda *a, **k: pytest.fail("retrained a finished run"))
-    summary = V.run_validation(cfg, out, report_only=True, report_dir=rep, progress=False)
-    for name in ("report.md", "report.html", "summary.json", "validation_summary.md"):
-        assert (rep / name).is_file()
-    assert list((rep / "figures").glob("*.png"))
-    assert not (rep / "runs").exists() and not list(rep.rglob("*.pt"))  # no caches, no ckpts
-    claims = pd.read_csv(rep / "tables" / "validation__claims.csv")
-    assert set(claims["kind"]) == {"tokens", "compute", "proxy", "stability", "prediction"}
-    assert set(claims["verdict"]) <= {"confirmed", "refuted", "undecided"}
-    assert list(claims.loc[claims.kind == "compute", "metric"]) == ["tokens", "wall_s"]
-    pred = claims[claims.kind == "prediction"].iloc[0]
-    assert pred["verdict"] == "undecided" and pred["n_a"] == 4  # 4 cells < 10
-    verdicts = json.loads((rep / "summary.json").read_text())["analyses"][0]["summary"][
-        "verdicts"]
-    assert len(verdicts) == len(claims)
-    md = (rep / "report.md").read_text()
-    assert all(v.upper() + ":" in md for v in claims["verdict"])
-    assert "Verdict rule (saving)" in md and "Kaplan-Meier" in summary
-    assert "Holm-adjusted one-sided p" in md and "95% t CI" in md
-    stab = pd.read_csv(rep / "tables" / "validation__stability.csv")
-    assert {"collapsed_outcome", "surge_score", "flag_surge", "collapsed"} <= set(stab.columns)
-    assert (out / "prediction").is_dir()  # the variance cells are cached with the runs
+        run_validation(tiny_grid(**changes), tmp_path / "out")
 
 
 def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
@@ -259,7 +106,7 @@ def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
     not a collapse, nor is a run the surge detector flags while it learns (a surge is its own
     measure); a run whose accuracy collapsed is, with or without a flag. The headlines give the
     entropy flag's rate on both kinds of run; stability claims count either measure."""
-    cfg = _tiny_grid(surge_factor=5.0)
+    cfg = tiny_grid(surge_factor=5.0)
     keys = dict(task="sort", scheme="otb", G=4, variant="")
     runs = [(0, 0.9, 3), (1, 0.9, 0), (2, 0.9, 0), (3, 0.05, 0), (4, 0.05, 2)]
     stab = pd.DataFrame([{**keys, "seed": s, "entropy_collapse_steps": e} for s, _, e in runs])
@@ -291,4 +138,4 @@ def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
         surge["note"])
     bad = replace(cfg, claims=({**both, "measure": "entropy"},))
     with pytest.raises(ValueError, match="measure.*'entropy'.*'collapse'"):
-        V._check(bad)
+        V.check_grid(bad)

@@ -57,10 +57,11 @@ def test_train_and_validate_cli(tmp_path, monkeypatch, capsys):
     assert set(t2t["scheme"]) == {"normalized", "otb"} and (t2t["final_tokens"] >= 300).all()
     assert (out / "report.md").exists() and (out / "figures").is_dir()
     # A rerun reloads finished runs instead of training again.
-    mtime = (out / "runs" / "sort" / "otb_G4_s0" / "records.csv").stat().st_mtime
+    case, = (out / "cases").glob("sort.otb_G4_s0-*.json")
+    mtime = case.stat().st_mtime
     main(["validate", "--tasks", "sort", "--schemes", "normalized,otb", "--gs", "4",
           "--seeds", "0", "--budget", "sort=300", "--no-prediction", "--out", str(out)])
-    assert (out / "runs" / "sort" / "otb_G4_s0" / "records.csv").stat().st_mtime == mtime
+    assert case.stat().st_mtime == mtime
 
 
 def test_claims_suites_give_valid_grids(tmp_path, capsys):
@@ -72,14 +73,15 @@ def test_claims_suites_give_valid_grids(tmp_path, capsys):
     from varbench._util.checks import UsageError
     from varbench.analysis import validate as V
     from varbench.app.cmd_train import suite_validate_config
+    from varbench.app.validation import case_name
 
     root = Path(__file__).resolve().parents[1] / "suites"
     for name in ("otb-claims.toml", "otb-claims-smoke.toml"):
         cfg = suite_validate_config(str(root / name), None)
-        V._check(cfg)  # names, arms, claims, every run's TrainConfig
+        V.check_grid(cfg)  # names, arms, claims, every run's TrainConfig
         kinds = {c["kind"] for c in cfg.claims}
         assert {"tokens", "compute", "stability"} <= kinds
-        assert len(V.jobs_of(cfg)) == len({j.rel_dir for j in V.jobs_of(cfg)})
+        assert len(V.jobs_of(cfg)) == len({case_name(j) for j in V.jobs_of(cfg)})
     full = suite_validate_config(str(root / "otb-claims.toml"), "claims-training")
     # the prediction check needs >= 10 scheme x G cells per task
     assert len(full.schemes) * len(full.Gs) >= full.min_prediction_cells == 10
@@ -115,9 +117,10 @@ def test_validate_takes_the_users_task_and_checkpoint(tmp_path, capsys):
     'missing runs', past every check)."""
     import _fixtures_user as fu
 
-    from varbench.analysis.validate import jobs_of, run_validation
+    from varbench.analysis.validate import jobs_of
     from varbench.app.cli import build_parser
     from varbench.app.cmd_train import validate_config
+    from varbench.app.validation import run_validation
 
     data = tmp_path / "w.jsonl"
     data.write_text('{"question": "what is 2 + 2?", "answer": "4", "solution": "4"}\n'
@@ -134,7 +137,7 @@ def test_validate_takes_the_users_task_and_checkpoint(tmp_path, capsys):
     assert cfg.tasks == ("w",) and cfg.task_specs["w"] == {"task": str(data),
                                                           "solution_key": "solution"}
     assert cfg.base["policy"] == str(ck) and cfg.base["warm_start_dir"] is True
-    assert {j.rel_dir.split("/")[0] for j in jobs_of(cfg)} == {"w"}
+    assert {j.task for j in jobs_of(cfg)} == {"w"}
     with pytest.raises(UsageError, match="missing"):
         run_validation(cfg, tmp_path / "v", report_only=True)
 

@@ -71,7 +71,7 @@ def record(monkeypatch):
     from importlib import import_module
 
     # by module path: the package ``varbench`` exports functions named like some modules
-    validate_mod = import_module("varbench.analysis.validate")
+    validate_mod = import_module("varbench.app.validation")
     check_mod = import_module("varbench.testing.check")
     loop_mod = import_module("varbench.train.loop")
     policies_mod = import_module("varbench.train.policies")

@@ -17,11 +17,10 @@ probe on ``sort``.
     varbench validate --suite suites/otb-claims.toml --shard 1/4 --out W   # one quarter
     varbench validate --suite suites/otb-claims.toml --out W --report-dir reports/claims
 
-Every finished run is kept under ``OUT/runs/...`` (records.csv + done.json); rerunning the
-command skips finished runs, so an interrupted experiment continues where it stopped, and shards
-(``--shard I/N``: runs I-1, I-1+N, ... of the job list) can run anywhere and be copied into one
-``OUT/runs``. The report (report.md, report.html, summary.json, tables, figures) goes to
-``report_dir`` (default ``OUT``), which holds no run caches or checkpoints.
+This module holds the grid (:class:`ValidateConfig`, :func:`jobs_of`, :func:`job_config`) and
+the statistics on finished runs (:func:`report`); the runs themselves are ordinary ``train``
+suite cases, run, cached, sharded and resumed by :func:`varbench.app.validation.run_validation`
+like any suite. Plans and power: :mod:`varbench.analysis.validate_plan`.
 """
 
 from __future__ import annotations
@@ -36,19 +35,15 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice, check_positive_int
-from varbench._util.progress import show_progress
 from varbench.analysis import validate_stats as vs
 from varbench.analysis._common import CellCache
 from varbench.report import provenance, write_report
 from varbench.report.result import AnalysisResult, Headline
 from varbench.train.collapse import calibrate, surge_scores
-from varbench.train.config import TrainConfig, with_defaults
-from varbench.train.loop import train
-from varbench.train.records import read_records
+from varbench.train.config import TrainConfig
 from varbench.train.setup import build_policy, build_task
 
 # Budgets in sampled (policy-generated) tokens per run, per task.
@@ -177,13 +172,6 @@ class Job:
         """``scheme/G`` or ``scheme/G/variant``: how claims name the arm."""
         return f"{self.scheme}/{self.G}" + (f"/{self.variant}" if self.variant else "")
 
-    @property
-    def rel_dir(self) -> str:
-        if self.reward is not None:
-            return f"hacking/{self.reward}_s{self.seed}"
-        v = f"_{self.variant}" if self.variant else ""
-        return f"{self.task}/{self.scheme}_G{self.G}{v}_s{self.seed}"
-
 
 def jobs_of(cfg: ValidateConfig) -> list[Job]:
     """Every run of the grid in a fixed order: core grid, arms, then the hacking probe."""
@@ -198,16 +186,6 @@ def jobs_of(cfg: ValidateConfig) -> list[Job]:
         jobs += [Job("sort", cfg.hacking_scheme, cfg.hacking_G, seed, reward=r)
                  for r in cfg.hacking_rewards for seed in cfg.hacking_seeds]
     return jobs
-
-
-def shard_jobs(jobs: Sequence[Job], shard: tuple[int, int] | None) -> list[Job]:
-    """Jobs ``i-1, i-1+n, ...`` of shard ``(i, n)`` (1-based; None: all)."""
-    if shard is None:
-        return list(jobs)
-    i, n = shard
-    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
-        raise UsageError(f"shard={shard!r} is not valid; need 1 <= I <= N (shards are 1-based)")
-    return list(jobs)[i - 1::n]
 
 
 def _freeze(v: Any) -> Any:
@@ -233,32 +211,13 @@ def _run_config(cfg: ValidateConfig, task: str, scheme: str, G: int, seed: int,
                        eval_every=max(1, cfg.eval_responses // per_step))
 
 
-def _job_config(cfg: ValidateConfig, job: Job) -> TrainConfig:
+def job_config(cfg: ValidateConfig, job: Job) -> TrainConfig:
+    """The TrainConfig of one run of the grid."""
     return _run_config(cfg, job.task, job.scheme, job.G, job.seed, job.reward, job.overrides)
 
 
-def _is_done(tc: TrainConfig, run_dir: Path) -> bool:
-    done = run_dir / "done.json"
-    if not done.exists():
-        return False
-    saved = json.loads(done.read_text()).get("config")
-    # a run finished before a config field existed ran with that field's default
-    return isinstance(saved, dict) and with_defaults(saved) == tc.to_dict()
-
-
-def _run(tc: TrainConfig, run_dir: Path) -> pd.DataFrame:
-    """Train (or load a finished run) and return its records."""
-    if _is_done(tc, run_dir):
-        return read_records(run_dir / "records.csv")
-    t0 = time.perf_counter()
-    res = train(tc, run_dir, progress=False)
-    # elapsed_s: the whole call (policy build, warm-start load, evaluations): what a plan pays
-    (run_dir / "done.json").write_text(json.dumps({"config": tc.to_dict(), "stopped": res.stopped,
-                                                   "elapsed_s": time.perf_counter() - t0}))
-    return res.records
-
-
-def _curve_rows(df: pd.DataFrame, **keys: Any) -> pd.DataFrame:
+def curve_rows(df: pd.DataFrame, **keys: Any) -> pd.DataFrame:
+    """A run's held-out evaluations (one row each), prefixed by ``keys`` as columns."""
     ev = df.dropna(subset=["eval/acc_sampled"])
     out = pd.DataFrame({"step": ev["step"], "tokens": ev["tokens/sampled"],
                         "env_tokens": ev["tokens/env"], "acc_sampled": ev["eval/acc_sampled"],
@@ -270,54 +229,19 @@ def _curve_rows(df: pd.DataFrame, **keys: Any) -> pd.DataFrame:
     return out
 
 
-def run_validation(cfg: ValidateConfig, out: Path, *, progress: bool | None = None,
-                   shard: tuple[int, int] | None = None, report_only: bool = False,
-                   report_dir: Path | None = None) -> str:
-    """Run the experiment into ``out``; returns the markdown summary (also written there).
-
-    ``shard``: run only that shard's jobs and write no report. ``report_only``: train nothing;
-    every job must be finished already (else a UsageError says how many are missing).
-    ``report_dir``: where the report goes (default ``out``).
-    """
-    _check(cfg)
-    t_start = time.perf_counter()
-    out = Path(out)
-    jobs = jobs_of(cfg)
-    mine = shard_jobs(jobs, shard)
-    if report_only:
-        missing = [j for j in jobs if not _is_done(_job_config(cfg, j), out / "runs" / j.rel_dir)]
-        if missing:
-            raise UsageError(
-                f"--report-only: {len(missing)} of {len(jobs)} runs are not finished in "
-                f"{str(out)!r} (first: {missing[0].rel_dir}); run the missing shards first")
-    out.mkdir(parents=True, exist_ok=True)
-    show = show_progress(progress)
-    bar = tqdm(total=len(mine), desc="validate runs", disable=not show)
-    t_phase = time.perf_counter()
-    frames: dict[Job, pd.DataFrame] = {}
-    for job in mine:
-        frames[job] = _run(_job_config(cfg, job), out / "runs" / job.rel_dir)
-        bar.update(1)
-    bar.close()
-    phases = {"runs": time.perf_counter() - t_phase, "prediction": 0.0}
-    if shard is not None:
-        text = (f"shard {shard[0]}/{shard[1]}: {len(mine)} of {len(jobs)} runs finished in "
-                f"{phases['runs'] / 60:.1f} min under {out / 'runs'}; build the report with "
-                "--report-only once every shard is there.\n")
-        return text
-    return _report(cfg, out, frames, phases, t_start, report_dir=report_dir)
-
-
-def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
-            phases: dict[str, float], t_start: float, *, report_dir: Path | None) -> str:
+def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
+           phases: dict[str, float], t_start: float, *, report_dir: Path | None) -> str:
+    """The statistics of the finished runs ``frames`` (each run's records) and their report
+    (written to ``report_dir``, default ``out``; the prediction check caches its variance cells
+    under ``out/prediction``); returns the markdown summary."""
     curves, traces, stab, timing, hack = [], [], [], [], []
     for job, df in frames.items():
         if job.reward is not None:
-            hack.append(_curve_rows(df, reward=job.reward, seed=job.seed))
+            hack.append(curve_rows(df, reward=job.reward, seed=job.seed))
             continue
         keys = dict(task=job.task, scheme=job.scheme, G=job.G, variant=job.variant,
                     seed=job.seed)
-        curves.append(_curve_rows(df, **keys))
+        curves.append(curve_rows(df, **keys))
         body = df[df["step"] > 0]
         traces.append(pd.DataFrame({**keys, "step": body["step"], "tokens": body["tokens/sampled"],
                                     "grad_norm": body["grad/norm"],
@@ -350,7 +274,7 @@ def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
 
     heads, notes = _headlines(cfg, claims_df, acc0, thresholds, stab_df, calib, hack_df)
     notes += pred_notes + _runtime_notes(timing_df, wall, phases)
-    fig_label = _figure_labels  # figures group by scheme and G: fold the variant into the label
+    fig_label = figure_labels  # figures group by scheme and G: fold the variant into the label
     mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
                    .agg(tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"),
                         acc_std=("acc_sampled", "std"), greedy_mean=("acc_greedy", "mean"),
@@ -371,8 +295,8 @@ def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "verdict_rules": vs.VERDICT_RULES}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
-        config=_jsonable_cfg(cfg), notes=notes,
-        provenance=provenance(config=_jsonable_cfg(cfg), seeds={"train": list(cfg.seeds)},
+        config=config_dict(cfg), notes=notes,
+        provenance=provenance(config=config_dict(cfg), seeds={"train": list(cfg.seeds)},
                               device=str(cfg.base.get("device", "cpu")), wall_time_s=wall))
     dest = Path(report_dir) if report_dir is not None else out
     write_report([result], dest, title="varbench validation: the papers' claims, decided")
@@ -382,14 +306,15 @@ def _report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
     return text
 
 
-def _figure_labels(df: pd.DataFrame) -> pd.DataFrame:
+def figure_labels(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the variant folded into the scheme (``gspo+mr``): figures group by it."""
     df = df.copy()
     v = df.pop("variant").astype(str)
     df["scheme"] = np.where(v != "", df["scheme"].astype(str) + "+" + v, df["scheme"])
     return df
 
 
-def _check(cfg: ValidateConfig) -> None:
+def check_grid(cfg: ValidateConfig) -> None:
     """Names and sizes checked before any training starts."""
     from varbench.estimators import schemes
 
@@ -429,7 +354,7 @@ def _check(cfg: ValidateConfig) -> None:
                     raise UsageError(f"claims: arm {ref!r} of {c!r} is not in the grid; arms: "
                                      f"{sorted(arms)}")
     for j in jobs_of(cfg):  # every run's configuration is valid before any of them trains
-        _job_config(cfg, j)
+        job_config(cfg, j)
 
 
 def check_task_label(cfg: ValidateConfig, label: Any) -> None:
@@ -466,7 +391,8 @@ def _as_list(x: Any) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _jsonable_cfg(cfg: ValidateConfig) -> dict:
+def config_dict(cfg: ValidateConfig) -> dict:
+    """``cfg`` as plain JSON data (:meth:`ValidateConfig.from_params` reads it back)."""
     return json.loads(json.dumps(asdict(cfg)))
 
 
@@ -842,124 +768,3 @@ def _runtime_notes(timing: pd.DataFrame, wall: float, phases: dict[str, float]) 
                      f"{timing['tokens'].sum() / timing['wall_s'].sum():,.0f} sampled tokens/s "
                      "overall (time/wall_s of each run, evaluations included).")
     return notes
-
-
-# --- the plan: job count and wall-time estimate ------------------------------------------------
-
-def timing_from_runs(out: Path) -> pd.DataFrame:
-    """Measured run times of the finished runs under ``out/runs``: task label, G, wall seconds
-    and sampled tokens per run (done.json's ``elapsed_s``, the whole train call including the
-    policy build, where recorded; else the loop's own ``time/wall_s``)."""
-    rows = []
-    for done in sorted(Path(out).glob("runs/*/*/done.json")):
-        if done.parent.parent.name == "hacking":
-            continue
-        info = json.loads(done.read_text())
-        df = read_records(done.parent / "records.csv")
-        rows.append({"task": done.parent.parent.name, "G": int(info["config"]["G"]),
-                     "wall_s": float(info.get("elapsed_s", df["time/wall_s"].iloc[-1])),
-                     "tokens": float(df["tokens/sampled"].iloc[-1])})
-    return pd.DataFrame(rows, columns=["task", "G", "wall_s", "tokens"])
-
-
-def estimate_wall(cfg: ValidateConfig, timing: pd.DataFrame, *, speedup: float = 1.0,
-                  shards: int = 1) -> dict[str, Any]:
-    """Wall-time estimate of the grid from measured runs: per job, seconds per sampled token
-    of the measured runs of its task label and G (else of its G on any task, else of all runs)
-    x its budget, divided by ``speedup``; the slowest of ``shards`` round-robin shards.
-    Returns ``{"jobs", "total_s", "shard_s", "guessed"}``. Math caveat: seconds per token is
-    taken as constant in the budget (evaluations are spaced by responses, so it nearly is)."""
-    if len(timing) == 0:
-        raise UsageError("no measured runs to estimate from; run a few first (e.g. --shard "
-                         "1/50) or pass --timing-from DIR")
-    if not speedup > 0:
-        raise UsageError(f"speedup={speedup!r} is not valid; expected > 0")
-    rate = timing.assign(spt=timing["wall_s"] / timing["tokens"].clip(lower=1))
-    by_tg = rate.groupby(["task", "G"])["spt"].mean()
-    by_g, overall = rate.groupby("G")["spt"].mean(), float(rate["spt"].mean())
-    jobs = jobs_of(cfg)
-    secs, guessed = [], set()
-    for j in jobs:
-        task = "sort" if j.reward is not None else j.task
-        if (task, j.G) in by_tg.index:
-            spt = float(by_tg[(task, j.G)])
-        elif j.G in by_g.index:
-            spt, _ = float(by_g[j.G]), guessed.add(f"{task} G={j.G} (from G={j.G} on other tasks)")
-        else:
-            spt, _ = overall, guessed.add(f"{task} G={j.G} (from all runs)")
-        secs.append(spt * cfg.budgets[task] / speedup)
-    shard_s = max(sum(secs[i::shards]) for i in range(shards))
-    return {"jobs": len(jobs), "total_s": float(sum(secs)), "shard_s": float(shard_s),
-            "guessed": sorted(guessed)}
-
-
-def plan_text(cfg: ValidateConfig, timing: pd.DataFrame, *, speedups: Sequence[float] = (1.0,),
-              shards: int = 1) -> str:
-    """The plan as printed by ``varbench validate --plan``: jobs and estimated wall time."""
-    jobs = jobs_of(cfg)
-    lines = [f"grid: {len(jobs)} runs ({sum(j.reward is None for j in jobs)} claim runs, "
-             f"{sum(j.reward is not None for j in jobs)} reward-hacking probe runs), "
-             f"measured from {len(timing)} finished runs"]
-    for sp in speedups:
-        e = estimate_wall(cfg, timing, speedup=sp, shards=shards)
-        lines.append(f"estimated wall time at {sp:g}x the measured loop speed: "
-                     f"{e['total_s'] / 60:.1f} min in one process"
-                     + (f", {e['shard_s'] / 60:.1f} min for the slowest of {shards} shards"
-                        if shards > 1 else ""))
-    e = estimate_wall(cfg, timing, shards=shards)
-    if e["guessed"]:
-        lines.append("not measured, borrowed: " + "; ".join(e["guessed"]))
-    lines.append("(plus the prediction check's warm-start variance analysis, minutes per task)")
-    return "\n".join(lines)
-
-
-def pilot_tables(out: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
-    """``(t2t, mean_curves, thresholds)`` of every finished run under ``out/runs`` (any grid):
-    the input of :func:`validate_stats.power_plan`. The threshold rule is the default
-    ``threshold_frac`` of :class:`ValidateConfig`."""
-    curves = []
-    for done in sorted(Path(out).glob("runs/*/*/done.json")):
-        label = done.parent.parent.name
-        if label == "hacking":
-            continue
-        tc = json.loads(done.read_text())["config"]
-        head, tail = f"{tc['scheme']}_G{tc['G']}", f"_s{tc['seed']}"
-        variant = done.parent.name[len(head):-len(tail)].lstrip("_")
-        df = read_records(done.parent / "records.csv")
-        curves.append(_curve_rows(df, task=label, scheme=tc["scheme"], G=int(tc["G"]),
-                                  variant=variant, seed=int(tc["seed"])))
-    if not curves:
-        raise UsageError(f"no finished runs under {str(Path(out) / 'runs')!r}")
-    c = pd.concat(curves, ignore_index=True)
-    frac = ValidateConfig().threshold_frac
-    thresholds = {t: vs.threshold_of(float(d[d.step == 0]["acc_sampled"].iloc[0]), frac)
-                  for t, d in c.groupby("task")}
-    t2t = vs.t2t_table(c, thresholds, interpolate=True)
-    lab = _figure_labels(c)  # scheme+variant
-    lab["arm"] = (c["scheme"] + "/" + c["G"].astype(str)
-                  + np.where(c["variant"] != "", "/" + c["variant"].astype(str), ""))
-    mean = lab.groupby(["task", "arm", "step"], as_index=False).agg(
-        tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"))
-    return t2t, mean, thresholds
-
-
-def power_text(cfg: ValidateConfig, pilot: Path, *, half_width: float = 0.15) -> str:
-    """The seeds and budgets the saving claims of ``cfg`` need, from the pilot runs under
-    ``pilot`` (``varbench validate --power-from DIR``)."""
-    t2t, mean, thr = pilot_tables(pilot)
-    pairs = [(c["task"], c["a"], c["b"]) for c in (cfg.claims or default_claims(cfg))
-             if c["kind"] in ("tokens", "proxy", "compute")]
-    rows, missing = [], []
-    for p in dict.fromkeys(pairs):
-        try:
-            rows.append(vs.power_plan(t2t, mean, [p], half_width=half_width))
-        except ValueError as err:
-            missing.append(f"{p[0]}: {p[1]} vs {p[2]} ({err})")
-    thr_text = ", ".join(f"{t} {v:.3f}" for t, v in thr.items())
-    lines = [f"power plan for a 95% CI half-width of {half_width:g} on each saving, from "
-             f"{len(t2t)} pilot runs (thresholds {thr_text}; crossings interpolated)"]
-    if rows:
-        lines.append(pd.concat(rows, ignore_index=True).to_string(index=False,
-                                                                  float_format="%.3g"))
-    lines += [f"not in the pilot: {m}" for m in missing]
-    return "\n".join(lines)

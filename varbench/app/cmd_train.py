@@ -341,21 +341,21 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
 
-    from varbench.analysis.validate import run_validation
+    from varbench.app.validation import finished_runs, run_validation
 
     if args.threads < 1:
         raise UsageError(f"--threads={args.threads} is not valid; expected an integer >= 1")
     torch.set_num_threads(args.threads)
     cfg = validate_config(args)
     if args.power_from:
-        from varbench.analysis.validate import power_text
+        from varbench.analysis.validate_plan import power_text
 
-        print(power_text(cfg, Path(args.power_from)))
+        print(power_text(cfg, finished_runs(args.power_from)))
         return 0
     if args.plan:
-        from varbench.analysis.validate import plan_text, timing_from_runs
+        from varbench.analysis.validate_plan import plan_text, timing_from_runs
 
-        timing = timing_from_runs(Path(args.timing_from or args.out))
+        timing = timing_from_runs(finished_runs(args.timing_from or args.out))
         print(plan_text(cfg, timing, speedups=[1.0, *(args.speedup or [])],
                         shards=check_positive_int("--shards", args.shards)))
         return 0

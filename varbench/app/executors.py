@@ -157,7 +157,7 @@ def _world_size() -> int:
 
 _FIXED = {k.name: k for k in (
     CaseKind("train", "varbench.train.loop:train", "one GRPO/PPO training run"),
-    CaseKind("validate", "varbench.analysis.validate:run_validation",
+    CaseKind("validate", "varbench.app.validation:run_validation",
              "the training validation experiment (schemes x G x seeds, claims)"),
     CaseKind("check", "varbench.testing.check:check_estimator",
              "regression checks of an advantage estimator"),
@@ -437,8 +437,9 @@ def _finite(v: Any) -> bool:
 def _validate(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
               cache: bool) -> list:
     """run_validation writes its own report into work_dir; read its records back from there."""
-    from varbench.analysis.validate import ValidateConfig, run_validation
+    from varbench.analysis.validate import ValidateConfig
     from varbench.app.specs import resolve_device
+    from varbench.app.validation import run_validation
 
     params = dict(params)
     device = params.pop("device", None)

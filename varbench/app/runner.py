@@ -57,10 +57,17 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard_cases(cases: Sequence[Case], shard: tuple[int, int] | None) -> list[Case]:
-    """Shard I of N: the cases at positions I-1, I-1+N, ... (deterministic, balanced)."""
+    """Shard I of N: the cases at positions I-1, I-1+N, ... (deterministic, balanced); a
+    shard that is not two integers with 1 <= I <= N is a UsageError naming it."""
     if shard is None:
         return list(cases)
-    i, n = shard
+    try:
+        i, n = shard
+    except (TypeError, ValueError):
+        i = n = None
+    if not (type(i) is int and type(n) is int and 1 <= i <= n):
+        raise UsageError(f"shard={shard!r} is not valid; need (I, N) with 1 <= I <= N (shards "
+                         "are 1-based)")
     return [c for c in cases if c.index % n == i - 1]
 
 
@@ -147,13 +154,15 @@ def prepare_out_dir(out: Path) -> None:
 
 
 def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bool,
-                log: Callable[[str], None] | None) -> RunSummary:
+                log: Callable[[str], None] | None, *, grid: dict | None = None) -> RunSummary:
+    """Run the cases; ``grid``: they are a validation grid's runs (its config and jobs go into
+    the manifest, and the caller builds the validation report instead of the suite's)."""
     say = log or (lambda msg: None)
     start = time.perf_counter()
     cache = CaseCache(out / "cases")
     cache.clean_stale_tmp()
     current = shard is None and _report_current(out, suite)
-    _write_manifest(out, suite, shard)
+    _write_manifest(out, suite, shard, grid=grid)
     selected = shard_cases(suite.cases, shard)
     preflight(selected)
     summary = RunSummary(out)
@@ -183,7 +192,7 @@ def _run_locked(suite: Suite, out: Path, shard: tuple[int, int] | None, show: bo
         _note_failed(summary, case, results)
         summary.computed.append(case.name)
         say(f"[done]    {case.name} ({time.perf_counter() - t0:.1f} s)")
-    if shard is None:
+    if shard is None and grid is None:
         summary.report = out / "report.html"
         if summary.computed or not current:
             results = [r for c in suite.cases for r in cache.load(c)]
@@ -266,6 +275,12 @@ def _merge_locked(dirs: Sequence[Path], out: Path, head: dict) -> RunSummary:
             atomic_write(dest, f.read_bytes())
         summary.cached.append(key)
     _write_manifest_raw(out, {**head, "shard": None, "report_digest": None})
+    if isinstance(head.get("validate"), dict):  # a validation grid: its own report
+        from varbench.app.validation import grid_report
+
+        grid_report(out, head)
+        summary.report = out / "report.html"
+        return summary
     results = [r for key in head["cases"] for r in load_file(found[key], expect_key=key)]
     summary.report = render(results, out, head["title"])
     _write_manifest_raw(out, {**head, "shard": None, "report_digest": head["digest"]})
@@ -320,8 +335,8 @@ def check_out_subdirs(out: Path) -> None:
 
 
 def _write_manifest(out: Path, suite: Suite, shard: tuple[int, int] | None,
-                    rendered: bool = False) -> None:
-    _write_manifest_raw(out, {
+                    rendered: bool = False, grid: dict | None = None) -> None:
+    _write_manifest_raw(out, {**(grid or {}),
         "suite": suite.name, "title": suite.title, "file": str(suite.path),
         "digest": suite.digest, "cases": [c.key for c in suite.cases],
         "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
