@@ -73,3 +73,12 @@ def test_bfloat16_halves_what_is_needed(ckpt, monkeypatch):
         assert "parameters alone" not in str(err) and "one row of sampling" in str(err)
     else:
         assert next(pol.model.parameters()).dtype == torch.bfloat16
+
+
+def test_the_commands_policy_path_checks_the_device(ckpt, monkeypatch):
+    from varbench.train.policies import build_policy as resolve
+
+    d, n_bytes = ckpt
+    _fake_free(monkeypatch, n_bytes // 2)
+    with pytest.raises(UsageError, match="parameters alone"):
+        resolve(str(d), device="cpu")
