@@ -10,20 +10,30 @@ norms; sampling with the KV cache (the sampler's own log-probs and entropies of 
 drew against a full forward of the reference on those tokens); one proxy cell (the token
 records of the proxy analysis); one variance cell with an exact reference (enumerated response
 table: g* and the exact variance / MSE of two schemes); one cancellation cell (shared-step
-residuals and gradient cancellation ratios); three training steps (the clipped loss and the
-gradient norm of three AdamW steps on one fixed batch, plus three steps of the real training
-loop, which must give finite records).
+residuals and gradient cancellation ratios after one PPO inner step); training (the clipped
+loss and gradient norm of three AdamW steps on one fixed batch, and three steps of the real
+training loop, whose loss, gradient norm and entropy records are compared with the same loop
+run on the float64 reference). Only the phases with a batched (vmapped) backward
+(``BATCHED_BACKWARD``) run under math attention; the others use the model's default attention
+(fused SDPA kernels on CUDA), as users get it.
 
-Two model sizes, both Qwen2-shaped (GQA, q/k/v biases) and built locally from a transformers
-``Qwen2Config`` with the embedded tokenizer's vocabulary (nothing is downloaded):
-- ``check``: small enough for an exact float64 reference on the CPU (the table's rows say
-  ``ref cpu/float64``); the variance cell keeps flat (unsketched) gradients.
-- ``realistic`` (CUDA only; ``--no-realistic`` to skip): the Qwen2-0.5B transformer body
-  (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; the vocabulary is the tasks' own),
-  against its float64 copy on the same GPU (``ref cuda/float64``: a CPU float64 run of this
-  size would take hours); the variance cell uses a CountSketch (the same one for candidate and
-  reference, both on the one device). Sequence length of the norms phase: ``--seq`` (checked
-  against the model's context).
+Then ``cli``: one CLI run of each analysis (``varbench proxy``, ``variance``, ``cancellation``)
+on a saved checkpoint, as one process and as a 2-rank ``torchrun``; every table of the 2-rank
+run must equal the one-process run's (``CLI_TOL``). ``varbench train`` refuses several ranks
+(it is not data-parallel), so the training loop is checked by the ``train`` phase instead.
+
+Model sizes, all Qwen2-shaped (GQA, q/k/v biases) and built locally from a transformers
+``Qwen2Config`` (nothing is downloaded):
+- ``check`` (``quick`` under ``--quick``): the embedded tokenizer's vocabulary, small enough
+  for an exact float64 reference on the CPU (rows say ``ref cpu/float64``); the variance cell
+  keeps flat (unsketched) gradients.
+- ``quick-vocab`` (``--quick``): Qwen2-0.5B's real 151936-token vocabulary with its tied head
+  on a 2-layer body, against float64 on the CPU; every phase but the variance cell (its exact
+  table enumerates the vocabulary). Ids past the tokenizer decode to "" (rewards are seeded).
+- ``realistic`` (CUDA only; ``--no-realistic`` to skip): Qwen2-0.5B's shape (hidden 896,
+  24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied head), against its
+  float64 copy on the same GPU (``ref cuda/float64``); the variance cell is skipped as above.
+  Sequence length of the norms phase: ``--seq`` (checked against the model's context).
 
 Tolerance per row: ``err`` is the max absolute difference over the max absolute reference
 value (normwise relative), or the max absolute difference for log-probabilities and losses
@@ -35,6 +45,7 @@ candidate on CUDA, with CUDA synchronised; peak memory is ``torch.cuda.max_memor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -80,15 +91,26 @@ TOLERANCES = {
     ("bfloat16", "rel"): 5e-2, ("bfloat16", "norm"): 1.5e-1, ("bfloat16", "nats"): 5e-2,
 }
 
-SIZES = {  # Qwen2-shaped bodies; the vocabulary is the embedded tokenizer's
+QWEN2_VOCAB = 151936  # Qwen2-0.5B's vocabulary, its head tied to the embedding
+SIZES = {  # Qwen2-shaped bodies; the vocabulary is the embedded tokenizer's unless "vocab"
     "quick": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    # --quick's real-vocabulary tied-head model: Qwen2-0.5B's vocabulary and tying, 2 layers
+    "quick-vocab": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, vocab=QWEN2_VOCAB, tied=True),
     "check": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
     "realistic": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2,
-                      max_position_embeddings=2048),
+                      max_position_embeddings=2048, vocab=QWEN2_VOCAB, tied=True),
 }
+# Phases with a batched (vmapped) backward need math attention; every other phase runs the
+# model's default (fused SDPA kernels on CUDA), as users get it.
+BATCHED_BACKWARD = ("norms", "proxy", "variance", "cancellation")
+# Phases that enumerate the vocabulary (the variance cell's exact response table): run on the
+# tokenizer-vocabulary sizes only.
+ENUMERATES_VOCAB = ("variance",)
 
 
 @dataclasses.dataclass
@@ -111,10 +133,12 @@ class Row:
 def qwen2_policy(size: str, seed: int = 0) -> Policy:
     """A randomly initialised Qwen2ForCausalLM of ``SIZES[size]`` with the embedded tokenizer."""
     tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+    shape = dict(SIZES[size])
+    vocab, tied = shape.pop("vocab", len(tok)), shape.pop("tied", False)
+    # ids past the tokenizer's 30 decode to "" (the rewards are seeded in the fixture batch)
+    cfg = Qwen2Config(vocab_size=vocab, pad_token_id=tok.pad_token_id,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False, rms_norm_eps=1e-6, **SIZES[size])
-    cfg._attn_implementation = "sdpa"
+                      tie_word_embeddings=tied, rms_norm_eps=1e-6, **shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
@@ -305,8 +329,8 @@ def phase_train(pol, ctx) -> dict:
         opt.step()
     out = {"loss x3 (fixed batch)": (torch.stack(losses), "nats", None),
            "grad norm x3": (torch.stack(gnorms), "norm", None)}
-    if ctx.get("loop") and pol is not ctx["ref_policy"]:
-        out["loop: 3 steps finite"] = (_loop_steps(pol, ctx), "finite", None)
+    if ctx.get("loop"):  # the real loop, its records against the float64 reference's loop
+        out["loop x3 (loss, grad norm, entropy)"] = (_loop_steps(pol, ctx), "norm", None)
     return out
 
 
@@ -316,8 +340,10 @@ def _loop_steps(pol, ctx) -> torch.Tensor:
     from varbench.train.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = save_policy(dataclasses.replace(pol, model=copy.deepcopy(pol.model).float()),
-                           Path(tmp) / "ckpt")
+        model = copy.deepcopy(pol.model)
+        ckpt = save_policy(dataclasses.replace(
+            pol, model=model if model.dtype == torch.float64 else model.float()),
+            Path(tmp) / "ckpt")
         dtype = str(next(pol.model.parameters()).dtype).removeprefix("torch.")
         cfg = TrainConfig(policy=str(ckpt), warm_start=False, task="sort",
                           task_options={"n": 2}, steps=3, G=ctx["G"], prompts_per_step=1,
@@ -339,9 +365,6 @@ PHASE_FNS: dict[str, Callable] = {
 
 
 def _compare(kind: str, dtype: str, got, ref, mask) -> tuple[float, float]:
-    if kind == "finite":
-        ok = bool(torch.isfinite(torch.as_tensor(got)).all()) and torch.as_tensor(got).numel()
-        return (0.0 if ok else math.inf), 0.0
     tol = TOLERANCES[(dtype, kind)]
     err = max_err(got, ref, mask, relative=kind != "nats")
     return err, tol
@@ -353,6 +376,8 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
     """Every phase of one model size on ``device`` in each dtype against float64 on
     ``ref_device``."""
     base = qwen2_policy(size)
+    if "vocab" in SIZES[size]:
+        phases = [ph for ph in phases if ph not in ENUMERATES_VOCAB]
     ctx_len = base.context_length
     if seq > ctx_len:
         raise SystemExit(f"--seq {seq} exceeds the {size} model's context {ctx_len}")
@@ -377,7 +402,9 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
         if device.type == "cuda":
             phase_norms(cand, ctx)  # warm-up: kernels, allocator, cuBLAS handles
         for ph in phases:
-            with batched_backward_attention(cand.model) as note, Timer(device) as tm:
+            attn = (batched_backward_attention(cand.model) if ph in BATCHED_BACKWARD
+                    else contextlib.nullcontext(None))
+            with attn as note, Timer(device) as tm:
                 got = PHASE_FNS[ph](cand, ctx)
             if note:
                 say(f"  {note}")
@@ -390,6 +417,113 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
         del cand
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+# One CLI run of each analysis on a saved checkpoint, as one process and as 2 torchrun ranks
+# (gloo; each rank on the CPU, or its own GPU under NCCL with 2 GPUs): every table of the
+# two runs must agree (the one-process run is the 2-rank run's reference).
+CLI_RUNS = {
+    "proxy": ["proxy", "--task", "sort", "--knob", "n=2", "--n-prompts", "3", "--n-boot", "20"],
+    "variance": ["variance", "--task", "sort", "--knob", "n=2", "--reward",
+                 "inclusion_adjacency", "--n-prompts", "3", "-G", "2", "-M", "6", "--schemes",
+                 "centered", "otb", "--reference", "sampled", "--n-ref", "16", "--sketch-dim",
+                 "64", "--min-responses", "0"],
+    "cancellation": ["cancellation", "--task", "sort", "--knob", "n=2", "--n-prompts", "3",
+                     "-G", "4", "--inner-steps", "0", "1", "--modes", "seq-mean-token-sum",
+                     "--sketch-dim", "32"],
+}
+CLI_TOL = 1e-5  # float32 model, same thread count: reductions of other batch splits round apart
+
+
+def _torchrun(argv: list[str], out: Path, timeout: int = 300) -> tuple[int, str]:
+    """``torchrun --nproc_per_node 2 -m varbench ARGV --out OUT`` (one launch per command: a
+    command leaves the process group when done); (exit code, output tail). A launch past
+    ``timeout`` is killed with its ranks (its own process group) and counts as failed."""
+    import os
+    import signal
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "varbench", *argv, "--out", str(out)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        return 124, (text or "")[-2000:] + f"\n(killed after {timeout}s)"
+    return proc.returncode, (text or "")[-2000:]
+
+
+def _tables_err(got: Path, ref: Path) -> float:
+    """Largest normwise relative difference over every numeric column of every table of two
+    report directories; inf when the tables, their columns or a text column differ."""
+    names = sorted(p.name for p in (ref / "tables").glob("*.csv"))
+    if not names or names != sorted(p.name for p in (got / "tables").glob("*.csv")):
+        return math.inf
+    worst = 0.0
+    for n in names:
+        fa, fb = (got / "tables" / n).read_bytes(), (ref / "tables" / n).read_bytes()
+        if not fb.strip() or not fa.strip():  # an empty table: equal only to an empty one
+            if fa.strip() != fb.strip():
+                return math.inf
+            continue
+        a, b = pd.read_csv(got / "tables" / n), pd.read_csv(ref / "tables" / n)
+        if list(a.columns) != list(b.columns) or len(a) != len(b) or not len(b):
+            return math.inf
+        for col in b.columns:
+            if pd.api.types.is_numeric_dtype(b[col]) and pd.api.types.is_numeric_dtype(a[col]):
+                x = torch.tensor(a[col].to_numpy(dtype=float))
+                y = torch.tensor(b[col].to_numpy(dtype=float))
+                if not torch.equal(x.isnan(), y.isnan()):
+                    return math.inf
+                keep = ~y.isnan()
+                if keep.any() and y[keep].abs().max() > 0:
+                    worst = max(worst, max_err(x[keep], y[keep]))
+                elif keep.any() and x[keep].abs().max() > 0:
+                    return math.inf
+            elif a[col].astype(str).tolist() != b[col].astype(str).tolist():
+                return math.inf
+    return worst
+
+
+def cli_rows(say: Callable[[str], None], runs: dict | None = None) -> list[Row]:
+    """The ``CLI_RUNS`` on a saved float32 quick checkpoint: one process against 2 ranks."""
+    from varbench.app.cli import main as cli_main
+    from varbench.models.io import save_policy
+
+    runs = CLI_RUNS if runs is None else runs
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        ckpt = save_policy(qwen2_policy("quick"), tmp / "ckpt")
+        argv = {k: [*v, "--policy", str(ckpt), "--device", "cpu", "--dtype", "float32",
+                    "--no-cache", "--no-progress"] for k, v in runs.items()}
+        dp = {}
+        for name, a in argv.items():
+            t0 = time.perf_counter()
+            code, text = _torchrun(a, tmp / "dp" / name)
+            dp[name] = (code, time.perf_counter() - t0)
+            if code != 0:
+                say(f"  torchrun varbench {name} failed ({code}):\n{text}")
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank: float32 reductions round alike
+        try:
+            for name, a in argv.items():
+                t0 = time.perf_counter()
+                code = cli_main([*a, "--out", str(tmp / "one" / name)])
+                one_s = time.perf_counter() - t0
+                dp_code, dp_s = dp[name]
+                err = (math.inf if code != 0 or dp_code != 0
+                       else _tables_err(tmp / "dp" / name, tmp / "one" / name))
+                rows.append(Row("quick", "cli", "float32", f"varbench {name}: 2 ranks",
+                                err, CLI_TOL, "1 process", one_s + dp_s))
+                say(f"  cli {name}: {one_s:.1f}s, 2 ranks {dp_s:.1f}s")
+        finally:
+            torch.set_num_threads(n)
     return rows
 
 
@@ -411,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-realistic", action="store_true", help="skip the realistic size")
     ap.add_argument("--seq", type=int, default=256,
                     help="sequence length of the norms phase at the realistic size")
+    ap.add_argument("--no-cli", action="store_true",
+                    help="skip the CLI runs (one process against 2 torchrun ranks)")
     ap.add_argument("--csv", default=None, help="also write the table to this CSV file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -425,14 +561,17 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         say(f"gpu_check on {torch.cuda.get_device_name(device)} (torch {torch.__version__}, "
             f"CUDA {torch.version.cuda})")
-    plan = [("quick", torch.device("cpu"), 16, 2, None) if args.quick
-            else ("check", torch.device("cpu"), 64, 3, None)]
+    plan = ([("quick", torch.device("cpu"), 16, 2, None),
+             ("quick-vocab", torch.device("cpu"), 16, 2, 256)] if args.quick
+            else [("check", torch.device("cpu"), 64, 3, None)])
     if device.type == "cuda" and not args.quick and not args.no_realistic:
         plan.append(("realistic", device, args.seq, 2, 256))
     rows: list[Row] = []
     for size, ref_device, seq, b, sketch in plan:
         rows += run_size(size, device, ref_device, args.dtypes, args.phases, seq=seq,
                          batch_rows=b, sketch_dim=sketch, loop=True, say=say)
+    if not args.no_cli:
+        rows += cli_rows(say)
     df = table(rows)
     with pd.option_context("display.max_rows", None, "display.width", 200):
         print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

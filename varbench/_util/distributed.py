@@ -89,6 +89,20 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def refuse_multi_rank(command: str, instead: str) -> None:
+    """Raise UsageError naming WORLD_SIZE when ``command`` is launched with several ranks.
+
+    For commands that do not split their work across ranks (yet): every rank would repeat the
+    whole run and write the same files, so they stop before any work instead. ``instead``: what
+    to run in its place, in words.
+    """
+    world = _env_int("WORLD_SIZE") or 1
+    if world > 1:
+        raise UsageError(f"`varbench {command}` does not run data-parallel, but WORLD_SIZE={world} "
+                         f"(torchrun with {world} ranks); every rank would repeat the whole run. "
+                         f"Launch it as one process (WORLD_SIZE unset or 1); {instead}")
+
+
 def rank_device() -> torch.device | None:
     """The device this rank computes on by default inside a joined multi-rank group:
     ``cuda:LOCAL_RANK`` under NCCL, the CPU under any other backend; None outside a group (the

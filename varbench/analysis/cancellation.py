@@ -17,6 +17,7 @@ both transforms restore ``sum_i A_i v~_i = 0`` at full-group steps.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice
 from varbench._util.config import Config, each, knob, text
+from varbench._util.distributed import gather_objects, rank_world
 from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
@@ -91,9 +93,33 @@ def _cluster_mean_se(df: pd.DataFrame, col: str) -> tuple[float, float, int]:
     return float(d[col].mean()), se, len(d)
 
 
+def _groups_of(batch, idx: torch.Tensor):
+    """The sub-batch of groups ``idx`` (prompt indices) of ``batch``: every [P, ...] field."""
+    dev_idx = {}
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        key = x.device
+        if key not in dev_idx:
+            dev_idx[key] = idx.to(key)
+        return x.index_select(0, dev_idx[key])
+
+    keep = idx.tolist()
+    return dataclasses.replace(
+        batch, **{f: take(getattr(batch, f)) for f in (
+            "prompt_ids", "prompt_mask", "tokens", "mask", "env_mask", "logprobs", "sum_pi_sq",
+            "entropy", "rewards", "lengths")},
+        prompts=[batch.prompts[i] for i in keep] if batch.prompts else [],
+        texts=[batch.texts[i] for i in keep] if batch.texts else [])
+
+
 def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ratios, steps,
                   transforms, clip, lr, top_tokens, sketch_dim, progress, rollouts=None,
                   logprob_tol="auto"):
+    # Under torchrun every rank samples the same batch (same seed; sampling is cheap) and takes
+    # the same PPO inner steps on all of it (one shared policy copy, identical on every rank);
+    # the per-token gradient sketches (the expensive part) and the trie diagnostics are
+    # computed only for this rank's groups p % world == rank and gathered back in group order.
+    rank, world = rank_world()
     if rollouts is None:
         batch = sample(policy, task, task.prompts(n_prompts, seed=seed), G, seed=seed,
                        reward=reward)
@@ -104,52 +130,70 @@ def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ra
     rewards = batch.rewards.to(batch.logprobs.dtype)
     adv = advantages(scheme, rewards, mask, logprobs=batch.logprobs, sum_pi_sq=batch.sum_pi_sq)
     logps = ppo_logps(policy, batch, adv, steps, lr=lr, clip=clip)
+    mine = torch.arange(rank, batch.P, world)
+    sub = _groups_of(batch, mine) if world > 1 else batch
     grads = None
-    if sketch_dim is not None:
-        grads = token_vectors(policy.model, batch, sketch_dim=sketch_dim, sketch_seed=seed,
+    if sketch_dim is not None and len(mine):
+        grads = token_vectors(policy.model, sub, sketch_dim=sketch_dim, sketch_seed=seed,
                               progress=progress).vec
+
+    def own(x: torch.Tensor) -> torch.Tensor:  # this rank's groups of a [P, G, T] tensor
+        return x if world == 1 else x.index_select(0, mine.to(x.device))
+
     tid = policy.tokenizer.convert_ids_to_tokens
-    confs, nodes, tokens = [], [], []
+    labels, coefs, local = [], [], []
     for k in steps:
         for mode in modes:
             for ratio in ratios:
                 for tf in transforms:
-                    label = f"{mode} | {ratio} ratio | k={k} | {tf}"
                     c = sample_weights(logps[k], batch.logprobs, adv, mask, mode, ratio=ratio,
                                        clip=clip, transform=tf, max_len=task.max_new_tokens)
-                    df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask,
+                    df = shared_steps(own(batch.tokens), own(adv), own(c), own(mask),
+                                      env_mask=own(batch.env_mask),
                                       token_grads=grads if k == 0 else None)
-                    df["abs_weighting_residual"] = df["weighting_residual"].abs()
-                    meta = {"task": task.name, "config": label, "mode": mode, "ratio": ratio,
-                            "inner_steps": k, "transform": tf}
-                    row = dict(meta)
-                    full = df[df["full_group"]]
-                    for name, part in (("full", full), ("shared", df)):
-                        for col, key in (("rel_residual", "residual_rel"),
-                                         ("weighting_residual", "weighting_rel"),
-                                         ("abs_weighting_residual", "abs_weighting_rel")):
-                            v, se, n = _cluster_mean_se(part, col)
-                            row[f"{name}_{key}"], row[f"{name}_{key}_se"] = v, se
-                        # Every step counts here, active or not (an all-agree group's steps
-                        # have A = 0: nothing to cancel, but they did occur).
-                        row[f"n_{name}"] = int(len(part))
-                        # Steps with something to cancel (sum |c A| > 0): the means run over
-                        # these; a zero weight (clipped, or Min-Replace's min of 0) drops out.
-                        active = part["rel_residual"].notna()
-                        row[f"n_{name}_active"] = int(active.sum())
-                        row[f"n_{name}_groups"] = int(part.loc[active, "p"].nunique())
-                    v, se, _ = _cluster_mean_se(df, "grad_ratio")
-                    row["grad_ratio"], row["grad_ratio_se"] = v, se
-                    row["n_grad_steps"] = int(df["grad_ratio"].notna().sum())
-                    row["n_grad_groups"] = int(df.loc[df["grad_ratio"].notna(), "p"].nunique())
-                    with torch.no_grad():
-                        lr_ = (logps[k] - batch.logprobs)[mask]
-                    row["mean_abs_log_ratio"] = float(lr_.abs().mean())
-                    confs.append(row)
-                    nodes.append(df.assign(**meta))
-                    tw = token_net_weight(batch.tokens, adv, c, mask, top=top_tokens)
-                    tw.insert(1, "token_str", [str(s) for s in tid(tw["token"].tolist())])
-                    tokens.append(tw.assign(**meta))
+                    df["p"] = mine.numpy()[df["p"].to_numpy()]  # local -> global group index
+                    labels.append((k, mode, ratio, tf))
+                    coefs.append(c)
+                    local.append(df)
+    if world > 1:  # one exchange for every configuration; back to one-process (group) order
+        parts = gather_objects(local)
+        local = [pd.concat([part[j] for part in parts], ignore_index=True)
+                 .sort_values("p", kind="stable", ignore_index=True)
+                 for j in range(len(labels))]
+    confs, nodes, tokens = [], [], []
+    for (k, mode, ratio, tf), c, df in zip(labels, coefs, local, strict=True):
+        label = f"{mode} | {ratio} ratio | k={k} | {tf}"
+        df["abs_weighting_residual"] = df["weighting_residual"].abs()
+        meta = {"task": task.name, "config": label, "mode": mode, "ratio": ratio,
+                "inner_steps": k, "transform": tf}
+        row = dict(meta)
+        full = df[df["full_group"]]
+        for name, part in (("full", full), ("shared", df)):
+            for col, key in (("rel_residual", "residual_rel"),
+                             ("weighting_residual", "weighting_rel"),
+                             ("abs_weighting_residual", "abs_weighting_rel")):
+                v, se, n = _cluster_mean_se(part, col)
+                row[f"{name}_{key}"], row[f"{name}_{key}_se"] = v, se
+            # Every step counts here, active or not (an all-agree group's steps
+            # have A = 0: nothing to cancel, but they did occur).
+            row[f"n_{name}"] = int(len(part))
+            # Steps with something to cancel (sum |c A| > 0): the means run over
+            # these; a zero weight (clipped, or Min-Replace's min of 0) drops out.
+            active = part["rel_residual"].notna()
+            row[f"n_{name}_active"] = int(active.sum())
+            row[f"n_{name}_groups"] = int(part.loc[active, "p"].nunique())
+        v, se, _ = _cluster_mean_se(df, "grad_ratio")
+        row["grad_ratio"], row["grad_ratio_se"] = v, se
+        row["n_grad_steps"] = int(df["grad_ratio"].notna().sum())
+        row["n_grad_groups"] = int(df.loc[df["grad_ratio"].notna(), "p"].nunique())
+        with torch.no_grad():
+            lr_ = (logps[k] - batch.logprobs)[mask]
+        row["mean_abs_log_ratio"] = float(lr_.abs().mean())
+        confs.append(row)
+        nodes.append(df.assign(**meta))
+        tw = token_net_weight(batch.tokens, adv, c, mask, top=top_tokens)  # cheap: every rank
+        tw.insert(1, "token_str", [str(s) for s in tid(tw["token"].tolist())])
+        tokens.append(tw.assign(**meta))
     return pd.DataFrame(confs), concat(nodes), concat(tokens), batch
 
 
@@ -260,7 +304,8 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
     out: dict[str, list[pd.DataFrame]] = {"configs": [], "nodes": [], "token_ids": []}
     for task in tasks:
         cells = {k: cache.load(f"{task.name}__{k}") for k in out}
-        if any(v is None for v in cells.values()):
+        # every rank agrees before any work, so no rank waits alone in a gather
+        if any(gather_objects(any(v is None for v in cells.values()))):
             conf, nodes, toks, _ = _task_records(
                 pols[task.name], task, n_prompts=c.n_prompts, G=c.G, reward=c.reward,
                 seed=c.seed, scheme=c.scheme, modes=modes, ratios=ratios, steps=steps,
@@ -268,8 +313,9 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: Cancellat
                 sketch_dim=c.sketch_dim, progress=show_progress(progress),
                 rollouts=c.rollouts, logprob_tol=c.logprob_tol)
             cells = {"configs": conf, "nodes": nodes, "token_ids": toks}
-            for k, v in cells.items():
-                cache.save(f"{task.name}__{k}", v)
+            if rank_world()[0] == 0:  # every rank holds the gathered cells; one writes them
+                for k, v in cells.items():
+                    cache.save(f"{task.name}__{k}", v)
         for k, v in cells.items():
             out[k].append(v)
     records = {k: concat(v) for k, v in out.items()}

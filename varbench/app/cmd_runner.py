@@ -110,7 +110,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from varbench._util.distributed import refuse_multi_rank
     from varbench.app.runner import parse_shard, plan_suite, run_suite
+
+    refuse_multi_rank("run", "split the suite with --shard I/N (one process per shard, "
+                      "`varbench merge` after), or torchrun one analysis command "
+                      "(`varbench variance|proxy|cancellation ...`), which splits its work.")
 
     shard = parse_shard(args.shard) if args.shard else None
     if args.plan:

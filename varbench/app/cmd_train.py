@@ -154,6 +154,10 @@ def _refuse_existing_run(out: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from varbench._util.distributed import refuse_multi_rank
+
+    refuse_multi_rank("train", "to use several GPUs, train several seeds or schemes as separate "
+                      "processes (`varbench validate --shard I/N`).")
     from varbench.train.loop import train
 
     out = Path(args.out)
@@ -340,6 +344,10 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
+
+    from varbench._util.distributed import refuse_multi_rank
+
+    refuse_multi_rank("validate", "split the runs with --shard I/N, one process per shard.")
 
     from varbench.app.validation import finished_runs, run_validation
 

@@ -111,6 +111,44 @@ def check_policy(model, tokenizer, name: str) -> None:
             "the embeddings (model.resize_token_embeddings(len(tokenizer))) and save again")
 
 
+def check_fits(path: Path, dtype: torch.dtype | None, device: str | torch.device, *,
+               trust_remote_code: bool = False) -> None:
+    """Refuse, before any weight is read, a checkpoint that does not fit ``device``.
+
+    From ``config.json`` alone (:func:`varbench.models.memplan.plan_from_config`): the
+    parameters must fit the device's free memory and one sampled row beside them its budget.
+    No placement across devices is attempted (a model larger than one device is refused, with
+    the bytes it needs and the device's). Devices without a measured free memory (the CPU)
+    pass.
+    """
+    from transformers import AutoConfig
+
+    from varbench.models import memplan
+
+    free = memplan.free_device_bytes(device)
+    if free is None:
+        return
+    try:
+        with _quiet_hf():
+            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the model load below reports an unreadable config
+        return
+    want = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(want, str):
+        want = getattr(torch, want, None)
+    if not isinstance(want, torch.dtype):
+        want = torch.float32  # what transformers loads without a dtype in the config
+    p = memplan.plan_from_config(cfg, want, "sampling", 1, 1, free)
+    if p.model_bytes > free:
+        raise UsageError(
+            f"policy {str(path)!r} does not fit {device}: its parameters alone need "
+            f"{memplan.gib(p.model_bytes)} in {want}, the device has {memplan.gib(free)} free; "
+            "varbench places a model on one device (no layer-wise placement): use a device "
+            "with more memory, a smaller dtype (--dtype bfloat16) or a smaller model")
+    memplan.check_plan(p, f"policy {str(path)!r} on {device}")
+
+
 def load_policy(
     path: str | Path,
     *,
@@ -137,6 +175,8 @@ def load_policy(
     except Exception as err:  # noqa: BLE001
         first = " ".join(str(err).split())[:300]
         raise UsageError(f"cannot load the tokenizer from {str(p)!r}: {first}") from err
+    if device is not None:
+        check_fits(p, dtype, device, trust_remote_code=bool(trust_remote_code))
     try:
         with _quiet_hf():
             model = AutoModelForCausalLM.from_pretrained(

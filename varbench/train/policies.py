@@ -130,7 +130,9 @@ def build_policy(
     elif name in presets():
         policy = build_preset(name, seed=seed, tie_embeddings=tie_embeddings)
     else:
-        policy = load_policy(name, dtype=dtype, trust_remote_code=trust_remote_code)
+        # with the device: a checkpoint larger than it is refused before any weight is read
+        policy = load_policy(name, dtype=dtype, device=device,
+                             trust_remote_code=trust_remote_code)
     if dtype is not None or device is not None:
         policy.model.to(device=device, dtype=dtype)
     return prepare_for_task(policy, task, add_task_tokens=add_task_tokens)
