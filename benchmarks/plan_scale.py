@@ -17,7 +17,8 @@ allocates are counted by memplan.LiveBytes. What is traced, per path:
   and a tied head's per-token gradient materialised and copied to float32, as the harness
   does; the real function's host reads (its plan from the mask) cannot run on fake tensors,
   so the CPU tests (tests/test_memplan.py) hold the real function to the same plan;
-- logits: ``head_stats`` over one chunk of positions.
+- logits: ``head_stats`` over one chunk of positions, the chunk as one statistics block (as
+  CUDA runs it; the CPU's cache blocks hold less).
 
 For token_norms and train_logprobs fewer layers (``--layers``, l) are traced and the
 per-layer terms extrapolated linearly to the model's depth n: traced(n) = traced(l) +
@@ -28,11 +29,13 @@ small scale (within 5%). Sampling and logits are traced at full depth.
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
+from varbench.models import logits as logits_mod
 from varbench.models import memplan
 from varbench.models.forward import forward_logits
 from varbench.models.head import OutputHead
@@ -94,7 +97,10 @@ def trace(config, dtype, path: str, T: int, chunk: int) -> int:
                     z = out.logits[:, -1].float()
                     torch.softmax(z, -1)
             elif path == "logits":
-                with torch.no_grad():
+                # as on CUDA: the whole chunk is one statistics block (the CPU's cache
+                # blocking would keep the softmax per block and trace less than CUDA holds)
+                with torch.no_grad(), mock.patch.object(logits_mod, "block_rows",
+                                                        lambda V, c, dev: max(c, 1)):
                     h = torch.zeros(chunk, config.hidden_size, dtype=dtype)
                     head_stats(h, _head(model), torch.zeros(chunk, dtype=torch.long), chunk=chunk)
             elif path == "token_norms":

@@ -97,14 +97,25 @@ def auto_block_bytes(
     block_bytes: int | None = None,
     default: int = BLOCK_BYTES,
     memory_fraction: float = MEMORY_FRACTION,
+    chunk_plan: memplan.Plan | None = None,
 ) -> int:
     """Bytes of per-token gradients per harness pass: ``block_bytes`` when given, ``default``
-    on a non-CUDA device, else half of ``memory_fraction`` of the free memory (the other half
-    is the chunk's activation gradients)."""
+    on a non-CUDA device, else what the chunk's plan (``chunk_plan``: its planned peak) leaves
+    of ``memory_fraction`` of the free memory; without a plan, half of it (the share
+    :func:`token_plan` is given for the chunk's activation gradients)."""
     if block_bytes is not None:
         return check_positive_int("block_bytes", block_bytes)
     budget = _free_budget(device, memory_fraction)
-    return default if budget is None else max(1, budget // 2)
+    if budget is None:
+        return default
+    if chunk_plan is None:
+        return max(1, budget // 2)
+    left = budget - chunk_plan.peak_bytes
+    if left <= 0:
+        raise UsageError(f"no memory is left for the per-token gradient block: the chunk's "
+                         f"plan ({chunk_plan.describe()}) takes the budget of "
+                         f"{memplan.gib(budget)}; pass a smaller chunk_size")
+    return left
 
 
 def _free_budget(device: torch.device | str, memory_fraction: float) -> int | None:

@@ -456,12 +456,14 @@ def token_vectors(
     Lp = flat.prompt_len
     vec = torch.zeros(B, L - Lp, K, dtype=dtype, device=dev)
     tsq = torch.zeros(B, L, dtype=dtype, device=dev)
-    block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction)
-    # CUDA: the activation gradients of a chunk and the block of per-token gradients share
-    # the fraction half and half
+    # CUDA: the activation gradients of a chunk get half the fraction (the plan's chunk), the
+    # block of per-token gradients what the chunk's planned peak leaves of the fraction
     measured = chunk_size is None and free_device_bytes(dev) is not None
-    chunk_size = token_plan(model, B, L, dev, path="vectors", chunk_size=chunk_size,
-                            memory_fraction=memory_fraction / 2).chunk
+    cplan = token_plan(model, B, L, dev, path="vectors", chunk_size=chunk_size,
+                       memory_fraction=memory_fraction / 2)
+    chunk_size = cplan.chunk
+    block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction,
+                                   chunk_plan=cplan if measured else None)
     if measured and (dev.type == "cuda" if pack is None else pack):
         # a packed chunk's cotangents each span its rows: keep tokens x rows in the budget
         offs = [0]

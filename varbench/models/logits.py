@@ -33,6 +33,7 @@ import torch
 
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
 from varbench.models.forward import forward_logits
+from varbench.models import memplan
 from varbench.models.head import OutputHead, final_hidden, read_head
 
 # Positions per head matmul when no chunk is given: at least CHUNK_ROWS (each chunk reads the
@@ -101,10 +102,15 @@ class PiStats(NamedTuple):
     hidden_sq: torch.Tensor | None = None
 
 
-def _chunk_rows(V: int, chunk: int | None, rows: int | None = None) -> int:
-    if chunk is None:
-        return max(CHUNK_ROWS if rows is None else rows, CHUNK_ELEMENTS // max(V, 1))
-    return check_positive_int("chunk", chunk)
+def _chunk_rows(V: int, chunk: int | None, like: torch.Tensor, H: int, *,
+                grad: bool = False) -> int:
+    """Positions per head matmul: ``chunk`` when given, else the memory plan's
+    (:func:`varbench.models.memplan.logit_rows`) for ``like``'s device and dtype, whose
+    unmeasured (CPU) default is the cache-tuned size."""
+    if chunk is not None:
+        return check_positive_int("chunk", chunk)
+    default = GRAD_CHUNK_ROWS if grad else max(CHUNK_ROWS, CHUNK_ELEMENTS // max(V, 1))
+    return memplan.logit_rows(V, H, like.element_size(), like.device, default, grad=grad)
 
 
 def _block_stats(z: torch.Tensor, y: torch.Tensor, top_k: int):
@@ -134,12 +140,13 @@ def _block_stats(z: torch.Tensor, y: torch.Tensor, top_k: int):
 
 
 def _chunked_stats(n: int, V: int, chunk_logits: Callable[[int, int], torch.Tensor],
-                   tokens: torch.Tensor, sd: torch.dtype, chunk: int | None, top_k: int = 0,
+                   tokens: torch.Tensor, sd: torch.dtype, chunk: int, top_k: int = 0,
                    max_prob: bool = False) -> tuple[PiStats, torch.Tensor]:
     """``(PiStats, logsumexp)`` of ``n`` positions whose logits ``chunk_logits(i, j)`` gives
-    (``[j - i, V]`` in ``sd``, the caller's to overwrite) for tokens ``tokens`` ``[n]``."""
+    (``[j - i, V]`` in ``sd``, the caller's to overwrite) for tokens ``tokens`` ``[n]``,
+    ``chunk`` (:func:`_chunk_rows`) positions at a time."""
     dev = tokens.device
-    c = min(_chunk_rows(V, chunk), max(n, 1))
+    c = min(chunk, max(n, 1))
     r = block_rows(V, c, dev)
     out = [torch.empty(n, dtype=sd, device=dev) for _ in range(5)]
     k = min(top_k, V)
@@ -187,7 +194,8 @@ def pi_stats(logits: torch.Tensor, tokens: torch.Tensor, *, dtype: torch.dtype |
     V = logits.shape[-1]
     z = logits.detach().reshape(-1, V)
     y = tokens.reshape(-1).long()
-    c = min(_chunk_rows(V, chunk), max(z.shape[0], 1))
+    chunk = _chunk_rows(V, chunk, z, 0)  # no head matmul here: no weight copy
+    c = min(chunk, max(z.shape[0], 1))
     buf = torch.empty(c, V, dtype=sd, device=z.device)
 
     def chunk_logits(i: int, j: int) -> torch.Tensor:
@@ -212,6 +220,7 @@ def head_stats(hidden: torch.Tensor, head: OutputHead, tokens: torch.Tensor, *,
     sd = stat_dtype(hidden.dtype, dtype)
     h = hidden.detach().reshape(-1, hidden.shape[-1])
     y = tokens.reshape(-1).long()
+    chunk = _chunk_rows(head.vocab_size, chunk, h, h.shape[-1])
     with torch.no_grad():
         s, _ = _chunked_stats(h.shape[0], head.vocab_size,
                               lambda i, j: head.logits(h[i:j], sd), y, sd, chunk, top_k, max_prob)
@@ -225,13 +234,13 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, tokens, head, sd, chunk, with_entropy):
         ctx.set_materialize_grads(False)
-        chunk = _chunk_rows(head.vocab_size, chunk, GRAD_CHUNK_ROWS)
+        chunk = _chunk_rows(head.vocab_size, chunk, h, h.shape[-1], grad=True)
         hd = OutputHead(weight, bias, head.scale, head.softcap)
         s, lse = _chunked_stats(h.shape[0], hd.vocab_size, lambda i, j: hd.logits(h[i:j], sd),
                                 tokens, sd, chunk)
         ctx.save_for_backward(h, weight, bias, tokens, lse, s.entropy)
         ctx.head = head
-        ctx.chunk = min(_chunk_rows(hd.vocab_size, chunk), max(h.shape[0], 1))
+        ctx.chunk = min(chunk, max(h.shape[0], 1))
         if with_entropy:
             return s.logp, s.entropy
         ctx.mark_non_differentiable(s.entropy)

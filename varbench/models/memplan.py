@@ -160,8 +160,7 @@ def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -
     if path == "sampling":
         # keys and values of every layer, the step's logits in float32 and their softmax
         return 2 * n * shape.kv_dim * L * e + V * (e + 3 * 4)
-    # logits: one position's logits and two float32 temporaries of the statistics
-    return V * (e + 2 * a)
+    return logits_unit(V, e)
 
 
 def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
@@ -183,10 +182,46 @@ def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
     if path == "train_logprobs":
         # the head's chunked log-probs (256 positions of logits and their gradients at a time),
         # the parameters' gradient and the head's float32 gradient accumulator
-        return 256 * V * (e + 3 * 4) + 2 * B * L * a + shape.n_params * e + 4 * V * h
+        return 256 * logits_unit(V, e, grad=True) + 2 * B * L * a + shape.n_params * e + 4 * V * h
     if path == "sampling":
         return B * L * (8 + 4 + 4 + 3 * 4) + min(B * L * V, 1 << 24) * 4
-    return 2 * B * L * a
+    return logits_fixed(V, h, e) + 2 * B * L * a
+
+
+def logits_unit(vocab: int, elsize: int, *, grad: bool = False) -> int:
+    """Bytes one position adds to a chunk of the logit statistics: its logits and their
+    softmax in the statistics' dtype (``2a V``; traced with the whole chunk as one block, as on
+    CUDA; the CPU's cache blocking keeps the softmax per block, so this bounds it there), on
+    the differentiable path (``grad``) the recomputed logits, their gradient and log-probs
+    (``(e + 3a) V``)."""
+    a = 8 if elsize == 8 else 4
+    return vocab * (elsize + 3 * a if grad else 2 * a)
+
+
+def logits_fixed(vocab: int, hidden: int, elsize: int) -> int:
+    """Bytes the logit statistics hold whatever the chunk: the head matmul's copy of the
+    ``[V, h]`` weight (traced on the CPU, whose matmul copies the transposed weight; kept as
+    an upper bound elsewhere)."""
+    return vocab * hidden * elsize
+
+
+def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str, default: int,
+               *, grad: bool = False, fraction: float = MEMORY_FRACTION) -> int:
+    """Positions per head matmul of the logit statistics on ``device``: ``default`` without a
+    measured budget (the CPU: its cache-tuned size), else the most whose planned peak fits
+    :data:`HEADROOM` of ``fraction`` of the free memory; the differentiable path at most
+    ``default`` (the training step's plan counts that many). Refused (UsageError) when one
+    position cannot fit."""
+    budget = device_budget(device, fraction)
+    if budget is None:
+        return default
+    unit, fixed = logits_unit(vocab, elsize, grad=grad), logits_fixed(vocab, hidden, elsize)
+    if fixed + unit > budget:
+        raise UsageError(f"the logit statistics do not fit: one position of a {vocab}-token "
+                         f"vocabulary needs {gib(fixed + unit)}, the budget is {gib(budget)}; "
+                         "use a device with more memory or a smaller model")
+    rows = max(1, (int(HEADROOM * budget) - fixed) // unit)
+    return min(default, rows) if grad else rows
 
 
 def probe_bytes(shape: ModelShape, path: str, L: int) -> int:
@@ -330,5 +365,5 @@ class LiveBytes(TorchDispatchMode):
 
 __all__ = ["HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS", "LiveBytes",
            "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes", "free_device_bytes",
-           "gib", "plan", "plan_from_config", "probe_bytes", "unit_bytes"]
+           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_from_config", "probe_bytes", "unit_bytes"]
 
