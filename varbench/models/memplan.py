@@ -365,5 +365,6 @@ class LiveBytes(TorchDispatchMode):
 
 __all__ = ["HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS", "LiveBytes",
            "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes", "free_device_bytes",
-           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_from_config", "probe_bytes", "unit_bytes"]
+           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_from_config",
+           "probe_bytes", "unit_bytes"]
 
