@@ -20,7 +20,7 @@ from varbench.analysis.variance_cells import (
     _from_sample,
 )
 from varbench.grads.vectors import token_vectors
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.models.memplan import LiveBytes
 from varbench.rollout.batch import RolloutBatch
 from varbench.tasks import get_task
@@ -162,7 +162,7 @@ def test_projected_peak_memory_flat_in_responses():
 def test_analysis_defaults_to_projected_and_agrees_with_vectors():
     """estimator_variance end to end on a float64 micro policy (flat: identity projections):
     the default (projected) and gradients='vectors' give the same cells."""
-    pol = build_policy("micro", seed=1, dtype=torch.float64)
+    pol = build_preset("micro", seed=1, dtype=torch.float64)
     task = get_task("arith", digits=1)
     kw = dict(schemes=["centered", "rloo", "otb", "otb_exact"], Gs=(2, 4), M=4, n_prompts=1,
               reference="sampled", n_ref=16, min_responses=0, n_boot=50, exact="never",
@@ -182,6 +182,6 @@ def test_analysis_defaults_to_projected_and_agrees_with_vectors():
 
 
 def test_bad_gradients_value():
-    pol = build_policy("micro", seed=1)
+    pol = build_preset("micro", seed=1)
     with pytest.raises(Exception, match="gradients"):
         estimator_variance(pol, get_task("arith", digits=1), gradients="dense")

@@ -15,7 +15,7 @@ import torch
 
 from varbench.analysis.cancellation import cancellation
 from varbench.app.cli import main
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.tasks import get_task
 
 # 3 groups: rank 0 takes groups 0 and 2, rank 1 group 1 (uneven shards); one PPO inner step
@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from varbench._util.distributed import init_from_env, shutdown
 from varbench.analysis.cancellation import cancellation
-from varbench.models import build_policy
+from varbench.models import build_preset
 from varbench.tasks import get_task
 
 rank, world = init_from_env()
 assert world == 2 and dist.get_backend() == "gloo"
-pol = build_policy("micro", seed=1)
+pol = build_preset("micro", seed=1)
 with torch.no_grad():
     pol.model.lm_head.weight.mul_(%r)
 res = cancellation(pol, [get_task("sort", n=2)], **%r)
@@ -72,7 +72,7 @@ def test_cancellation_two_gloo_ranks_equal_one_process(tmp_path):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: float32 reductions round alike
     try:
-        pol = build_policy("micro", seed=1)
+        pol = build_preset("micro", seed=1)
         with torch.no_grad():
             pol.model.lm_head.weight.mul_(PEAK)
         single = cancellation(pol, [get_task("sort", n=2)], **KW).records

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from varbench._util.checks import UsageError
-from varbench.models import build_policy, memplan
+from varbench.models import build_preset, memplan
 from varbench.models.io import load_policy
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    pol = build_policy("micro", seed=0)
+    pol = build_preset("micro", seed=0)
     pol.model.save_pretrained(d)
     pol.tokenizer.save_pretrained(d)
     n_bytes = sum(p.numel() * p.element_size() for p in pol.model.parameters())
