@@ -137,14 +137,15 @@ VARIANCE = ["variance", "--preset", "micro", "--states", "random", "--task", "so
 
 def test_variance_notice_is_what_it_samples(tmp_path, monkeypatch, capsys):
     """The floor (24 responses: M 3 -> 12 groups of 2) and the sampled reference (8) are in
-    the notice, and the spied sampler and gradient harnesses spend exactly that."""
+    the notice, and the spied sampler and gradient harnesses spend exactly that (on the
+    per-token vectors path, whose passes the notice counts)."""
     import varbench.analysis.variance as va
 
     tally: dict[str, int] = {}
     _count(monkeypatch, va, "sample", _sampled, tally)
     _count(monkeypatch, va, "token_vectors", _batch_rows, tally)
     _count(monkeypatch, va, "sequence_grad_norms", lambda m, ids, *a, **k: ids.shape[0], tally)
-    assert main([*VARIANCE, "--out", str(tmp_path / "v")]) == 0
+    assert main([*VARIANCE, "--gradients", "vectors", "--out", str(tmp_path / "v")]) == 0
     err = capsys.readouterr().err
     assert ("32 responses sampled (24 for the estimates + 8 for the sampled reference), "
             "38 forward+backward passes") in err
