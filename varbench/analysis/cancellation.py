@@ -130,7 +130,7 @@ def _task_records(policy, task, *, n_prompts, G, reward, seed, scheme, modes, ra
     rewards = batch.rewards.to(batch.logprobs.dtype)
     adv = advantages(scheme, rewards, mask, logprobs=batch.logprobs, sum_pi_sq=batch.sum_pi_sq)
     logps = ppo_logps(policy, batch, adv, steps, lr=lr, clip=clip)
-    mine = torch.arange(rank, batch.P, world)
+    mine = torch.arange(rank, batch.P, world, device="cpu")  # host indices (pandas reads them)
     sub = _groups_of(batch, mine) if world > 1 else batch
     grads = None
     if sketch_dim is not None and len(mine):
