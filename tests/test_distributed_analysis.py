@@ -8,10 +8,10 @@ import pickle
 import subprocess
 import sys
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
+from _fixtures_distributed import assert_frames_close
 
 from varbench.analysis.proxy import proxy_correlation
 from varbench.analysis.variance import estimator_variance
@@ -65,18 +65,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _assert_frames_close(a: pd.DataFrame, b: pd.DataFrame, name: str) -> None:
-    assert list(a.columns) == list(b.columns), name
-    assert len(a) == len(b) and len(a) > 0, name
-    for col in a.columns:
-        x, y = a[col].to_numpy(), b[col].to_numpy()
-        if pd.api.types.is_numeric_dtype(a[col]):
-            # float32 model: derived ratios (noise scale, SNR) amplify rounding to ~1e-6.
-            np.testing.assert_allclose(x.astype(float), y.astype(float), rtol=1e-5, atol=1e-9,
-                                       err_msg=f"{name}.{col}")
-        else:
-            assert list(x) == list(y), f"{name}.{col}"
-
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
     script = tmp_path / "dp_variance.py"
@@ -95,14 +83,14 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
         dp = pickle.loads((tmp_path / f"rec{rank}").read_bytes())
         assert set(dp) == set(single)
         for name in single:
-            _assert_frames_close(dp[name], single[name], name)
+            assert_frames_close(dp[name], single[name], name)
     single_proxy = proxy_correlation(build_preset("micro", seed=1), get_task("sort", n=2),
                                      **PROXY_KW).records
     for rank in (0, 1):
         dp = pickle.loads((tmp_path / f"recproxy{rank}").read_bytes())
         assert set(dp) == set(single_proxy)
         for name in single_proxy:
-            _assert_frames_close(dp[name], single_proxy[name], f"proxy.{name}")
+            assert_frames_close(dp[name], single_proxy[name], f"proxy.{name}")
     assert single_proxy["tokens"]["seq"].nunique() == 9
     by_prompt = single["cells_by_prompt"]
     assert list(by_prompt["prompt"].unique()) == [0, 1, 2]
@@ -113,5 +101,5 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, one_thread):
     assert sorted(p.name for p in (tmp_path / "dp" / "tables").glob("*.csv")) == tables
     assert any(t.endswith("cells_by_prompt.csv") for t in tables)
     for t in tables:
-        _assert_frames_close(pd.read_csv(tmp_path / "dp" / "tables" / t),
+        assert_frames_close(pd.read_csv(tmp_path / "dp" / "tables" / t),
                              pd.read_csv(tmp_path / "one" / "tables" / t), t)

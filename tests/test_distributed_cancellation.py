@@ -8,10 +8,9 @@ import pickle
 import subprocess
 import sys
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
+from _fixtures_distributed import assert_frames_close
 
 from varbench.analysis.cancellation import cancellation
 from varbench.app.cli import main
@@ -47,18 +46,6 @@ shutdown()
 """
 
 
-def _assert_frames_close(a: pd.DataFrame, b: pd.DataFrame, name: str) -> None:
-    assert list(a.columns) == list(b.columns), name
-    assert len(a) == len(b) and len(a) > 0, name
-    for col in a.columns:
-        x, y = a[col].to_numpy(), b[col].to_numpy()
-        if pd.api.types.is_numeric_dtype(a[col]):
-            # float32 sketches of a different batch split round apart by ~1e-7
-            np.testing.assert_allclose(x.astype(float), y.astype(float), rtol=1e-5, atol=1e-9,
-                                       err_msg=f"{name}.{col}")
-        else:
-            assert list(x) == list(y), f"{name}.{col}"
-
 
 def test_cancellation_two_gloo_ranks_equal_one_process(tmp_path):
     script = tmp_path / "dp_cancel.py"
@@ -85,7 +72,7 @@ def test_cancellation_two_gloo_ranks_equal_one_process(tmp_path):
         dp = pickle.loads((tmp_path / f"rec{rank}").read_bytes())
         assert set(dp) == set(single)
         for name in single:
-            _assert_frames_close(dp[name], single[name], name)
+            assert_frames_close(dp[name], single[name], name)
 
 
 @pytest.mark.parametrize("argv", [
