@@ -31,7 +31,12 @@ from varbench.estimators.coefficients import token_coefficients
 from varbench.estimators.registry import advantages
 from varbench.grads.projected import projection_sd, response_sketches
 from varbench.grads.vectors import combine
-from varbench.stats.estimates import VARIANCE_STATS, paired_compare, variance_stats
+from varbench.stats.estimates import (
+    VARIANCE_STATS,
+    moment_statistics,
+    paired_compare,
+    variance_stats,
+)
 from varbench.stats.intervals import (
     INTERVAL_STATS,
     gram_matrix,
@@ -388,16 +393,12 @@ def _set_exact(row: dict, ex: dict[str, float], sketch: dict[str, float] | None 
     ``sketch`` (the sketch's SD of variance, MSE and projection, ``exact-sketched``) those as
     SEs and ``value -/+ z sd`` as intervals, and NaN SEs for the statistics derived from them
     (their sketch error is not modelled)."""
-    var = ex["variance"]
-    vals = {
-        "variance": var, "mse": ex["mse"], "projection": ex["projection"],
-        "bias": max(ex["bias2"], 0.0) ** 0.5, "bias2_debiased": ex["bias2"],
-        "signal_norm2": ex["signal_norm2"],
-        "snr": ex["signal_norm2"] / var if var > 0 else float("nan"),
-        "noise_scale": var / ex["signal_norm2"] if ex["signal_norm2"] > 0 else float("nan"),
-        "variance_x_tokens": var * row["tokens_per_group"],
-        "frac_all_agree": ex["frac_all_agree"], "frac_zero": ex["frac_zero"],
-    }
+    # the derived statistics' one definition, at exact moments (n = inf: g_bar = E g_hat)
+    derived = moment_statistics(ex["variance"], ex["signal_norm2"], ex["bias2"],
+                                row["tokens_per_group"])
+    vals = {**{k: float(v) for k, v in derived.items()},
+            "mse": ex["mse"], "projection": ex["projection"],
+            "frac_all_agree": ex["frac_all_agree"], "frac_zero": ex["frac_zero"]}
     for k, v in vals.items():
         row[k] = v
         if f"{k}_se" in row:

@@ -159,24 +159,48 @@ def correlations(
     return pd.DataFrame(rows)
 
 
-def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens, nnz):
-    """Every variance statistic from sufficient sums over n group estimates (broadcasts)."""
-    var = (sumsq - ss / n) / (n - 1)
-    gbar2 = ss / n**2
-    bias2 = gbar2 - 2 * sumxg / n + gg
+def moment_statistics(
+    variance: float | torch.Tensor,
+    mean_norm2: float | torch.Tensor,
+    bias2: float | torch.Tensor,
+    tokens: float | torch.Tensor,
+    n: float = math.inf,
+) -> dict[str, torch.Tensor]:
+    """The statistics derived from the moments of ``n`` group estimates (docs/science.md §5).
+
+    ``variance`` V, ``mean_norm2`` = ||g_bar||^2, ``bias2`` = ||g_bar - g*||^2 and ``tokens``
+    (mean tokens per group), float64 scalars or tensors (broadcast; a float goes to the host).
+    ``n = inf``: exact moments (g_bar = E g_hat, so the V/n corrections vanish). Returns
+    float64 tensors of ``variance``, ``bias``, ``bias2_debiased``, ``signal_norm2``, ``snr``,
+    ``noise_scale`` and ``variance_x_tokens``: the one definition of each, for the Monte Carlo
+    cells (:func:`variance_stats`) and the exact cells alike.
+    """
+    var, gbar2, b2, tok = (
+        v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64, device="cpu")
+        for v in (variance, mean_norm2, bias2, tokens)
+    )
     signal2 = gbar2 - var / n  # unbiased estimate of ||E g_hat||^2
     tiny = torch.finfo(torch.float64).tiny
     return {
         "variance": var,
-        "bias": bias2.clamp(min=0).sqrt(),
-        "bias2_debiased": bias2 - var / n,
-        "mse": (sumsq - 2 * sumxg) / n + gg,
-        "cosine": sumcos / n,
+        "bias": b2.clamp(min=0).sqrt(),
+        "bias2_debiased": b2 - var / n,
         "snr": gbar2 / var.clamp(min=tiny),
-        "variance_x_tokens": var * tokens,
+        "variance_x_tokens": var * tok,
         # NaN where the signal is not resolved (its unbiased estimate is <= 0).
         "noise_scale": torch.where(signal2 > 0, var / signal2.clamp(min=tiny), torch.nan),
         "signal_norm2": signal2,
+    }
+
+
+def _stats_from_sums(n, sumsq, ss, sumxg, gg, sumcos, tokens, nnz):
+    """Every variance statistic from sufficient sums over n group estimates (broadcasts)."""
+    var = (sumsq - ss / n) / (n - 1)
+    gbar2 = ss / n**2
+    return {
+        **moment_statistics(var, gbar2, gbar2 - 2 * sumxg / n + gg, tokens, n),
+        "mse": (sumsq - 2 * sumxg) / n + gg,
+        "cosine": sumcos / n,
         # E[g_hat] . g* / ||g*||^2: 1 for an unbiased scheme, (G-1)/G for centered
         "projection": sumxg / n / gg,
         # the mean cosine over groups whose estimate is not exactly 0 (an all-agree group's
