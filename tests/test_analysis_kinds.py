@@ -154,6 +154,18 @@ def test_exact_weights_follow_the_declared_capability():
             va.VarianceConfig(schemes=(label,))
 
 
+@pytest.mark.parametrize("config", [va.VarianceConfig, ca.CancellationConfig])
+def test_no_sketch_is_one_spelling_after_the_config(config):
+    """0 (a suite's or a flag's "no sketch") becomes None in the config's declaration, whether
+    the config comes from keywords or from a suite case; the run reads None only."""
+    assert config(sketch_dim=0).sketch_dim is None
+    assert config.from_dict({"sketch_dim": 0}).sketch_dim is None
+    assert config(sketch_dim=None).sketch_dim is None
+    assert config(sketch_dim=8).sketch_dim == 8
+    with pytest.raises(UsageError, match=r"sketch_dim=-1"):
+        config(sketch_dim=-1)
+
+
 # --- a new analysis kind: a config, a run, one register_analysis call --------------------------
 
 @dataclass(frozen=True)

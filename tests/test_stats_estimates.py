@@ -11,10 +11,37 @@ from scipy import stats as sps
 
 from varbench.stats.estimates import (
     correlations,
+    moment_statistics,
     paired_compare,
     variance_stats,
-    variance_stats_reference,
 )
+
+
+def variance_stats_reference(
+    estimates: torch.Tensor, reference: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Slow reference for ``variance_stats`` values (direct formulas on the vectors, float64):
+    the tests' own, independent of the library's sums."""
+    x = estimates.detach().double()
+    M = x.shape[0]
+    gbar = x.mean(0)
+    var = float(((x - gbar) ** 2).sum() / (M - 1))
+    out = {"variance": var, "snr": float(gbar @ gbar) / var}
+    out["signal_norm2"] = float(gbar @ gbar) - var / M
+    out["noise_scale"] = var / out["signal_norm2"] if out["signal_norm2"] > 0 else float("nan")
+    if reference is not None:
+        g = reference.detach().double().reshape(-1)
+        out["bias"] = float((gbar - g).norm())
+        out["bias2_debiased"] = out["bias"] ** 2 - var / M
+        out["mse"] = float(((x - g) ** 2).sum(1).mean())
+        cos = [torch.dot(r, g) / (r.norm() * g.norm()) if r.norm() > 0 else torch.tensor(0.0)
+               for r in x]
+        out["cosine"] = float(torch.stack(cos).mean())
+        nz = [c for c, r in zip(cos, x, strict=True) if r.norm() > 0]
+        out["cosine_nonzero"] = float(torch.stack(nz).mean()) if nz else float("nan")
+        out["projection"] = float(gbar @ g) / float(g @ g)
+    return out
+
 
 
 def test_correlation_point_estimates_match_scipy():
@@ -74,6 +101,18 @@ def test_variance_stats_match_direct_formulas(with_ref):
         assert got[k][0] == pytest.approx(v, rel=1e-10, abs=1e-12), k
     if not with_ref:
         assert math.isnan(got["bias"][0]) and math.isnan(got["mse"][0])
+
+
+def test_exact_moments_give_the_population_statistics():
+    """At n = inf (an exact cell's moments) the V/n corrections vanish: bias2_debiased is
+    bias2 and signal_norm2 is ||E g||^2, bit for bit; floats go to host float64 tensors."""
+    V, S, B, tok = 0.3, 1.7, 0.2, 5.0
+    got = moment_statistics(V, S, B, tok)
+    assert all(v.dtype == torch.float64 and v.device.type == "cpu" for v in got.values())
+    want = {"variance": V, "bias": math.sqrt(B), "bias2_debiased": B, "signal_norm2": S,
+            "snr": S / V, "noise_scale": V / S, "variance_x_tokens": V * tok}
+    assert {k: float(v) for k, v in got.items()} == want
+    assert math.isnan(float(moment_statistics(V, 0.0, B, tok)["noise_scale"]))
 
 
 def test_jackknife_se_matches_explicit_loop():

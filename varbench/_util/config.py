@@ -44,13 +44,17 @@ def resolve_dtype(name: str | torch.dtype | None, arg: str = "--dtype") -> torch
 
 
 def knob(default: Any, *, key: str | None = None, minimum: int | None = None,
-         auto: bool = False, none: bool = False, flags: tuple[str, ...] = ()) -> Any:
+         auto: bool = False, none: bool = False, zero_is_none: bool = False,
+         flags: tuple[str, ...] = ()) -> Any:
     """A numeric field bounded by ``KNOBS[key]`` (default: the field's name), tightened to
     ``minimum``; ``auto``: the string ``"auto"`` is a value too; ``none``: None is a value
-    (the library's keyword only: a suite or a flag cannot spell it). ``flags``: extra spellings
-    on the command line (``-G``, ``--prompts``)."""
+    (the library's keyword only: a suite or a flag cannot spell it); ``zero_is_none``: 0 is
+    how a suite or a flag spells None (e.g. "no sketch"), normalised to None on construction,
+    so the run reads one spelling. ``flags``: extra spellings on the command line (``-G``,
+    ``--prompts``)."""
     return field(default=default, metadata={"knob": key, "minimum": minimum, "auto": auto,
-                                            "none": none, "flags": flags})
+                                            "none": none or zero_is_none,
+                                            "zero_is_none": zero_is_none, "flags": flags})
 
 
 def choice(default: Any, choices: Choices, *, none: bool = False,
@@ -123,7 +127,9 @@ class Config:
                     raise UsageTypeError(f"{arg}={value!r} is not valid; give "
                                          f"{_described(key, meta)} or 'auto'")
                 return value
-            return check_knob(key, value, arg=arg, minimum=meta["minimum"])
+            value = check_knob(key, value, arg=arg, minimum=meta["minimum"])
+            # the one place where 0 becomes None (a config normalises on construction)
+            return None if meta.get("zero_is_none") and value == 0 else value
         if "choices" in meta:
             check_choice(arg, value, _choices(meta["choices"]))
         return value

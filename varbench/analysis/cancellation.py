@@ -229,7 +229,7 @@ class CancellationConfig(Config):
     """Adam learning rate of the inner steps."""
     top_tokens: int = knob(15)
     """Most frequent token ids in the ``token_ids`` records."""
-    sketch_dim: int | None = knob(256, none=True)
+    sketch_dim: int | None = knob(256, zero_is_none=True)
     """Gradient sketch dimension of the gradient cancellation ratio (0 or None: no sketch,
     the ratio is then NaN)."""
     seed: int = knob(0)
@@ -247,8 +247,6 @@ class CancellationConfig(Config):
         if not is_reference(self.scheme):
             check_choice("scheme", self.scheme, _registered())
         check_knob("clip_low", self.clip[0], arg="clip")
-        if self.sketch_dim == 0:  # one spelling of "no sketch" inside the run
-            object.__setattr__(self, "sketch_dim", None)
         if self.rollouts is not None:  # before any model is built
             check_columns(self.rollouts)
 

@@ -64,7 +64,6 @@ from varbench.analysis.variance_cells import (
     group_coefficients,
     group_estimates,
     headline_pairs,
-    scheme_of,
 )
 from varbench.analysis.variance_report import (
     PROXY_MIN_RESPONSES,
@@ -73,7 +72,7 @@ from varbench.analysis.variance_report import (
     variance_headlines,
 )
 from varbench.estimators.aggregation import AGGREGATION_MODES
-from varbench.estimators.registry import reads
+from varbench.estimators.registry import exact_label, reads, split_label
 from varbench.estimators.registry import schemes as registered_schemes
 from varbench.grads.exact import token_grad_norms
 from varbench.grads.seqnorms import sequence_grad_norms
@@ -94,7 +93,7 @@ from varbench.tasks.base import Task
 
 __all__ = ["DEFAULT_SCHEMES", "GRADIENTS", "VarianceConfig", "estimator_variance",
            "group_advantages", "group_coefficients", "group_estimates", "headline_pairs",
-           "scheme_of", "table_cells", "variance_plan"]
+           "table_cells", "variance_plan"]
 
 # Label -> registered scheme; labels ending in "_exact" use exact ||g_t||^2 as OTB weights,
 # every other label gets the proxy inputs (logprobs, sum_pi_sq) that OTB-type schemes read.
@@ -146,7 +145,7 @@ def _targeted(label: str, baseline: str) -> bool:
     """Whether a paired ratio is a headline (variance_report): OTB-type and rloo vs centered,
     and a scheme vs its exact-weights twin."""
     return (baseline == "centered" and headline_vs_centered(label)
-            or baseline == f"{label}_exact")
+            or baseline == exact_label(label))
 
 
 def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_len,
@@ -259,7 +258,7 @@ class VarianceConfig(Config):
     task is fixed-length with V**T <= 200k)."""
     n_ref: int = knob(2048, minimum=2)
     """Responses of the sampled reference."""
-    sketch_dim: int | str | None = knob(1024, auto=True, none=True)
+    sketch_dim: int | str | None = knob(1024, auto=True, zero_is_none=True)
     """CountSketch dimension K; 0 (or None): flat vectors, an exact contraction; ``auto``:
     flat up to 200k parameters, else 1024."""
     sketch_seed: int = knob(0)
@@ -299,26 +298,25 @@ class VarianceConfig(Config):
 
     def check_together(self) -> None:
         """Labels name registered schemes (``_exact`` only for those reading token weights);
-        M_cap at least M; one spelling of flat vectors (None) inside the run."""
+        M_cap at least M."""
         known = registered_schemes()
         for label in self.schemes:
             if is_reference(label):
                 continue  # a user's estimator, registered by the caller (as the app does)
-            check_choice("schemes", scheme_of(label), sorted(known))
-            if label.endswith("_exact") and not exact_label_ok(label):
-                raise UsageError(f"schemes={label!r} is not valid: {scheme_of(label)!r} reads "
+            scheme, exact = split_label(label)
+            check_choice("schemes", scheme, sorted(known))
+            if exact and not exact_label_ok(label):
+                raise UsageError(f"schemes={label!r} is not valid: {scheme!r} reads "
                                  "no token weights, so it has no exact-weights variant")
         if self.M_cap is not None:
             check_knob("M_cap", self.M_cap, minimum=self.M)
-        if self.sketch_dim == 0:
-            object.__setattr__(self, "sketch_dim", None)
         if self.rollouts is not None:  # before any model is built
             check_columns(self.rollouts)
 
 
 def exact_label_ok(label: str) -> bool:
     """Whether ``<scheme>_exact`` names a scheme that reads token weights."""
-    return reads(scheme_of(label), "token_weights")
+    return reads(split_label(label)[0], "token_weights")
 
 
 def variance_plan(task: Task, *, vocab_size: int, **knobs: Any) -> VarianceSizes:
@@ -444,7 +442,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     gradients, proj_k = c.gradients, c.proj_k
     # exact ||g_t||^2 OTB weights: the per-token norm harness on the projected path (the
     # coefficients are then known: one sketch space for every label), the vectors' own else
-    need_tsq = any(label.endswith("_exact") for label in schemes)
+    need_tsq = any(split_label(label)[1] for label in schemes)
     reward = task.check_reward(c.reward)
     n_params = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     if sketch_dim == "auto":

@@ -28,7 +28,7 @@ from varbench.analysis.oracle import exact_moments
 from varbench.analysis.variance_report import MIN_DISTINCT_GROUPS, distinct_estimates
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
-from varbench.estimators.registry import advantages
+from varbench.estimators.registry import advantages, exact_label, split_label
 from varbench.grads.projected import projection_sd, response_sketches
 from varbench.grads.vectors import combine
 from varbench.stats.estimates import (
@@ -143,17 +143,13 @@ class ProjectedContraction:
         return projection_sd(e, r, self.blocks or [])
 
 
-def scheme_of(label: str) -> str:
-    """Registered scheme behind a label (``otb_exact`` -> ``otb``)."""
-    return label[: -len("_exact")] if label.endswith("_exact") else label
-
-
 def group_advantages(label, rewards, mask, logprobs, sum_pi_sq, token_sq, *, k=1):
     """``[M, G, T]`` advantages of scheme ``label`` for M groups (one group per row)."""
+    scheme, exact = split_label(label)
     opts: dict[str, Any] = {"logprobs": logprobs, "sum_pi_sq": sum_pi_sq, "k": k}
-    if label.endswith("_exact"):
+    if exact:
         opts = {"token_weights": token_sq, "k": k}
-    return advantages(scheme_of(label), rewards, mask, **opts)
+    return advantages(scheme, rewards, mask, **opts)
 
 
 def group_coefficients(adv: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor, mode: str, *,
@@ -241,12 +237,14 @@ def _concat_arrays(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def _coef_fn(label: str, mode: str, *, topk_k: int, max_len: int):
     """``coef_fn(rewards [C, G], mask [C, G, T])`` for :func:`exact_moments` (None: the
     scheme needs more than rewards, e.g. OTB's token weights)."""
+    scheme, exact = split_label(label)
+
     def fn(R, mask):
-        adv = advantages(scheme_of(label), R, mask != 0, k=topk_k)
+        adv = advantages(scheme, R, mask != 0, k=topk_k)
         lp = torch.zeros_like(adv)
         # every configuration its own batch of G, in one pass (no loop over configurations)
         return -token_coefficients(lp, lp, adv, mask, mode, max_len=max_len, per_group=True)
-    return None if label.endswith("_exact") else fn
+    return None if exact else fn
 
 
 def _exact_cell(table, label, mode, G, ref, *, topk_k, max_len):
@@ -416,5 +414,5 @@ def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     """The (scheme, baseline) pairs whose paired ratios are headlines: every label against
     centered, and an OTB-type label against its ``_exact`` twin (what the proxy costs)."""
     pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
-    return pairs + [(lab, f"{lab}_exact") for lab in labels if f"{lab}_exact" in labels]
+    return pairs + [(lab, exact_label(lab)) for lab in labels if exact_label(lab) in labels]
 

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from varbench.estimators.registry import reads, schemes
+from varbench.estimators.registry import exact_label, reads, schemes, split_label
 from varbench.report.headline import (
     DEGENERATE_CI,
     fmt,
@@ -48,7 +48,7 @@ def distinct_estimates(e: torch.Tensor) -> int:
 def reads_proxy_weights(label: str) -> bool:
     """Whether label ``label`` is fed the proxy token weights: its scheme needs token statistics
     beyond the rewards (OTB-type) and the label does not ask for exact weights (``_exact``)."""
-    if label.endswith("_exact") or label not in schemes():
+    if split_label(label)[1] or label not in schemes():
         return False
     return reads(label, "token_weights")  # declared at register_scheme(..., reads=...)
 
@@ -57,7 +57,7 @@ def otb_type(label: str) -> bool:
     """Whether label ``label``'s scheme (``<scheme>_exact`` -> ``<scheme>``) declared that it
     reads token weights (``register_scheme(..., reads=("token_weights", ...))``): the OTB-type
     schemes the headlines compare with centered, whatever their name."""
-    scheme = label.removesuffix("_exact")
+    scheme = split_label(label)[0]
     return scheme in schemes() and reads(scheme, "token_weights")
 
 
@@ -225,7 +225,7 @@ def variance_headlines(
                                f"{r.stat} ({r.mode})", r.ratio, r.ratio_se, lo, hi,
                                exact=exact, degenerate=_degenerate(r, "ratio"), level=level),
                 **ci))
-        elif r.baseline == f"{r.scheme}_exact":
+        elif r.baseline == exact_label(r.scheme):
             text = interval_text(r.ratio, lo, hi, exact=exact,
                                  degenerate=_degenerate(r, "ratio"), level=level)
             heads.append(Headline(

@@ -230,13 +230,17 @@ def _sampled_options(args: argparse.Namespace) -> dict | None:
 def _sampled_setup(args: argparse.Namespace, knobs: dict, device) -> tuple:
     """``(policy, task, options)`` of ``check_estimator_sampled``: the task and the policy
     resolved as every command resolves them (a preset at ``--state``)."""
+    from varbench.analysis.cancellation import CancellationConfig
     from varbench.app.specs import policy_kwargs, policy_states, resolve_task
 
     task = resolve_task(args.task or "sort", knobs)
     kw = {**policy_kwargs(args), "device": device}
     policy = next(iter(policy_states(args.policy or "tiny", [args.state], task, seed=args.seed,
                                      **kw).values()))
-    sketch = 256 if args.sketch_dim is None else args.sketch_dim
+    # the per-token gradient sketch of the cancellation analysis (same default, same "0: no
+    # sketch"): its declared field normalises the flag, the one place 0 becomes None
+    sketch = CancellationConfig.check_field(
+        "sketch_dim", 256 if args.sketch_dim is None else args.sketch_dim, arg="--sketch-dim")
     opts = {"num_steps": args.steps or 64, "n_prompts": args.prompts or 4,
-            "n_ref": args.n_ref or 1024, "sketch_dim": sketch or None, "reward": args.reward}
+            "n_ref": args.n_ref or 1024, "sketch_dim": sketch, "reward": args.reward}
     return policy, task, opts

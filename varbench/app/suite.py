@@ -515,11 +515,11 @@ def _check_finite(at: str, value: Any) -> None:
 def _choices(key: str, kind: str) -> list[Any] | None:
     if key in ("scheme", "schemes", "baselines"):
         from varbench.estimators import schemes
-        from varbench.estimators.registry import weighted_schemes
+        from varbench.estimators.registry import exact_label, weighted_schemes
 
         names = schemes()
         if kind == "variance":  # labels may name the schemes reading token weights, exact
-            names = names + [f"{n}_exact" for n in weighted_schemes()]
+            names = names + [exact_label(n) for n in weighted_schemes()]
         return names
     if key in ("agg", "mode", "modes"):
         from varbench.estimators import AGGREGATION_MODES

@@ -48,6 +48,9 @@ __all__ = [
     "unregister_scheme",
     "schemes",
     "scheme_info",
+    "EXACT_SUFFIX",
+    "exact_label",
+    "split_label",
     "outcome_rewards",
     "reward_to_go",
     "returns_of",
@@ -247,6 +250,23 @@ def weighted_schemes() -> list[str]:
     """The registered schemes that read token weights (those ``token_weights="exact"`` and an
     analysis label ``<scheme>_exact`` apply to)."""
     return [n for n, e in _REGISTRY.items() if "token_weights" in e.reads]
+
+
+EXACT_SUFFIX = "_exact"
+"""How an analysis label asks a weighted scheme for exact token weights (``otb_exact``)."""
+
+
+def exact_label(name: str) -> str:
+    """The analysis label of scheme ``name`` fed exact token weights (``otb`` -> ``otb_exact``)."""
+    return name + EXACT_SUFFIX
+
+
+def split_label(label: str) -> tuple[str, bool]:
+    """``(scheme, exact_weights)`` of an analysis label, the one parser of the ``_exact``
+    suffix: ``otb_exact`` -> ``("otb", True)``, ``otb`` -> ``("otb", False)``."""
+    if label.endswith(EXACT_SUFFIX):
+        return label[: -len(EXACT_SUFFIX)], True
+    return label, False
 
 
 def scheme_info(name: str) -> tuple[SchemeFn, tuple[str, ...], bool]:

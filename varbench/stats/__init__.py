@@ -14,8 +14,7 @@ from varbench.stats.estimates import (
     moment_statistics,
     paired_compare,
     variance_stats,
-    variance_stats_reference,
 )
 
 __all__ = ["CORRELATION_METHODS", "MAGNITUDE_METHODS", "VARIANCE_STATS", "correlations",
-           "moment_statistics", "paired_compare", "variance_stats", "variance_stats_reference"]
+           "moment_statistics", "paired_compare", "variance_stats"]

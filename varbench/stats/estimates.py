@@ -341,27 +341,3 @@ def paired_compare(
         "diff_se": _jk_se(a_l - b_l),
     }
 
-
-def variance_stats_reference(
-    estimates: torch.Tensor, reference: torch.Tensor | None = None
-) -> dict[str, float]:
-    """Slow reference for ``variance_stats`` values (direct formulas on the vectors, float64)."""
-    x = estimates.detach().double()
-    M = x.shape[0]
-    gbar = x.mean(0)
-    var = float(((x - gbar) ** 2).sum() / (M - 1))
-    out = {"variance": var, "snr": float(gbar @ gbar) / var}
-    out["signal_norm2"] = float(gbar @ gbar) - var / M
-    out["noise_scale"] = var / out["signal_norm2"] if out["signal_norm2"] > 0 else float("nan")
-    if reference is not None:
-        g = reference.detach().double().reshape(-1)
-        out["bias"] = float((gbar - g).norm())
-        out["bias2_debiased"] = out["bias"] ** 2 - var / M
-        out["mse"] = float(((x - g) ** 2).sum(1).mean())
-        cos = [torch.dot(r, g) / (r.norm() * g.norm()) if r.norm() > 0 else torch.tensor(0.0)
-               for r in x]
-        out["cosine"] = float(torch.stack(cos).mean())
-        nz = [c for c, r in zip(cos, x, strict=True) if r.norm() > 0]
-        out["cosine_nonzero"] = float(torch.stack(nz).mean()) if nz else float("nan")
-        out["projection"] = float(gbar @ g) / float(g @ g)
-    return out
