@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 
 from varbench._util.checks import UsageError, UsageTypeError, check_positive_int
-from varbench.models.forward import forward_logits
 from varbench.models import memplan
+from varbench.models.forward import forward_logits
 from varbench.models.head import OutputHead, final_hidden, read_head
 
 # Positions per head matmul when no chunk is given: at least CHUNK_ROWS (each chunk reads the
