@@ -13,7 +13,8 @@ from varbench.train.loop import train
 # random-init micro policy, no warm start: a second per run; sort with the positional reward
 # (partial credit), so a random policy's groups have non-zero advantages
 GSPO = dict(policy="micro", warm_start=False, task="sort", reward="positional",
-            scheme="normalized", G=4, prompts_per_step=4, steps=6, eval_every=4, eval_prompts=4, eval_samples=1,
+            scheme="normalized", G=4, prompts_per_step=4, steps=6, eval_every=4,
+            eval_prompts=4, eval_samples=1,
             lr=1e-2, ratio="sequence", agg="seq-mean-token-mean", clip_low=3e-4,
             clip_high=4e-4, seed=0)
 
