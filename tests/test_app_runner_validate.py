@@ -31,7 +31,7 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(loop, "train", train)
     monkeypatch.setattr(variance, "estimator_variance", fake_variance)
-    monkeypatch.setattr(V, "build_policy", lambda tc, task: None)
+    monkeypatch.setattr(V, "policy_for", lambda tc, task: None)
     return calls
 
 

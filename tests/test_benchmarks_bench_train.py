@@ -22,7 +22,7 @@ def test_floor_calls_are_the_samplers_model_work():
 
     cfg = bench_train._config("tiny", 3, 2, 1, 1e-4)
     task, reward = setup.build_task(cfg)
-    policy = setup.build_policy(cfg, task)
+    policy = setup.policy_for(cfg, task)
     batch = sample(policy, task, task.prompts(2, split="train", seed=1), 3, seed=1,
                    reward=reward)
     with torch.inference_mode():
@@ -41,7 +41,7 @@ def test_bptt_calls_backpropagate_to_the_teacher_forced_gradient():
 
     cfg = bench_train._config("tiny", 3, 2, 1, 1e-4)
     task, reward = setup.build_task(cfg)
-    policy = setup.build_policy(cfg, task)
+    policy = setup.policy_for(cfg, task)
     model = exact_float64(policy.model).eval()  # float64 throughout, rotary tables too
     batch = sample(policy, task, task.prompts(2, split="train", seed=2), 3, seed=2,
                    reward=reward)

@@ -44,7 +44,7 @@ from varbench.report import provenance, write_report
 from varbench.report.result import AnalysisResult, Headline
 from varbench.train.collapse import calibrate, surge_scores
 from varbench.train.config import TrainConfig
-from varbench.train.setup import build_policy, build_task
+from varbench.train.setup import build_task, policy_for
 
 # Budgets in sampled (policy-generated) tokens per run, per task.
 FULL_BUDGETS = {"sort": 24_000, "toolsum": 100_000}
@@ -643,7 +643,7 @@ def _prediction(cfg: ValidateConfig, cells: pd.DataFrame, out: Path
         v = cache.load(task_name)
         if v is None:
             task, _ = build_task(tc)
-            policy = build_policy(tc, task)
+            policy = policy_for(tc, task)
             res = estimator_variance(policy, task, schemes=cfg.schemes, Gs=Gs, modes=(tc.agg,),
                                      M=cfg.variance_M, n_prompts=cfg.variance_prompts,
                                      reference="sampled", n_ref=64, sketch_dim=256,

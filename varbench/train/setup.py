@@ -55,10 +55,6 @@ def policy_for(config: TrainConfig, task: Task) -> Policy:
                         add_task_tokens=config.add_task_tokens)
 
 
-# analysis/validate.py (another helper's file, issue 25) still imports this name; the alias goes
-# when it calls policy_for.
-build_policy = policy_for
-
 
 def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
     """The policy the loop trains: a deep copy of a caller's ``policy`` (whose object is never
