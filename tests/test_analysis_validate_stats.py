@@ -120,12 +120,19 @@ def test_verdict_equivalence_and_interval():
 
 
 def test_power_seeds_for_saving_matches_a_simulation():
-    # the delta-method n: z^2 (1-s)^2 (cva^2 + cvb^2) / h^2
+    # the z count: z^2 (1-s)^2 (cva^2 + cvb^2) / h^2 = 5.55 -> 6
+    nz = vs.seeds_for_saving(0.3, 0.2, 0.5, half_width=0.15, interval="z")
+    assert nz == int(np.ceil(1.959964 ** 2 * 0.25 * 0.13 / 0.0225)) == 6
+    # the t count (issue 31): t_{n-1} (1-s) sqrt(0.13 / n) <= 0.15; by hand n = 7 gives
+    # 2.447 x 0.5 x 0.1363 = 0.1667 > 0.15 and n = 8 gives 2.365 x 0.5 x 0.1275 = 0.1507,
+    # n = 9: 2.306 x 0.5 x 0.1202 = 0.1386 -> 9
     n = vs.seeds_for_saving(0.3, 0.2, 0.5, half_width=0.15)
-    assert n == int(np.ceil(1.959964 ** 2 * 0.25 * 0.13 / 0.0225))  # = 6
-    assert vs.seeds_for_saving(0.01, 0.01, 0.5) == 3  # the floor
+    assert n == 9
     assert vs.saving_half_width(0.3, 0.2, 0.5, n) <= 0.15 < vs.saving_half_width(0.3, 0.2, 0.5,
                                                                                n - 1)
+    assert vs.seeds_for_saving(0.01, 0.01, 0.5) == 3  # the floor
+    with pytest.raises(ValueError, match="interval='bca'"):
+        vs.seeds_for_saving(0.3, 0.2, 0.5, interval="bca")
     # simulated: with n seeds of lognormal-ish runs the spread of the saving is as predicted
     rng = np.random.default_rng(0)
     ma, mb, n = 1000.0, 2000.0, 12
@@ -133,7 +140,7 @@ def test_power_seeds_for_saving_matches_a_simulation():
     xb = mb * rng.gamma(1 / 0.2 ** 2, 0.2 ** 2, (20000, n))
     s = 1 - xa.mean(1) / xb.mean(1)
     half = (np.quantile(s, 0.975) - np.quantile(s, 0.025)) / 2
-    assert half == pytest.approx(vs.saving_half_width(0.3, 0.2, 0.5, n), rel=0.1)
+    assert half == pytest.approx(vs.saving_half_width(0.3, 0.2, 0.5, n, interval="z"), rel=0.1)
 
 
 def test_extrapolate_t2t():
@@ -261,3 +268,20 @@ def test_equivalence_reading():
     assert vs.equivalence_reading("undecided", -0.2, 0.1).startswith("not detectably worse")
     assert vs.equivalence_reading("undecided", -0.3, -0.1) == "undecided"
     assert vs.equivalence_reading("confirmed", -0.1, 0.2) == "confirmed"
+
+
+def test_power_plan_arm_mostly_reached_uses_the_km_mean():
+    """Issue 31: an arm with most runs reached is planned on its Kaplan-Meier restricted mean
+    (up to its longest run), not on the mean curve, which its collapsed runs drag down."""
+    rows = [dict(task="t", scheme="a", G=4, seed=i, threshold=0.6, tokens_to_threshold=x,
+                 reached=x < 400) for i, x in enumerate([100.0, 200.0, 300.0, 400.0])]
+    rows += [dict(task="t", scheme="b", G=32, seed=i, threshold=0.6, tokens_to_threshold=x,
+                  reached=True) for i, x in enumerate([500.0, 600.0])]
+    flat = pd.DataFrame({"task": "t", "arm": "a/4", "tokens": [0.0, 200, 400],
+                         "acc_mean": [0.1, 0.2, 0.2]})  # would never cross: inf
+    p = vs.power_plan(pd.DataFrame(rows), flat, [("t", "a/4", "b/32")]).iloc[0]
+    # KM by hand at tau 400: S = 1 on [0,100), 3/4 on [100,200), 2/4 on [200,300), 1/4 after
+    km = 100 + 0.75 * 100 + 0.5 * 100 + 0.25 * 100
+    assert p["plan_mean_a"] == pytest.approx(km) == 250.0
+    assert p["cv_a"] == pytest.approx(np.std([100.0, 200, 300], ddof=1) / 200)
+    assert p["source"] == "a KM mean"

@@ -121,3 +121,71 @@ def test_plan_scale_extrapolation_in_layers_holds_at_small_scale():
         full = plan_scale.trace(plan_scale.with_layers(cfg, 6), torch.float32, path, 32, chunk)
         got = plan_scale.extrapolated(cfg, torch.float32, path, 32, chunk, 1)
         assert abs(got / full - 1) <= 0.05, (path, got, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_logit_statistics_take_the_plans_chunk_and_stay_in_a_faked_budget(
+        monkeypatch, tied, dtype):
+    """head_stats and head_logprobs without a chunk ask memplan.logit_rows: with free memory
+    faked, the chunk is the plan's, the traced peak stays inside the budget and (the chunk as
+    one statistics block, as on CUDA) the plan is within 15% of it."""
+    from varbench.models import logits as lg
+    from varbench.models.head import read_head
+
+    model = decoder(tied, dtype)
+    head, why = read_head(model)
+    assert head is not None, why
+    H = model.config.hidden_size
+    e = torch.empty((), dtype=dtype).element_size()
+    unit, fixed = memplan.logits_unit(V, e), memplan.logits_fixed(V, H, e)
+    free = int(2 * (fixed + 40 * unit) / memplan.HEADROOM) + 2
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: free)
+    budget = free // 2
+    n = 200
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(n, H, generator=g).to(dtype)
+    y = torch.randint(0, V, (n,), generator=g)
+    assert lg._chunk_rows(V, None, h, H) == 40
+    monkeypatch.setattr(lg, "block_rows", lambda V, c, dev: max(c, 1))
+    with memplan.LiveBytes() as lv:
+        got = lg.head_stats(h, head, y)
+    assert lv.peak <= budget, (lv.peak, budget)
+    planned = fixed + 40 * unit
+    assert abs(planned / lv.peak - 1) <= 0.15, (planned, lv.peak)
+    ref = lg.head_stats(h, head, y, chunk=n)
+    torch.testing.assert_close(got.logp, ref.logp, rtol=0, atol=0)
+    # the differentiable path (its weight gradient in the plan): at most its default chunk,
+    # its peak inside the budget
+    gfixed = memplan.logits_fixed(V, H, e, grad=True)
+    free = int(2 * (gfixed + 20 * memplan.logits_unit(V, e, grad=True)) / memplan.HEADROOM) + 2
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: free)
+    budget = free // 2
+    assert lg._chunk_rows(V, None, h, H, grad=True) == 20
+    hh = h.clone().requires_grad_(True)
+    with memplan.LiveBytes() as lv:
+        lg.head_logprobs(hh, head, y).sum().backward()
+    assert lv.peak <= budget, (lv.peak, budget)
+    # one position that cannot fit is refused, naming the need
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: 2 * fixed)
+    with pytest.raises(UsageError, match=r"one position .* needs [0-9.]+ GiB"):
+        lg._chunk_rows(V, None, h, H)
+
+
+def test_plan_before_load_refuses_a_model_larger_than_the_device(monkeypatch):
+    """A Llama-3-8B-shaped config on a faked 12 GiB device is refused before any weight is
+    loaded, naming its parameters' bytes; on 140 GB every path plans at least one unit."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256)
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: 12 << 30)
+    with pytest.raises(UsageError,
+                       match=r"does not fit cuda: its parameters alone need 1[45](\.[0-9]+)? GiB"):
+        memplan.plan_before_load(cfg, torch.bfloat16, "cuda", 8, 1024)
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: 140 * 10**9)
+    plans = memplan.plan_before_load(cfg, torch.bfloat16, "cuda", 8, 1024)
+    assert [p.path for p in plans] == list(memplan.PATHS)
+    assert all(p.fits and p.chunk >= 1 for p in plans)
+    monkeypatch.setattr(memplan, "free_device_bytes", lambda device: None)
+    assert all(p.budget is None for p in memplan.plan_before_load(cfg, "float32", "cpu", 2, 64))

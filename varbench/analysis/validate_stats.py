@@ -359,26 +359,35 @@ def verdict_interval(lo: float, hi: float) -> str:
 # --- power -------------------------------------------------------------------------------------
 
 def seeds_for_saving(cv_a: float, cv_b: float, saving: float, *, half_width: float = 0.15,
-                     level: float = 0.95, min_seeds: int = 3) -> int:
+                     level: float = 0.95, min_seeds: int = 3, interval: str = "t") -> int:
     """Seeds per arm so that the CI of ``s = 1 - m_a / m_b`` has half-width <= ``half_width``.
 
     Delta method for a ratio of two independent means over ``n`` seeds each:
-    ``Var(s) ~= (1 - s)^2 (cv_a^2 + cv_b^2) / n`` (``cv``: coefficient of variation of one run's
-    tokens-to-threshold), so ``n = ceil(z^2 (1 - s)^2 (cv_a^2 + cv_b^2) / half_width^2)``.
-    Math caveat: the delta method is first-order; with few seeds the percentile bootstrap is
-    wider, hence a floor of ``min_seeds``.
+    ``SE(s) ~= (1 - s) sqrt((cv_a^2 + cv_b^2) / n)`` (``cv``: coefficient of variation of one
+    run's tokens-to-threshold). ``interval="t"`` (default, the interval the report uses,
+    :func:`rmst_saving`): the smallest ``n >= min_seeds`` with ``t_{n-1} SE <= half_width``;
+    ``"z"``: ``n = ceil(z^2 (1 - s)^2 (cv_a^2 + cv_b^2) / half_width^2)``, which undershoots a
+    t interval at few seeds (n = 5: t_4 = 2.78 against z = 1.96).
+    Math caveat: the delta method is first-order; hence a floor of ``min_seeds``.
     """
+    if interval not in ("t", "z"):
+        raise ValueError(f"interval={interval!r} is not valid; choose from ('t', 'z')")
     z = float(sps.norm.ppf(0.5 + level / 2))
     n = z * z * (1 - saving) ** 2 * (cv_a ** 2 + cv_b ** 2) / half_width ** 2
-    return max(int(min_seeds), int(math.ceil(n - 1e-9)))
+    n = max(int(min_seeds), int(math.ceil(n - 1e-9)))
+    if interval == "t":  # the z count is a lower bound: step up until the t interval fits
+        while saving_half_width(cv_a, cv_b, saving, n, level, interval="t") > half_width:
+            n += 1
+    return n
 
 
 def saving_half_width(cv_a: float, cv_b: float, saving: float, n: int,
-                      level: float = 0.95) -> float:
-    """The delta-method CI half-width of the saving with ``n`` seeds per arm (inverse of
-    :func:`seeds_for_saving`)."""
-    z = float(sps.norm.ppf(0.5 + level / 2))
-    return z * (1 - saving) * math.sqrt((cv_a ** 2 + cv_b ** 2) / n)
+                      level: float = 0.95, interval: str = "t") -> float:
+    """The delta-method CI half-width of the saving with ``n`` seeds per arm, ``t_{n-1}`` or
+    ``z`` times its SE (inverse of :func:`seeds_for_saving`)."""
+    q = (float(sps.t.ppf(0.5 + level / 2, max(1, n - 1))) if interval == "t"
+         else float(sps.norm.ppf(0.5 + level / 2)))
+    return q * (1 - saving) * math.sqrt((cv_a ** 2 + cv_b ** 2) / n)
 
 
 def extrapolate_t2t(tokens: np.ndarray, acc: np.ndarray, threshold: float) -> float:
@@ -405,10 +414,13 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
     ``scheme``, ``G``, ``variant`` columns); ``mean_curves``: per task x arm mean accuracy
     (``task, arm, tokens, acc_mean``) for arms that never reached the threshold;
     ``pairs``: ``(task, a, b)``, saving of ``a`` over ``b``. Per arm the planning mean is the
-    mean tokens-to-threshold when every pilot run reached it, else the linear extrapolation of
+    mean tokens-to-threshold when every pilot run reached it; the Kaplan-Meier restricted mean
+    up to the longest run when at least half did (the mean curve of such an arm is dragged
+    down by its collapsed runs and crosses late or never: issue 31's toolsum otb/4, 12 of 14
+    reached at a mean 39k, extrapolated to 81k); else the linear extrapolation of
     the mean curve (:func:`extrapolate_t2t`); the coefficient of variation comes from the
     reached runs (>= 2 of them), else the median CV of the task's fully reached arms
-    ('borrowed'). Seeds: :func:`seeds_for_saving` for a CI half-width ``half_width``; budget:
+    ('borrowed'). Seeds: :func:`seeds_for_saving` for a t CI half-width ``half_width``; budget:
     the larger arm's planning mean x (1 + 2 CV) (about its 97.5% quantile, so nearly every run
     is observed reaching the threshold), rounded up to 1000 tokens.
     """
@@ -424,6 +436,9 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
         out = {"n": len(r), "reached": int(ok.sum())}
         if ok.all():
             out["mean"] = float(x.mean())
+        elif 2 * ok.sum() >= len(ok):  # most reached: the mean curve mixes in collapsed runs
+            out["mean"] = km_restricted_mean(x, ok, float(x.max()))  # (a lower bound)
+            out["km"] = True
         else:
             c = mean_curves[(mean_curves.task == task) & (mean_curves.arm == arm)]
             c = c.sort_values("tokens")
@@ -446,7 +461,7 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
                 st["cv"] = float(np.median(full_cv.get(task, [math.nan])))
                 src.append(f"{side} borrowed")
             if st["reached"] < st["n"]:
-                src.append(f"{side} extrapolated")
+                src.append(f"{side} KM mean" if st.get("km") else f"{side} extrapolated")
         s = 1 - sa["mean"] / sb["mean"] if math.isfinite(sb["mean"]) else 1.0
         ok = all(math.isfinite(v) for v in (sa["cv"], sb["cv"], sa["mean"], sb["mean"]))
         n = seeds_for_saving(sa["cv"], sb["cv"], s, half_width=half_width,

@@ -115,19 +115,17 @@ def check_fits(path: Path, dtype: torch.dtype | None, device: str | torch.device
                trust_remote_code: bool = False) -> None:
     """Refuse, before any weight is read, a checkpoint that does not fit ``device``.
 
-    From ``config.json`` alone (:func:`varbench.models.memplan.plan_from_config`): the
-    parameters must fit the device's free memory and one sampled row beside them its budget.
-    No placement across devices is attempted (a model larger than one device is refused, with
-    the bytes it needs and the device's). Devices without a measured free memory (the CPU)
-    pass.
+    From ``config.json`` alone (:func:`varbench.models.memplan.plan_before_load`, the one
+    check): the parameters must fit the device's free memory and one sampled row of one
+    position (the least any command does with a policy) beside them its budget; each path's
+    own plan checks its chunks when it runs. No placement across devices is attempted (a
+    model larger than one device is refused, with the bytes it needs and the device's).
+    Devices without a measured free memory (the CPU) pass.
     """
     from transformers import AutoConfig
 
     from varbench.models import memplan
 
-    free = memplan.free_device_bytes(device)
-    if free is None:
-        return
     try:
         with _quiet_hf():
             cfg = AutoConfig.from_pretrained(str(path), local_files_only=True,
@@ -139,14 +137,8 @@ def check_fits(path: Path, dtype: torch.dtype | None, device: str | torch.device
         want = getattr(torch, want, None)
     if not isinstance(want, torch.dtype):
         want = torch.float32  # what transformers loads without a dtype in the config
-    p = memplan.plan_from_config(cfg, want, "sampling", 1, 1, free)
-    if p.model_bytes > free:
-        raise UsageError(
-            f"policy {str(path)!r} does not fit {device}: its parameters alone need "
-            f"{memplan.gib(p.model_bytes)} in {want}, the device has {memplan.gib(free)} free; "
-            "varbench places a model on one device (no layer-wise placement): use a device "
-            "with more memory, a smaller dtype (--dtype bfloat16) or a smaller model")
-    memplan.check_plan(p, f"policy {str(path)!r} on {device}")
+    memplan.plan_before_load(cfg, want, device, 1, 1, ("sampling",),
+                             what=f"policy {str(path)!r}")
 
 
 def load_policy(

@@ -198,11 +198,15 @@ def logits_unit(vocab: int, elsize: int, *, grad: bool = False) -> int:
     return vocab * (elsize + 3 * a if grad else 2 * a)
 
 
-def logits_fixed(vocab: int, hidden: int, elsize: int) -> int:
+def logits_fixed(vocab: int, hidden: int, elsize: int, *, grad: bool = False) -> int:
     """Bytes the logit statistics hold whatever the chunk: the head matmul's copy of the
     ``[V, h]`` weight (traced on the CPU, whose matmul copies the transposed weight; kept as
-    an upper bound elsewhere)."""
-    return vocab * hidden * elsize
+    an upper bound elsewhere); on the differentiable path (``grad``) also the weight's
+    gradient accumulator (``a``) and its cast to a low-precision weight's dtype (traced: 7.7
+    and 8.0 bytes per weight element in bfloat16 and float32 against these 8)."""
+    a = 8 if elsize == 8 else 4
+    acc = a + (elsize if elsize != a else 0) if grad else 0
+    return vocab * hidden * (elsize + acc)
 
 
 def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str, default: int,
@@ -215,7 +219,8 @@ def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str,
     budget = device_budget(device, fraction)
     if budget is None:
         return default
-    unit, fixed = logits_unit(vocab, elsize, grad=grad), logits_fixed(vocab, hidden, elsize)
+    unit = logits_unit(vocab, elsize, grad=grad)
+    fixed = logits_fixed(vocab, hidden, elsize, grad=grad)
     if fixed + unit > budget:
         raise UsageError(f"the logit statistics do not fit: one position of a {vocab}-token "
                          f"vocabulary needs {gib(fixed + unit)}, the budget is {gib(budget)}; "
@@ -315,6 +320,25 @@ def check_plan(p: Plan, what: str) -> Plan:
     return p
 
 
+def plan_before_load(config: Any, dtype: torch.dtype | str, device: torch.device | str,
+                     B: int, T: int, paths: tuple[str, ...] = PATHS, *,
+                     fraction: float = MEMORY_FRACTION, what: str = "the model") -> list[Plan]:
+    """The plans of ``paths`` for a model known by its ``config`` alone, checked before its
+    weights are loaded onto ``device``: UsageError naming what one unit needs when the
+    parameters or one unit of a path do not fit the free memory (no check, chunks at their
+    defaults, where the device's memory is not measured)."""
+    free = free_device_bytes(device)
+    shape = ModelShape.from_config(config, dtype)
+    if free is not None and shape.model_bytes >= free:
+        raise UsageError(
+            f"{what} does not fit {device}: its parameters alone need {gib(shape.model_bytes)} "
+            f"in {dtype}, the device has {gib(free)} free; varbench places a model on one "
+            "device (no layer-wise placement): use a device with more memory, a smaller dtype "
+            "(--dtype bfloat16) or a smaller model")
+    return [check_plan(plan_from_config(config, dtype, p, B, T, free, fraction=fraction),
+                       f"{what} ({T} positions, {B} rows)") for p in paths]
+
+
 def free_device_bytes(device: torch.device | str) -> int | None:
     """Bytes free on a CUDA ``device`` (``torch.cuda.mem_get_info``), None on other devices."""
     device = torch.device(device)
@@ -365,6 +389,6 @@ class LiveBytes(TorchDispatchMode):
 
 __all__ = ["HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS", "LiveBytes",
            "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes", "free_device_bytes",
-           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_from_config",
-           "probe_bytes", "unit_bytes"]
+           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_before_load",
+           "plan_from_config", "probe_bytes", "unit_bytes"]
 
