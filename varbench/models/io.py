@@ -126,6 +126,9 @@ def check_fits(path: Path, dtype: torch.dtype | None, device: str | torch.device
 
     from varbench.models import memplan
 
+    free = memplan.free_device_bytes(device)
+    if free is None:  # nothing to check against (the CPU): the config is not even read
+        return
     try:
         with _quiet_hf():
             cfg = AutoConfig.from_pretrained(str(path), local_files_only=True,
@@ -138,7 +141,7 @@ def check_fits(path: Path, dtype: torch.dtype | None, device: str | torch.device
     if not isinstance(want, torch.dtype):
         want = torch.float32  # what transformers loads without a dtype in the config
     memplan.plan_before_load(cfg, want, device, 1, 1, ("sampling",),
-                             what=f"policy {str(path)!r}")
+                             what=f"policy {str(path)!r}", free=free)
 
 
 def load_policy(

@@ -322,12 +322,15 @@ def check_plan(p: Plan, what: str) -> Plan:
 
 def plan_before_load(config: Any, dtype: torch.dtype | str, device: torch.device | str,
                      B: int, T: int, paths: tuple[str, ...] = PATHS, *,
-                     fraction: float = MEMORY_FRACTION, what: str = "the model") -> list[Plan]:
+                     fraction: float = MEMORY_FRACTION, what: str = "the model",
+                     free: int | None | str = "measure") -> list[Plan]:
     """The plans of ``paths`` for a model known by its ``config`` alone, checked before its
     weights are loaded onto ``device``: UsageError naming what one unit needs when the
     parameters or one unit of a path do not fit the free memory (no check, chunks at their
-    defaults, where the device's memory is not measured)."""
-    free = free_device_bytes(device)
+    defaults, where the device's memory is not measured). ``free``: the device's free bytes
+    when the caller measured them already (``"measure"``: ask the device)."""
+    if free == "measure":
+        free = free_device_bytes(device)
     shape = ModelShape.from_config(config, dtype)
     if free is not None and shape.model_bytes >= free:
         raise UsageError(
