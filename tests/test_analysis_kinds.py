@@ -9,6 +9,7 @@ command line take it without a change to the application.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 from dataclasses import dataclass, fields
 
@@ -81,6 +82,9 @@ def _library(kind: str, pol, task, params: dict):
 ENTRY = {"proxy": (pr, "CellCache"), "variance": (va, "sizes"), "cancellation": (ca, "CellCache")}
 
 
+_EXAMPLE = itertools.count()
+
+
 @pytest.fixture(scope="module")
 def micro():
     import varbench as vb
@@ -101,6 +105,10 @@ def test_library_suite_and_cli_accept_and_refuse_the_same(kind, data, micro, tmp
                                                           monkeypatch, capsys):
     """A value of any knob is accepted by the keyword call, a suite case and the subcommand
     alike, or refused by all three, each naming the knob (the key or its flag)."""
+    # hermetic: a drawn path value ("x", "bogus") is read relative to an empty directory, and
+    # every example writes into its own --out, so no example sees what an earlier one left
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / f"o{next(_EXAMPLE)}"
     ak = ANALYSES[kind]
     f = data.draw(st.sampled_from(fields(ak.config)), label="field")
     value = data.draw(_values(f), label=f.name)
@@ -129,7 +137,7 @@ def test_library_suite_and_cli_accept_and_refuse_the_same(kind, data, micro, tmp
     capsys.readouterr()
     argv = [kind, *(a for k, v in base.items() if k != f.name
                     for a in _argv(next(x for x in fields(ak.config) if x.name == k), v)),
-            *_argv(f, value), "--out", str(tmp_path / "o")]
+            *_argv(f, value), "--out", str(out)]
     try:
         code = main(argv)
         cli = capsys.readouterr().err
