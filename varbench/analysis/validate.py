@@ -38,6 +38,7 @@ import pandas as pd
 
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench.analysis import validate_prereg as vp
 from varbench.analysis import validate_stats as vs
 from varbench.analysis._common import CellCache
 from varbench.report import provenance, write_report
@@ -128,6 +129,9 @@ class ValidateConfig:
     """Proxy claim: the proxy may need at most this fraction more tokens than exact weights."""
     reduced: bool = False
     """Whether this is the reduced setting (recorded in the report)."""
+    preregistration: str = ""
+    """Path of the grid's pre-registration file (:mod:`validate_prereg`; '' for none): the
+    report hashes it and lists every deviation of the run from it."""
 
     def __post_init__(self) -> None:
         check_knob("threshold_frac", self.threshold_frac)
@@ -273,6 +277,11 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
     wall = time.perf_counter() - t_start
 
     heads, notes = _headlines(cfg, claims_df, acc0, thresholds, stab_df, calib, hack_df)
+    pre = (vp.report_block(cfg.preregistration, config_dict(cfg), _registered)
+           if cfg.preregistration else None)
+    heads.insert(0, Headline(key="preregistration", value=len(pre["deviations"]) if pre else
+                             math.nan, se=None, unit="deviations", text=vp.headline_text(pre)))
+    notes = vp.notes_of(pre) + notes
     notes += pred_notes + _runtime_notes(timing_df, wall, phases)
     fig_label = figure_labels  # figures group by scheme and G: fold the variant into the label
     mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
@@ -292,7 +301,7 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "collapse_calibration": {k: v for k, v in calib.items() if k != "scores"},
                "verdicts": [{k: r[k] for k in ("claim", "estimate", "ci_lo", "ci_hi", "verdict")}
                             for r in claims_df.to_dict("records")],
-               "verdict_rules": vs.VERDICT_RULES}
+               "verdict_rules": vs.VERDICT_RULES, "preregistration": pre}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
         config=config_dict(cfg), notes=notes,
@@ -341,6 +350,8 @@ def check_grid(cfg: ValidateConfig) -> None:
             if k not in _ARM_KEYS and k not in {f.name for f in fields(TrainConfig)}:
                 raise UsageError(f"arms: key {k!r} of {a!r} is not valid; use {_ARM_KEYS} or "
                                  "TrainConfig fields")
+    if cfg.preregistration:  # the file, its sections and its design's keys, before training
+        vp.report_block(cfg.preregistration, config_dict(cfg), _registered)
     arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
     for c in cfg.claims:
         check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
@@ -394,6 +405,10 @@ def _as_list(x: Any) -> list:
 def config_dict(cfg: ValidateConfig) -> dict:
     """``cfg`` as plain JSON data (:meth:`ValidateConfig.from_params` reads it back)."""
     return json.loads(json.dumps(asdict(cfg)))
+
+
+def _registered(design: dict) -> dict:
+    return config_dict(ValidateConfig.from_params(design))
 
 
 # --- stability ---------------------------------------------------------------------------------

@@ -179,11 +179,13 @@ def km_restricted_mean(times: np.ndarray, reached: np.ndarray, tau: float) -> fl
 
 
 SAVING_INTERVALS = ("t", "percentile")
+REPORT_INTERVAL = "t"  # the interval the report's savings use (rmst_saving's default)
+LEVEL = 0.95  # every interval of the report
 
 
 def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, tau: float, *,
-                paired: bool = False, seed: int = 0, level: float = 0.95,
-                interval: str = "t") -> dict:
+                paired: bool = False, seed: int = 0, level: float = LEVEL,
+                interval: str = REPORT_INTERVAL) -> dict:
     """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold and its CI.
 
     Seeds (whole runs) are resampled, each arm independently, or jointly by index when
@@ -268,6 +270,15 @@ VERDICT_RULES = {
                    "min_cells cells; refuted when it lies below 0; undecided otherwise or with "
                    "fewer cells.",
 }
+
+
+HOLM_FAMILY = ("every saving and equivalence claim (tokens, proxy, compute; each metric of a "
+               "compute claim its own member) whose p-value is finite, each direction (for, "
+               "against) its own family; stability and prediction claims are outside it "
+               "(descriptive)")
+COLLAPSE_RULE = ("a run collapsed when its final held-out sampled accuracy is below "
+                 "collapse_acc_frac x the warm start's, or a gradient norm was non-finite; "
+                 "surge and entropy flags are reported, never counted")
 
 
 def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
