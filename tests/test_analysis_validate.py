@@ -103,9 +103,9 @@ def test_bad_arms_and_claims_are_refused_before_training(tmp_path, no_training, 
 
 def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
     """A run that learns (final accuracy high) but whose entropy fell below the live floor is
-    not a collapse, nor is a run the surge detector flags while it learns (a surge is its own
-    measure); a run whose accuracy collapsed is, with or without a flag. The headlines give the
-    entropy flag's rate on both kinds of run; stability claims count either measure."""
+    not a collapse, nor is a run the surge detector flags while it learns (the surge flag is
+    descriptive); a run whose accuracy collapsed is, with or without a flag. The headlines give
+    the entropy flag's rate on both kinds of run; stability claims count collapses."""
     cfg = tiny_grid(surge_factor=5.0)
     keys = dict(task="sort", scheme="otb", G=4, variant="")
     runs = [(0, 0.9, 3), (1, 0.9, 0), (2, 0.9, 0), (3, 0.05, 0), (4, 0.05, 2)]
@@ -132,10 +132,36 @@ def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
     col = V._stability_claim(cfg, both, out)
     assert (col["collapsed_a"], col["collapsed_b"], col["measure"]) == (2, 0, "collapse")
     assert col["claim"] == "collapse rate of normalized/4 minus otb/4 on sort"
-    surge = V._stability_claim(cfg, {**both, "measure": "surge"}, out)
-    assert (surge["collapsed_a"], surge["collapsed_b"]) == (0, 1)
-    assert surge["claim"].startswith("surge-flag rate of") and "1/2 vs 0/3 runs flagged" in (
-        surge["note"])
     bad = replace(cfg, claims=({**both, "measure": "entropy"},))
     with pytest.raises(ValueError, match="measure.*'entropy'.*'collapse'"):
         V.check_grid(bad)
+
+
+def test_surge_flags_are_descriptive_never_a_claim():
+    """Issue 31 point 4: the surge detector caught none of the grid's collapses and is
+    calibrated on the runs a claim would compare: a surge claim is refused, naming why."""
+    both = {"kind": "stability", "a": ["otb/4"], "b": ["normalized/4"], "measure": "surge"}
+    with pytest.raises(UsageError, match="measure = 'surge'.*descriptively.*in-sample"):
+        V.check_grid(tiny_grid(claims=(both,)))
+    assert set(V.STABILITY_MEASURES) == {"collapse"}
+
+
+def _proxy_row(tokens_a, tokens_b):
+    seeds = range(len(tokens_a))
+    a = pd.DataFrame({"seed": seeds, "tokens_to_threshold": tokens_a, "reached": True})
+    b = pd.DataFrame({"seed": seeds, "tokens_to_threshold": tokens_b, "reached": True})
+    c = {"kind": "proxy", "task": "sort", "a": "otb/2", "b": "otb/4"}
+    return V._saving_claim(tiny_grid(budgets={"sort": 1000}), c, a, b, "tokens")
+
+
+def test_equivalence_reads_not_detectably_worse_unless_it_clears_the_margin():
+    """An undecided equivalence whose interval covers 0 is 'not detectably worse', never
+    'equivalent'; one whose lower limit clears -margin is confirmed, without that reading."""
+    loose = _proxy_row([300, 420, 250, 500, 330], [400, 310, 450, 280, 390])
+    assert loose["verdict"] == "undecided" and loose["ci_lo"] < -0.15 < 0 < loose["ci_hi"]
+    text = V.claim_sentence(loose)
+    assert text.startswith("UNDECIDED") and "not detectably worse" in text
+    assert "equivalen" not in text.lower()
+    tight = _proxy_row([400, 402, 398, 401, 399], [400, 401, 399, 402, 398])
+    assert tight["verdict"] == "confirmed" and tight["ci_lo"] > -0.15
+    assert "not detectably worse" not in V.claim_sentence(tight)

@@ -114,3 +114,12 @@ def test_the_report_carries_the_hash_and_the_deviations(tmp_path, fake):  # noqa
     assert pre["deviations"] == ["prediction: registered true, ran false"]
     md = (tmp_path / "r" / "report.md").read_text()
     assert pre["sha256"] in md and "Deviation from the pre-registration: prediction" in md
+
+
+def test_a_claims_changed_margin_is_that_claim_changed(tmp_path):
+    path = write_prereg(tmp_path / "p.toml", tiny_design())
+    cfg = tiny_grid()
+    claims = tuple({**c, "margin": 0.25} if c["kind"] == "proxy" else c for c in cfg.claims)
+    devs = _block(replace(cfg, claims=claims), path)["deviations"]
+    assert len(devs) == 1 and devs[0].startswith(
+        "claim changed: proxy sort: otb/2 vs otb/4: registered") and '"margin": 0.25' in devs[0]

@@ -55,10 +55,10 @@ CLAIMED_SAVING = {"single_turn": 0.62, "multi_turn": 0.66}
 # Exchangeability paper: Min-Replace / Adv-Orthogonal reach the threshold at ~0.91x GSPO's compute.
 CLAIMED_COMPUTE_SAVING = 0.09
 CLAIM_KINDS = ("tokens", "proxy", "compute", "stability")
-# stability claims compare per-run rates of: a collapse (final held-out accuracy below
-# collapse_acc_frac x the warm start's, or a non-finite gradient norm), or a surge flagged by
-# the calibrated detector
-STABILITY_MEASURES = {"collapse": "collapsed", "surge": "flag_surge"}
+# stability claims compare per-run collapse rates (validate_stats.COLLAPSE_RULE). The surge
+# flag is reported, not claimed (issue 31): on the claims grid the detector caught 0 of 76
+# collapses, and its factor is calibrated in-sample on the same runs the claim would compare
+STABILITY_MEASURES = {"collapse": "collapsed"}
 _ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
 
 
@@ -292,6 +292,8 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "curves_mean": mean_curves, "curves": curves_df, "stability": stab_df,
                "collapse_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"]),
                "collapse_rates_pooled": vs.rate_table(stab_df, ["scheme", "G", "variant"]),
+               "surge_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"],
+                                            col="flag_surge"),  # descriptive: no claim
                "grad_traces": fig_label(traces_df), "timing": timing_df}
     if len(pred_df):
         records["prediction"] = pred_df
@@ -356,6 +358,11 @@ def check_grid(cfg: ValidateConfig) -> None:
     for c in cfg.claims:
         check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
         if c.get("kind") == "stability":
+            if c.get("measure") == "surge":
+                raise UsageError(f"claims: measure = 'surge' of {c!r} is no longer a claim: "
+                                 "the surge flag is reported descriptively (surge_rates table)"
+                                 "; its calibration is in-sample on the runs it would compare"
+                                 "; use the collapse measure (drop the key)")
             check_choice("claims measure", c.get("measure", "collapse"), STABILITY_MEASURES)
             for t in _as_list(c.get("tasks")):
                 check_choice("claims tasks", t, list(cfg.tasks))
@@ -420,8 +427,8 @@ def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2
     A run *collapsed by outcome* when its final held-out accuracy fell below
     ``collapse_acc_frac`` x the warm start's or a gradient norm was non-finite. The surge factor
     is calibrated on the runs that did not (their false-positive rate is reported) and its flag
-    is a separate measure (``flag_surge``, the stability claims' ``measure = "surge"``): on the
-    claims grid it flagged none of the runs whose accuracy collapsed and mostly runs that
+    is reported descriptively (``flag_surge``, the ``surge_rates`` table), never claimed: on
+    the claims grid it flagged none of the runs whose accuracy collapsed and mostly runs that
     learned, so ``collapsed`` is the outcome alone. The live entropy flag (entropy below
     ``entropy_floor`` x its first value) is reported with its own false-positive rate and not
     counted: a policy that learns a task with one right answer has a low entropy, so the flag
@@ -616,9 +623,8 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
     a, b = pick(a_arms), pick(b_arms)
     measure = c.get("measure", "collapse")
     col = STABILITY_MEASURES[measure]
-    what = "collapse rate" if measure == "collapse" else "surge-flag rate"
     where = f" on {', '.join(c['tasks'])}" if c.get("tasks") else ""
-    row = {"claim": f"{what} of {'+'.join(b_arms)} minus {'+'.join(a_arms)}{where}",
+    row = {"claim": f"collapse rate of {'+'.join(b_arms)} minus {'+'.join(a_arms)}{where}",
            "kind": "stability", "task": ",".join(c.get("tasks", [])) or "all",
            "a": "+".join(a_arms), "b": "+".join(b_arms), "metric": "collapse_rate_diff",
            "claimed": math.nan, "n_a": len(a), "n_b": len(b),
@@ -631,10 +637,8 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
     return {**row, "estimate": d, "ci_lo": lo, "ci_hi": hi, "collapsed_a": ka, "collapsed_b": kb,
             "verdict": vs.verdict_interval(lo, hi),
             "measure": measure,
-            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs "
-                    + ("collapsed" if measure == "collapse" else "flagged")
-                    + (f"; no run {'collapsed' if measure == 'collapse' else 'flagged'} on "
-                       "either side" if ka + kb == 0 else "")}
+            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs collapsed"
+                    + ("; no run collapsed on either side" if ka + kb == 0 else "")}
 
 
 # --- prediction --------------------------------------------------------------------------------
@@ -728,7 +732,8 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
     fpr_lo, fpr_hi = calib["fpr_ci"]
     heads.append(Headline(
         key="collapse/detector_fpr", value=calib["fpr"], se=None, unit="fraction of runs",
-        text=f"Collapse detector: surge factor {calib['surge_factor']:.2f} "
+        text=f"Surge detector (descriptive, no claim rests on it; per-arm flag rates in the "
+             f"surge_rates table): surge factor {calib['surge_factor']:.2f} "
              f"({calib['source']}); false-positive rate on the {calib['runs']} runs that did not "
              f"collapse {calib['fpr'] * 100:.0f}% (Wilson 95% CI {fpr_lo * 100:.0f}-"
              f"{fpr_hi * 100:.0f}%), against {calib['fpr_default'] * 100:.0f}% at the live "

@@ -117,8 +117,8 @@ def _label(entry: dict, kind: str) -> str:
         return "+".join(s) if isinstance(s, list) else str(s)
 
     where = entry.get("task") or ",".join(entry.get("tasks", [])) or "all tasks"
-    extra = "".join(f" [{k} {entry[k]}]" for k in sorted(entry)
-                    if k not in ("kind", "task", "tasks", "a", "b"))
+    extra = f" [measure {entry['measure']}]" if "measure" in entry else ""  # not a margin:
+    # a changed margin is the same claim, changed
     return (f"{entry.get('kind')} {where}: {side(entry.get('a'))} vs {side(entry.get('b'))}"
             + extra)
 
