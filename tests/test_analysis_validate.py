@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from importlib import import_module
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -165,3 +166,60 @@ def test_equivalence_reads_not_detectably_worse_unless_it_clears_the_margin():
     tight = _proxy_row([400, 402, 398, 401, 399], [400, 401, 399, 402, 398])
     assert tight["verdict"] == "confirmed" and tight["ci_lo"] > -0.15
     assert "not detectably worse" not in V.claim_sentence(tight)
+
+
+# --- the shipped claims suites (issue 31, point 1: controls, GSPO updates, seeds) ---------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# The power plan (validate_stats.power_plan, t interval, half-width 0.15) of otb/4 against the
+# group baselines at G = 4, with the published grid (reports/claims/, 2026-12-01) as the pilot:
+# the seeds the registered grid must give each arm.
+PLANNED_SEEDS = {("sort", "otb/4"): 11, ("sort", "centered/4"): 11, ("sort", "normalized/4"): 8,
+                 ("sort", "rloo/4"): 6, ("toolsum", "otb/4"): 28, ("toolsum", "centered/4"): 9,
+                 ("toolsum", "normalized/4"): 28, ("toolsum", "rloo/4"): 27}
+
+
+@pytest.mark.parametrize("name", ["otb-claims", "otb-claims-smoke"])
+def test_shipped_claims_suites_have_their_controls_and_follow_their_preregistration(
+        name, monkeypatch):
+    """Every task with token claims has otb/4 against each group scheme at G = 4; sort (and
+    toolsum in the real grid) has an equal-updates arm (as many responses per step as G = 4)
+    that otb/4 and the family's G = 4 arm are compared with; every GSPO arm takes several
+    updates per batch; no claim rests on the surge flag; the pre-registration lists no
+    deviation of the suite from it."""
+    from varbench.analysis import validate_prereg as P
+    from varbench.app.cmd_train import suite_validate_config
+
+    monkeypatch.chdir(ROOT)  # the preregistration path is relative to the repository root
+    cfg = suite_validate_config(f"suites/{name}.toml", None)
+    V.check_grid(cfg)
+    block = P.report_block(cfg.preregistration, V.config_dict(cfg), V._registered)
+    assert block["deviations"] == [] and len(block["sha256"]) == 64
+    claims = [(c["task"], c["a"], c["b"], c.get("claimed")) for c in cfg.claims
+              if c["kind"] == "tokens"]
+    group = [s for s in cfg.schemes if s != "otb"]
+    for task in {t for t, *_ in claims}:
+        for s in group:
+            assert (task, "otb/4", f"{s}/4", 0.0) in claims, (task, s)
+    jobs = [j for j in V.jobs_of(cfg) if j.reward is None]
+    pps = cfg.base["prompts_per_step"]
+    eq_tasks = ["sort", "toolsum"] if name == "otb-claims" else ["sort"]
+    for task in eq_tasks:
+        eq = [j for j in jobs if j.task == task and j.variant == "eq_updates"]
+        assert eq, task
+        tc = V.job_config(cfg, eq[0])
+        assert tc.G > 4 and tc.prompts_per_step * tc.G == pps * 4
+        assert (task, "otb/4", eq[0].arm, None) in claims
+        assert (task, f"{eq[0].scheme}/4", eq[0].arm, 0.0) in claims
+    gspo = [j for j in jobs if V.job_config(cfg, j).ratio == "sequence"]
+    assert {j.variant for j in gspo} == {"gspo4", "gspo4_mr", "gspo4_ao"}
+    for j in gspo:
+        tc = V.job_config(cfg, j)
+        assert tc.epochs * tc.minibatches > 1 and (tc.clip_low, tc.clip_high) == (3e-4, 4e-4)
+    assert not any(c.get("measure") == "surge" for c in cfg.claims)
+    if name == "otb-claims":
+        seeds: dict[tuple[str, str], set[int]] = {}
+        for j in jobs:
+            seeds.setdefault((j.task, j.arm), set()).add(j.seed)
+        for arm, n in PLANNED_SEEDS.items():
+            assert len(seeds[arm]) >= n, (arm, len(seeds[arm]), n)
