@@ -223,3 +223,10 @@ def test_shipped_claims_suites_have_their_controls_and_follow_their_preregistrat
             seeds.setdefault((j.task, j.arm), set()).add(j.seed)
         for arm, n in PLANNED_SEEDS.items():
             assert len(seeds[arm]) >= n, (arm, len(seeds[arm]), n)
+
+
+def test_a_claims_caveat_is_part_of_its_sentence():
+    row = _proxy_row([400, 402, 398, 401, 399], [400, 401, 399, 402, 398])
+    row["caveat"] = "sort: warm start already solves the greedy problem"
+    assert V.claim_sentence(row).endswith(
+        "(sort: warm start already solves the greedy problem).")

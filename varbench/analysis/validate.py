@@ -273,6 +273,9 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                            else (pd.DataFrame(), ["prediction check skipped (--no-prediction)"]))
     phases["prediction"] = time.perf_counter() - t_phase
     claims_df = pd.DataFrame(claim_rows(cfg, t2t, stab_df, pred_df))
+    caveats = vs.toy_caveats(curves_df, t2t, stab_df)  # per task: greedy solved, all censored
+    claims_df["caveat"] = ["; ".join(vs.caveat_texts(caveats, None if t == "all" else
+                                                     t.split(","))) for t in claims_df["task"]]
     hack_df = vs.hacking_table(pd.concat(hack, ignore_index=True)) if hack else pd.DataFrame()
     wall = time.perf_counter() - t_start
 
@@ -281,7 +284,9 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
            if cfg.preregistration else None)
     heads.insert(0, Headline(key="preregistration", value=len(pre["deviations"]) if pre else
                              math.nan, se=None, unit="deviations", text=vp.headline_text(pre)))
-    notes = vp.notes_of(pre) + notes
+    heads.append(Headline(key="multiplicity", value=math.nan, se=None, unit="",
+                          text=vs.multiplicity_statement(claims_df.to_dict("records"))))
+    notes = vp.notes_of(pre) + vs.caveat_texts(caveats) + notes
     notes += pred_notes + _runtime_notes(timing_df, wall, phases)
     fig_label = figure_labels  # figures group by scheme and G: fold the variant into the label
     mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
@@ -294,7 +299,7 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "collapse_rates_pooled": vs.rate_table(stab_df, ["scheme", "G", "variant"]),
                "surge_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"],
                                             col="flag_surge"),  # descriptive: no claim
-               "grad_traces": fig_label(traces_df), "timing": timing_df}
+               "grad_traces": fig_label(traces_df), "timing": timing_df, "caveats": caveats}
     if len(pred_df):
         records["prediction"] = pred_df
     if len(hack_df):
@@ -303,7 +308,8 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "collapse_calibration": {k: v for k, v in calib.items() if k != "scores"},
                "verdicts": [{k: r[k] for k in ("claim", "estimate", "ci_lo", "ci_hi", "verdict")}
                             for r in claims_df.to_dict("records")],
-               "verdict_rules": vs.VERDICT_RULES, "preregistration": pre}
+               "verdict_rules": vs.VERDICT_RULES, "preregistration": pre,
+               "caveats": caveats.to_dict("records")}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
         config=config_dict(cfg), notes=notes,
@@ -707,7 +713,7 @@ def claim_sentence(r: dict) -> str:
         ci = f"[{r['ci_lo'] * 100:.0f}%, {r['ci_hi'] * 100:.0f}%]"
     if not math.isfinite(r["estimate"]):
         est, ci = "not measurable", "n/a"
-    notes = [r["note"]] if isinstance(r.get("note"), str) and r["note"] else []
+    notes = [r[k] for k in ("note", "caveat") if isinstance(r.get(k), str) and r[k]]
     if math.isfinite(r.get("p_confirm_holm", math.nan)):
         notes.append(f"Holm-adjusted one-sided p {r['p_confirm_holm']:.3g} for, "
                      f"{r['p_refute_holm']:.3g} against")
