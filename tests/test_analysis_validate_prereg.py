@@ -123,3 +123,31 @@ def test_a_claims_changed_margin_is_that_claim_changed(tmp_path):
     devs = _block(replace(cfg, claims=claims), path)["deviations"]
     assert len(devs) == 1 and devs[0].startswith(
         "claim changed: proxy sort: otb/2 vs otb/4: registered") and '"margin": 0.25' in devs[0]
+
+
+def test_a_suite_edited_after_registration_lists_its_changes(tmp_path):
+    """The shipped smoke suite, edited after its registration (one seed more, a lower collapse
+    threshold, an arm dropped), against its unchanged pre-registration file."""
+    from pathlib import Path
+
+    from varbench.app.cmd_train import suite_validate_config
+
+    root = Path(__file__).resolve().parents[1] / "suites"
+    prereg = tmp_path / "prereg.toml"
+    prereg.write_bytes((root / "prereg" / "otb-claims-smoke.toml").read_bytes())
+    text = (root / "otb-claims-smoke.toml").read_text()
+    text = text.replace('"suites/prereg/otb-claims-smoke.toml"', json.dumps(str(prereg)))
+    (tmp_path / "same.toml").write_text(text)
+    same = suite_validate_config(str(tmp_path / "same.toml"), None)
+    assert _block(same, prereg)["deviations"] == []
+    lines = [ln for ln in text.splitlines() if 'variant = "gspo4_ao"' not in ln]
+    edited = "\n".join(lines).replace("seeds = [0, 1]\n",
+                                      "seeds = [0, 1, 2]\ncollapse_acc_frac = 0.3\n")
+    (tmp_path / "edited.toml").write_text(edited)
+    cfg = suite_validate_config(str(tmp_path / "edited.toml"), None)
+    devs = _block(cfg, prereg)["deviations"]
+    assert devs == [
+        "arm dropped: arith normalized/4/gspo4_ao",
+        "collapse definition (final accuracy below this fraction of the warm start's): "
+        "registered 0.5, ran 0.3",
+        "seed list: registered 2 seeds [0, 1], ran 3 seeds [0, 1, 2]"], devs
