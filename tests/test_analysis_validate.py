@@ -193,7 +193,7 @@ def test_shipped_claims_suites_have_their_controls_and_follow_their_preregistrat
     monkeypatch.chdir(ROOT)  # the preregistration path is relative to the repository root
     cfg = suite_validate_config(f"suites/{name}.toml", None)
     V.check_grid(cfg)
-    block = P.report_block(cfg.preregistration, V.config_dict(cfg), V._registered)
+    block = P.report_block(cfg.preregistration, V.config_dict(cfg), V.registered_config)
     assert block["deviations"] == [] and len(block["sha256"]) == 64
     claims = [(c["task"], c["a"], c["b"], c.get("claimed")) for c in cfg.claims
               if c["kind"] == "tokens"]

@@ -18,7 +18,7 @@ from varbench.app.validation import run_validation
 
 
 def _block(cfg, path):
-    return P.report_block(path, V.config_dict(cfg), V._registered)
+    return P.report_block(path, V.config_dict(cfg), V.registered_config)
 
 
 def test_an_unchanged_grid_lists_no_deviation_and_the_hash_is_the_files(tmp_path):
@@ -151,3 +151,17 @@ def test_a_suite_edited_after_registration_lists_its_changes(tmp_path):
         "collapse definition (final accuracy below this fraction of the warm start's): "
         "registered 0.5, ran 0.3",
         "seed list: registered 2 seeds [0, 1], ran 3 seeds [0, 1, 2]"], devs
+
+
+def test_the_plan_prints_the_hash_to_publish_before_the_run(tmp_path):
+    import pandas as pd
+
+    from varbench.analysis.validate_plan import plan_text
+
+    path = write_prereg(tmp_path / "p.toml", tiny_design())
+    cfg = replace(tiny_grid(), preregistration=str(path))
+    timing = pd.DataFrame([{"task": "sort", "G": 2, "wall_s": 1.0, "tokens": 100.0}])
+    text = plan_text(cfg, timing)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in text
+    assert "(no deviation)" in text
+    assert "sha256" not in plan_text(tiny_grid(), timing)

@@ -280,7 +280,7 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
     wall = time.perf_counter() - t_start
 
     heads, notes = _headlines(cfg, claims_df, acc0, thresholds, stab_df, calib, hack_df)
-    pre = (vp.report_block(cfg.preregistration, config_dict(cfg), _registered)
+    pre = (vp.report_block(cfg.preregistration, config_dict(cfg), registered_config)
            if cfg.preregistration else None)
     heads.insert(0, Headline(key="preregistration", value=len(pre["deviations"]) if pre else
                              math.nan, se=None, unit="deviations", text=vp.headline_text(pre)))
@@ -359,7 +359,7 @@ def check_grid(cfg: ValidateConfig) -> None:
                 raise UsageError(f"arms: key {k!r} of {a!r} is not valid; use {_ARM_KEYS} or "
                                  "TrainConfig fields")
     if cfg.preregistration:  # the file, its sections and its design's keys, before training
-        vp.report_block(cfg.preregistration, config_dict(cfg), _registered)
+        vp.report_block(cfg.preregistration, config_dict(cfg), registered_config)
     arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
     for c in cfg.claims:
         check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
@@ -420,7 +420,8 @@ def config_dict(cfg: ValidateConfig) -> dict:
     return json.loads(json.dumps(asdict(cfg)))
 
 
-def _registered(design: dict) -> dict:
+def registered_config(design: dict) -> dict:
+    """A pre-registration's ``[design]`` table as plain config data, defaults filled in."""
     return config_dict(ValidateConfig.from_params(design))
 
 
