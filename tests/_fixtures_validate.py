@@ -73,3 +73,42 @@ def fake_variance(policy, task, *, schemes, Gs, **kw):
                            "variance_x_tokens": (2.0 if s == "normalized" else 1.0) / G}
                           for s in schemes for G in Gs])
     return AnalysisResult("variance", "v", {"cells": cells}, {}, [], {}, {}, [])
+
+
+def toml_value(v) -> str:
+    """Plain data (str, bool, int, float, list, dict) as a TOML value (inline tables)."""
+    import json
+
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()
+                                if x is not None) + " }"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v)  # str, int, float: JSON spells them as TOML does
+
+
+def write_prereg(path: Path, design: dict, *, analysis: dict | None = None,
+                 disclosed: tuple[dict, ...] = ()) -> Path:
+    """A pre-registration file registering ``design`` (validate case keys) and ``analysis``
+    (default: the analysis the report applies)."""
+    from varbench.analysis.validate_prereg import analysis_plan
+
+    lines = ["[registration]", 'suite = "tiny"', 'case = "grid"', 'registered = "2026-12-03"',
+             "", "[design]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in design.items() if v is not None]
+    lines += ["", "[analysis]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in (analysis or analysis_plan()).items()]
+    for d in disclosed:
+        lines += ["", "[[disclosed]]"] + [f"{k} = {toml_value(v)}" for k, v in d.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def tiny_design() -> dict:
+    """The keys :func:`tiny_grid` sets, as a suite's validate case writes them."""
+    from dataclasses import asdict
+
+    cfg, default = asdict(tiny_grid()), asdict(ValidateConfig())
+    return {k: v for k, v in cfg.items() if v != default[k]}

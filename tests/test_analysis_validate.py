@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from importlib import import_module
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -103,9 +104,9 @@ def test_bad_arms_and_claims_are_refused_before_training(tmp_path, no_training, 
 
 def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
     """A run that learns (final accuracy high) but whose entropy fell below the live floor is
-    not a collapse, nor is a run the surge detector flags while it learns (a surge is its own
-    measure); a run whose accuracy collapsed is, with or without a flag. The headlines give the
-    entropy flag's rate on both kinds of run; stability claims count either measure."""
+    not a collapse, nor is a run the surge detector flags while it learns (the surge flag is
+    descriptive); a run whose accuracy collapsed is, with or without a flag. The headlines give
+    the entropy flag's rate on both kinds of run; stability claims count collapses."""
     cfg = tiny_grid(surge_factor=5.0)
     keys = dict(task="sort", scheme="otb", G=4, variant="")
     runs = [(0, 0.9, 3), (1, 0.9, 0), (2, 0.9, 0), (3, 0.05, 0), (4, 0.05, 2)]
@@ -132,10 +133,100 @@ def test_the_entropy_flag_is_reported_not_counted_as_a_collapse():
     col = V._stability_claim(cfg, both, out)
     assert (col["collapsed_a"], col["collapsed_b"], col["measure"]) == (2, 0, "collapse")
     assert col["claim"] == "collapse rate of normalized/4 minus otb/4 on sort"
-    surge = V._stability_claim(cfg, {**both, "measure": "surge"}, out)
-    assert (surge["collapsed_a"], surge["collapsed_b"]) == (0, 1)
-    assert surge["claim"].startswith("surge-flag rate of") and "1/2 vs 0/3 runs flagged" in (
-        surge["note"])
     bad = replace(cfg, claims=({**both, "measure": "entropy"},))
     with pytest.raises(ValueError, match="measure.*'entropy'.*'collapse'"):
         V.check_grid(bad)
+
+
+def test_surge_flags_are_descriptive_never_a_claim():
+    """Issue 31 point 4: the surge detector caught none of the grid's collapses and is
+    calibrated on the runs a claim would compare: a surge claim is refused, naming why."""
+    both = {"kind": "stability", "a": ["otb/4"], "b": ["normalized/4"], "measure": "surge"}
+    with pytest.raises(UsageError, match="measure = 'surge'.*descriptively.*in-sample"):
+        V.check_grid(tiny_grid(claims=(both,)))
+    assert set(V.STABILITY_MEASURES) == {"collapse"}
+
+
+def _proxy_row(tokens_a, tokens_b):
+    seeds = range(len(tokens_a))
+    a = pd.DataFrame({"seed": seeds, "tokens_to_threshold": tokens_a, "reached": True})
+    b = pd.DataFrame({"seed": seeds, "tokens_to_threshold": tokens_b, "reached": True})
+    c = {"kind": "proxy", "task": "sort", "a": "otb/2", "b": "otb/4"}
+    return V._saving_claim(tiny_grid(budgets={"sort": 1000}), c, a, b, "tokens")
+
+
+def test_equivalence_reads_not_detectably_worse_unless_it_clears_the_margin():
+    """An undecided equivalence whose interval covers 0 is 'not detectably worse', never
+    'equivalent'; one whose lower limit clears -margin is confirmed, without that reading."""
+    loose = _proxy_row([300, 420, 250, 500, 330], [400, 310, 450, 280, 390])
+    assert loose["verdict"] == "undecided" and loose["ci_lo"] < -0.15 < 0 < loose["ci_hi"]
+    text = V.claim_sentence(loose)
+    assert text.startswith("UNDECIDED") and "not detectably worse" in text
+    assert "equivalen" not in text.lower()
+    tight = _proxy_row([400, 402, 398, 401, 399], [400, 401, 399, 402, 398])
+    assert tight["verdict"] == "confirmed" and tight["ci_lo"] > -0.15
+    assert "not detectably worse" not in V.claim_sentence(tight)
+
+
+# --- the shipped claims suites (issue 31, point 1: controls, GSPO updates, seeds) ---------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# The power plan (validate_stats.power_plan, t interval, half-width 0.15) of otb/4 against the
+# group baselines at G = 4, with the published grid (reports/claims/, 2026-12-01) as the pilot:
+# the seeds the registered grid must give each arm.
+PLANNED_SEEDS = {("sort", "otb/4"): 11, ("sort", "centered/4"): 11, ("sort", "normalized/4"): 8,
+                 ("sort", "rloo/4"): 6, ("toolsum", "otb/4"): 28, ("toolsum", "centered/4"): 9,
+                 ("toolsum", "normalized/4"): 28, ("toolsum", "rloo/4"): 27}
+
+
+@pytest.mark.parametrize("name", ["otb-claims", "otb-claims-smoke"])
+def test_shipped_claims_suites_have_their_controls_and_follow_their_preregistration(
+        name, monkeypatch):
+    """Every task with token claims has otb/4 against each group scheme at G = 4; sort (and
+    toolsum in the real grid) has an equal-updates arm (as many responses per step as G = 4)
+    that otb/4 and the family's G = 4 arm are compared with; every GSPO arm takes several
+    updates per batch; no claim rests on the surge flag; the pre-registration lists no
+    deviation of the suite from it."""
+    from varbench.analysis import validate_prereg as P
+    from varbench.app.cmd_train import suite_validate_config
+
+    monkeypatch.chdir(ROOT)  # the preregistration path is relative to the repository root
+    cfg = suite_validate_config(f"suites/{name}.toml", None)
+    V.check_grid(cfg)
+    block = P.report_block(cfg.preregistration, V.config_dict(cfg), V.registered_config)
+    assert block["deviations"] == [] and len(block["sha256"]) == 64
+    claims = [(c["task"], c["a"], c["b"], c.get("claimed")) for c in cfg.claims
+              if c["kind"] == "tokens"]
+    group = [s for s in cfg.schemes if s != "otb"]
+    for task in {t for t, *_ in claims}:
+        for s in group:
+            assert (task, "otb/4", f"{s}/4", 0.0) in claims, (task, s)
+    jobs = [j for j in V.jobs_of(cfg) if j.reward is None]
+    pps = cfg.base["prompts_per_step"]
+    eq_tasks = ["sort", "toolsum"] if name == "otb-claims" else ["sort"]
+    for task in eq_tasks:
+        eq = [j for j in jobs if j.task == task and j.variant == "eq_updates"]
+        assert eq, task
+        tc = V.job_config(cfg, eq[0])
+        assert tc.G > 4 and tc.prompts_per_step * tc.G == pps * 4
+        assert (task, "otb/4", eq[0].arm, None) in claims
+        assert (task, f"{eq[0].scheme}/4", eq[0].arm, 0.0) in claims
+    gspo = [j for j in jobs if V.job_config(cfg, j).ratio == "sequence"]
+    assert {j.variant for j in gspo} == {"gspo4", "gspo4_mr", "gspo4_ao"}
+    for j in gspo:
+        tc = V.job_config(cfg, j)
+        assert tc.epochs * tc.minibatches > 1 and (tc.clip_low, tc.clip_high) == (3e-4, 4e-4)
+    assert not any(c.get("measure") == "surge" for c in cfg.claims)
+    if name == "otb-claims":
+        seeds: dict[tuple[str, str], set[int]] = {}
+        for j in jobs:
+            seeds.setdefault((j.task, j.arm), set()).add(j.seed)
+        for arm, n in PLANNED_SEEDS.items():
+            assert len(seeds[arm]) >= n, (arm, len(seeds[arm]), n)
+
+
+def test_a_claims_caveat_is_part_of_its_sentence():
+    row = _proxy_row([400, 402, 398, 401, 399], [400, 401, 399, 402, 398])
+    row["caveat"] = "sort: warm start already solves the greedy problem"
+    assert V.claim_sentence(row).endswith(
+        "(sort: warm start already solves the greedy problem).")

@@ -4,6 +4,8 @@ rank correlation, hacking table)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -285,3 +287,58 @@ def test_power_plan_arm_mostly_reached_uses_the_km_mean():
     assert p["plan_mean_a"] == pytest.approx(km) == 250.0
     assert p["cv_a"] == pytest.approx(np.std([100.0, 200, 300], ddof=1) / 200)
     assert p["source"] == "a KM mean"
+
+
+# --- toy caveats and the multiplicity statement (issue 31, point 4 of the task) ----------------
+
+def _caveat_tables(greedy0: dict[str, float], runs: dict[str, list[tuple[bool, bool]]]):
+    """Curves with each task's greedy accuracy at step 0 (and a later, different value) and
+    per-run (reached, collapsed) outcomes."""
+    curves, t2t, stab = [], [], []
+    for task, outcomes in runs.items():
+        for seed, (reached, collapsed) in enumerate(outcomes):
+            keys = dict(task=task, scheme="otb", G=4, variant="", seed=seed)
+            curves += [{**keys, "step": 0, "acc_greedy": greedy0[task]},
+                       {**keys, "step": 5, "acc_greedy": 0.1}]
+            t2t.append({**keys, "reached": reached})
+            stab.append({**keys, "collapsed": collapsed})
+    return pd.DataFrame(curves), pd.DataFrame(t2t), pd.DataFrame(stab)
+
+
+def test_toy_caveats_name_a_solved_warm_start_from_the_curves():
+    """The greedy accuracy at step 0 is read from the curves (not the later evaluations); a
+    task at or above 0.95 is named as solved, one below is not."""
+    g = {"sort": 0.992, "edge": 0.95, "toolsum": 0.949}
+    cav = vs.toy_caveats(*_caveat_tables(g, {t: [(True, False)] * 2 for t in g}))
+    by = cav.set_index("task")
+    assert by.loc["sort", "greedy0"] == pytest.approx(0.992) and by["greedy0_spread"].max() == 0
+    assert by["solved"].to_dict() == {"edge": True, "sort": True, "toolsum": False}
+    texts = vs.caveat_texts(cav, ["sort", "toolsum"])
+    assert texts == ["sort: the warm start's held-out greedy accuracy is 0.992 (>= 0.95): warm "
+                     "start already solves the greedy problem; training only sharpens sampling"]
+
+
+def test_toy_caveats_a_task_where_every_run_collapsed_or_is_censored_is_uninformative():
+    runs = {"long": [(False, True), (True, True), (False, False)],  # censored or collapsed
+            "toolsum": [(False, True), (True, False)]}  # one run reached without collapsing
+    cav = vs.toy_caveats(*_caveat_tables({"long": 0.48, "toolsum": 0.79}, runs))
+    by = cav.set_index("task")
+    assert by["uninformative"].to_dict() == {"long": True, "toolsum": False}
+    assert by["collapsed_or_censored"].to_dict() == {"long": 3, "toolsum": 1}
+    assert vs.caveat_texts(cav) == ["long: every one of its 3 runs, of every scheme, collapsed "
+                                    "or never reached the threshold (censored): its verdicts "
+                                    "say nothing scheme-specific"]
+    curves, t2t, stab = _caveat_tables({"long": 0.48, "toolsum": 0.79}, runs)
+    with pytest.raises(ValueError, match="no stability row"):
+        vs.toy_caveats(curves, t2t, stab.iloc[1:])
+
+
+def test_multiplicity_statement_counts_the_holm_family():
+    rows = [{"kind": "tokens", "p_confirm": 0.01}, {"kind": "proxy", "p_confirm": 0.2},
+            {"kind": "tokens", "p_confirm": math.nan}, {"kind": "stability"},
+            {"kind": "prediction"}, {"kind": "compute", "p_confirm": 0.3}]
+    text = vs.multiplicity_statement(rows)
+    assert text.startswith("Multiplicity: Holm's step-down procedure over the family of 3 ")
+    assert "1 saving verdict(s) have none" in text
+    assert "the 2 stability and prediction verdicts are not adjusted" in text
+    assert "have none" not in vs.multiplicity_statement(rows[:2])

@@ -179,6 +179,14 @@ def _check_grid_end_to_end(tmp_path, cfg, calls):
     stab = pd.read_csv(rep / "tables" / "validation__stability.csv")
     assert {"collapsed_outcome", "surge_score", "flag_surge", "collapsed"} <= set(stab.columns)
     assert (out / "prediction").is_dir()  # the variance cells are cached with the runs
+    # the toy caveats and the multiplicity statement (issue 31): every task's warm-start greedy
+    # accuracy at step 0, from the curves; Holm's family named in the report
+    cav = pd.read_csv(rep / "tables" / "validation__caveats.csv")
+    curves = pd.read_csv(rep / "tables" / "validation__curves.csv")
+    g0 = curves[curves.step == 0].groupby("task")["acc_greedy"].mean()
+    assert cav.set_index("task")["greedy0"].to_dict() == pytest.approx(g0.to_dict())
+    n_fam = int(claims["p_confirm"].notna().sum()) if "p_confirm" in claims else 0
+    assert f"Multiplicity: Holm's step-down procedure over the family of {n_fam} " in md
 
 
 def test_two_shards_may_run_at_once_into_one_directory(tmp_path, fake):

@@ -38,6 +38,7 @@ import pandas as pd
 
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError, check_choice, check_positive_int
+from varbench.analysis import validate_prereg as vp
 from varbench.analysis import validate_stats as vs
 from varbench.analysis._common import CellCache
 from varbench.report import provenance, write_report
@@ -54,10 +55,10 @@ CLAIMED_SAVING = {"single_turn": 0.62, "multi_turn": 0.66}
 # Exchangeability paper: Min-Replace / Adv-Orthogonal reach the threshold at ~0.91x GSPO's compute.
 CLAIMED_COMPUTE_SAVING = 0.09
 CLAIM_KINDS = ("tokens", "proxy", "compute", "stability")
-# stability claims compare per-run rates of: a collapse (final held-out accuracy below
-# collapse_acc_frac x the warm start's, or a non-finite gradient norm), or a surge flagged by
-# the calibrated detector
-STABILITY_MEASURES = {"collapse": "collapsed", "surge": "flag_surge"}
+# stability claims compare per-run collapse rates (validate_stats.COLLAPSE_RULE). The surge
+# flag is reported, not claimed (issue 31): on the claims grid the detector caught 0 of 76
+# collapses, and its factor is calibrated in-sample on the same runs the claim would compare
+STABILITY_MEASURES = {"collapse": "collapsed"}
 _ARM_KEYS = ("task", "scheme", "G", "variant", "seeds")
 
 
@@ -128,6 +129,9 @@ class ValidateConfig:
     """Proxy claim: the proxy may need at most this fraction more tokens than exact weights."""
     reduced: bool = False
     """Whether this is the reduced setting (recorded in the report)."""
+    preregistration: str = ""
+    """Path of the grid's pre-registration file (:mod:`validate_prereg`; '' for none): the
+    report hashes it and lists every deviation of the run from it."""
 
     def __post_init__(self) -> None:
         check_knob("threshold_frac", self.threshold_frac)
@@ -269,10 +273,20 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                            else (pd.DataFrame(), ["prediction check skipped (--no-prediction)"]))
     phases["prediction"] = time.perf_counter() - t_phase
     claims_df = pd.DataFrame(claim_rows(cfg, t2t, stab_df, pred_df))
+    caveats = vs.toy_caveats(curves_df, t2t, stab_df)  # per task: greedy solved, all censored
+    claims_df["caveat"] = ["; ".join(vs.caveat_texts(caveats, None if t == "all" else
+                                                     t.split(","))) for t in claims_df["task"]]
     hack_df = vs.hacking_table(pd.concat(hack, ignore_index=True)) if hack else pd.DataFrame()
     wall = time.perf_counter() - t_start
 
     heads, notes = _headlines(cfg, claims_df, acc0, thresholds, stab_df, calib, hack_df)
+    pre = (vp.report_block(cfg.preregistration, config_dict(cfg), registered_config)
+           if cfg.preregistration else None)
+    heads.insert(0, Headline(key="preregistration", value=len(pre["deviations"]) if pre else
+                             math.nan, se=None, unit="deviations", text=vp.headline_text(pre)))
+    heads.append(Headline(key="multiplicity", value=math.nan, se=None, unit="",
+                          text=vs.multiplicity_statement(claims_df.to_dict("records"))))
+    notes = vp.notes_of(pre) + vs.caveat_texts(caveats) + notes
     notes += pred_notes + _runtime_notes(timing_df, wall, phases)
     fig_label = figure_labels  # figures group by scheme and G: fold the variant into the label
     mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
@@ -283,7 +297,9 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "curves_mean": mean_curves, "curves": curves_df, "stability": stab_df,
                "collapse_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"]),
                "collapse_rates_pooled": vs.rate_table(stab_df, ["scheme", "G", "variant"]),
-               "grad_traces": fig_label(traces_df), "timing": timing_df}
+               "surge_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"],
+                                            col="flag_surge"),  # descriptive: no claim
+               "grad_traces": fig_label(traces_df), "timing": timing_df, "caveats": caveats}
     if len(pred_df):
         records["prediction"] = pred_df
     if len(hack_df):
@@ -292,7 +308,8 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "collapse_calibration": {k: v for k, v in calib.items() if k != "scores"},
                "verdicts": [{k: r[k] for k in ("claim", "estimate", "ci_lo", "ci_hi", "verdict")}
                             for r in claims_df.to_dict("records")],
-               "verdict_rules": vs.VERDICT_RULES}
+               "verdict_rules": vs.VERDICT_RULES, "preregistration": pre,
+               "caveats": caveats.to_dict("records")}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
         config=config_dict(cfg), notes=notes,
@@ -341,10 +358,17 @@ def check_grid(cfg: ValidateConfig) -> None:
             if k not in _ARM_KEYS and k not in {f.name for f in fields(TrainConfig)}:
                 raise UsageError(f"arms: key {k!r} of {a!r} is not valid; use {_ARM_KEYS} or "
                                  "TrainConfig fields")
+    if cfg.preregistration:  # the file, its sections and its design's keys, before training
+        vp.report_block(cfg.preregistration, config_dict(cfg), registered_config)
     arms = {j.arm for j in jobs_of(cfg) if j.reward is None}
     for c in cfg.claims:
         check_choice("claims kind", c.get("kind"), CLAIM_KINDS)
         if c.get("kind") == "stability":
+            if c.get("measure") == "surge":
+                raise UsageError(f"claims: measure = 'surge' of {c!r} is no longer a claim: "
+                                 "the surge flag is reported descriptively (surge_rates table)"
+                                 "; its calibration is in-sample on the runs it would compare"
+                                 "; use the collapse measure (drop the key)")
             check_choice("claims measure", c.get("measure", "collapse"), STABILITY_MEASURES)
             for t in _as_list(c.get("tasks")):
                 check_choice("claims tasks", t, list(cfg.tasks))
@@ -396,6 +420,11 @@ def config_dict(cfg: ValidateConfig) -> dict:
     return json.loads(json.dumps(asdict(cfg)))
 
 
+def registered_config(design: dict) -> dict:
+    """A pre-registration's ``[design]`` table as plain config data, defaults filled in."""
+    return config_dict(ValidateConfig.from_params(design))
+
+
 # --- stability ---------------------------------------------------------------------------------
 
 def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2t: pd.DataFrame,
@@ -405,8 +434,8 @@ def _stability(cfg: ValidateConfig, stab: pd.DataFrame, traces: pd.DataFrame, t2
     A run *collapsed by outcome* when its final held-out accuracy fell below
     ``collapse_acc_frac`` x the warm start's or a gradient norm was non-finite. The surge factor
     is calibrated on the runs that did not (their false-positive rate is reported) and its flag
-    is a separate measure (``flag_surge``, the stability claims' ``measure = "surge"``): on the
-    claims grid it flagged none of the runs whose accuracy collapsed and mostly runs that
+    is reported descriptively (``flag_surge``, the ``surge_rates`` table), never claimed: on
+    the claims grid it flagged none of the runs whose accuracy collapsed and mostly runs that
     learned, so ``collapsed`` is the outcome alone. The live entropy flag (entropy below
     ``entropy_floor`` x its first value) is reported with its own false-positive rate and not
     counted: a policy that learns a task with one right answer has a low entropy, so the flag
@@ -601,9 +630,8 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
     a, b = pick(a_arms), pick(b_arms)
     measure = c.get("measure", "collapse")
     col = STABILITY_MEASURES[measure]
-    what = "collapse rate" if measure == "collapse" else "surge-flag rate"
     where = f" on {', '.join(c['tasks'])}" if c.get("tasks") else ""
-    row = {"claim": f"{what} of {'+'.join(b_arms)} minus {'+'.join(a_arms)}{where}",
+    row = {"claim": f"collapse rate of {'+'.join(b_arms)} minus {'+'.join(a_arms)}{where}",
            "kind": "stability", "task": ",".join(c.get("tasks", [])) or "all",
            "a": "+".join(a_arms), "b": "+".join(b_arms), "metric": "collapse_rate_diff",
            "claimed": math.nan, "n_a": len(a), "n_b": len(b),
@@ -616,10 +644,8 @@ def _stability_claim(cfg: ValidateConfig, c: dict, stab: pd.DataFrame) -> dict:
     return {**row, "estimate": d, "ci_lo": lo, "ci_hi": hi, "collapsed_a": ka, "collapsed_b": kb,
             "verdict": vs.verdict_interval(lo, hi),
             "measure": measure,
-            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs "
-                    + ("collapsed" if measure == "collapse" else "flagged")
-                    + (f"; no run {'collapsed' if measure == 'collapse' else 'flagged'} on "
-                       "either side" if ka + kb == 0 else "")}
+            "note": f"{kb}/{len(b)} vs {ka}/{len(a)} runs collapsed"
+                    + ("; no run collapsed on either side" if ka + kb == 0 else "")}
 
 
 # --- prediction --------------------------------------------------------------------------------
@@ -688,7 +714,7 @@ def claim_sentence(r: dict) -> str:
         ci = f"[{r['ci_lo'] * 100:.0f}%, {r['ci_hi'] * 100:.0f}%]"
     if not math.isfinite(r["estimate"]):
         est, ci = "not measurable", "n/a"
-    notes = [r["note"]] if isinstance(r.get("note"), str) and r["note"] else []
+    notes = [r[k] for k in ("note", "caveat") if isinstance(r.get(k), str) and r[k]]
     if math.isfinite(r.get("p_confirm_holm", math.nan)):
         notes.append(f"Holm-adjusted one-sided p {r['p_confirm_holm']:.3g} for, "
                      f"{r['p_refute_holm']:.3g} against")
@@ -713,7 +739,8 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
     fpr_lo, fpr_hi = calib["fpr_ci"]
     heads.append(Headline(
         key="collapse/detector_fpr", value=calib["fpr"], se=None, unit="fraction of runs",
-        text=f"Collapse detector: surge factor {calib['surge_factor']:.2f} "
+        text=f"Surge detector (descriptive, no claim rests on it; per-arm flag rates in the "
+             f"surge_rates table): surge factor {calib['surge_factor']:.2f} "
              f"({calib['source']}); false-positive rate on the {calib['runs']} runs that did not "
              f"collapse {calib['fpr'] * 100:.0f}% (Wilson 95% CI {fpr_lo * 100:.0f}-"
              f"{fpr_hi * 100:.0f}%), against {calib['fpr_default'] * 100:.0f}% at the live "

@@ -12,14 +12,17 @@ import numpy as np
 import pandas as pd
 
 from varbench._util.checks import UsageError
+from varbench.analysis import validate_prereg as vp
 from varbench.analysis import validate_stats as vs
 from varbench.analysis.validate import (
     Job,
     ValidateConfig,
+    config_dict,
     curve_rows,
     default_claims,
     figure_labels,
     jobs_of,
+    registered_config,
 )
 
 FinishedRun = tuple[Job, pd.DataFrame, "float | None"]
@@ -86,6 +89,9 @@ def plan_text(cfg: ValidateConfig, timing: pd.DataFrame, *, speedups: Sequence[f
     if e["guessed"]:
         lines.append("not measured, borrowed: " + "; ".join(e["guessed"]))
     lines.append("(plus the prediction check's warm-start variance analysis, minutes per task)")
+    if cfg.preregistration:  # publish the hash before the run; the report checks it again
+        block = vp.report_block(cfg.preregistration, config_dict(cfg), registered_config)
+        lines.append(vp.headline_text(block))
     return "\n".join(lines)
 
 

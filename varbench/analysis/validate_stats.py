@@ -179,11 +179,13 @@ def km_restricted_mean(times: np.ndarray, reached: np.ndarray, tau: float) -> fl
 
 
 SAVING_INTERVALS = ("t", "percentile")
+REPORT_INTERVAL = "t"  # the interval the report's savings use (rmst_saving's default)
+LEVEL = 0.95  # every interval of the report
 
 
 def rmst_saving(xa: np.ndarray, ea: np.ndarray, xb: np.ndarray, eb: np.ndarray, tau: float, *,
-                paired: bool = False, seed: int = 0, level: float = 0.95,
-                interval: str = "t") -> dict:
+                paired: bool = False, seed: int = 0, level: float = LEVEL,
+                interval: str = REPORT_INTERVAL) -> dict:
     """Saving ``1 - RMST_a / RMST_b`` of restricted mean tokens-to-threshold and its CI.
 
     Seeds (whole runs) are resampled, each arm independently, or jointly by index when
@@ -268,6 +270,15 @@ VERDICT_RULES = {
                    "min_cells cells; refuted when it lies below 0; undecided otherwise or with "
                    "fewer cells.",
 }
+
+
+HOLM_FAMILY = ("every saving and equivalence claim (tokens, proxy, compute; each metric of a "
+               "compute claim its own member) whose p-value is finite, each direction (for, "
+               "against) its own family; stability and prediction claims are outside it "
+               "(descriptive)")
+COLLAPSE_RULE = ("a run collapsed when its final held-out sampled accuracy is below "
+                 "collapse_acc_frac x the warm start's, or a gradient norm was non-finite; "
+                 "surge and entropy flags are reported, never counted")
 
 
 def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
@@ -474,3 +485,67 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
                      "budget_needed": int(math.ceil(top / 1000) * 1000) if ok else -1,
                      "source": ", ".join(src) or "measured"})
     return pd.DataFrame(rows)
+
+
+# --- caveats of a toy grid (issue 31) ----------------------------------------------------------
+
+GREEDY_SOLVED = 0.95
+"""A warm start at or above this held-out greedy accuracy already solves the greedy problem."""
+
+
+def toy_caveats(curves: pd.DataFrame, t2t: pd.DataFrame, stab: pd.DataFrame, *,
+                solved: float = GREEDY_SOLVED) -> pd.DataFrame:
+    """Per task: the warm start's held-out greedy accuracy at step 0 (``greedy0``, the mean
+    over runs, which share the warm start and the held-out prompts; ``greedy0_spread`` the
+    max - min), whether it is ``solved`` (>= ``solved``), the runs, how many collapsed or never
+    reached the threshold (censored), and ``uninformative``: every run of every scheme
+    collapsed or is censored, so the task's verdicts say nothing scheme-specific.
+
+    ``curves``: evaluation rows (``task, step, acc_greedy``); ``t2t``, ``stab``: one row per run
+    keyed by ``task, scheme, G, variant, seed`` with ``reached`` and ``collapsed``."""
+    keys = ["task", "scheme", "G", "variant", "seed"]
+    runs = t2t[keys + ["reached"]].merge(stab[keys + ["collapsed"]], on=keys, how="left")
+    if runs["collapsed"].isna().any():
+        raise ValueError("toy_caveats: a run of t2t has no stability row")
+    rows = []
+    for task, c in curves[curves["step"] == 0].groupby("task", sort=True):
+        g = c["acc_greedy"].to_numpy(float)
+        r = runs[runs["task"] == task]
+        bad = int((r["collapsed"].astype(bool) | ~r["reached"].astype(bool)).sum())
+        rows.append({"task": task, "greedy0": float(g.mean()),
+                     "greedy0_spread": float(g.max() - g.min()),
+                     "solved": bool(g.mean() >= solved), "runs": len(r),
+                     "collapsed_or_censored": bad, "uninformative": bool(len(r) and bad == len(r))})
+    return pd.DataFrame(rows)
+
+
+def caveat_texts(caveats: pd.DataFrame, tasks: list[str] | None = None) -> list[str]:
+    """The caveat sentences of ``tasks`` (None: every task of ``caveats``)."""
+    out = []
+    for r in caveats.to_dict("records"):
+        if tasks is not None and r["task"] not in tasks:
+            continue
+        if r["solved"]:
+            out.append(f"{r['task']}: the warm start's held-out greedy accuracy is "
+                       f"{r['greedy0']:.3f} (>= {GREEDY_SOLVED:g}): warm start already solves the "
+                       "greedy problem; training only sharpens sampling")
+        if r["uninformative"]:
+            out.append(f"{r['task']}: every one of its {r['runs']} runs, of every scheme, "
+                       "collapsed or never reached the threshold (censored): its verdicts say "
+                       "nothing scheme-specific")
+    return out
+
+
+def multiplicity_statement(claims: list[dict]) -> str:
+    """Which claims Holm's procedure adjusts over (:func:`holm_verdicts`), and which not."""
+    fam = [r for r in claims if math.isfinite(r.get("p_confirm", math.nan))]
+    untested = [r for r in claims if r.get("kind") in ("tokens", "proxy", "compute")
+                and not math.isfinite(r.get("p_confirm", math.nan))]
+    other = [r for r in claims if r.get("kind") in ("stability", "prediction")]
+    return (f"Multiplicity: Holm's step-down procedure over the family of {len(fam)} saving and "
+            "equivalence verdicts with a p-value (each direction, for and against, its own "
+            "family, at one-sided 0.025 after adjustment)"
+            + (f"; {len(untested)} saving verdict(s) have none (no spread: every run of both "
+               "arms censored) and stay undecided outside it" if untested else "")
+            + f"; the {len(other)} stability and prediction verdicts are not adjusted: read them "
+              "as descriptive.")
