@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import _fixtures_app as fr
+import pandas as pd
 import pytest
 import torch
 from _fixtures_distributed import torchrun
@@ -14,54 +16,14 @@ from varbench.app.cli import main
 from varbench.app.compare import compare_reports
 from varbench.app.runner import run_suite
 
-# 4 cases, 2 per rank: check cases (their bias test shards its chunks over the ranks, unless
-# each rank works alone) and a proxy case (the gradient harness gathers over the ranks).
-SUITE = """
-[suite]
-name = "dp"
-title = "two ranks"
-seed = 3
-
-[[cases]]
-name = "rloo"
-kind = "check"
-estimator = "rloo"
-num_steps = 60
-baselines = ["centered"]
-
-[[cases]]
-name = "proxy"
-kind = "proxy"
-preset = "micro"
-states = ["random"]
-task = "sort"
-knobs = { n = 2 }
-n_prompts = 2
-G = 2
-n_boot = 10
-seed = 1
-
-[[cases]]
-name = "centered"
-kind = "check"
-estimator = "centered"
-G = 3
-num_steps = 60
-baselines = ["centered"]
-
-[[cases]]
-name = "topk"
-kind = "check"
-estimator = "topk"
-estimator_options = { k = 2 }
-num_steps = 60
-baselines = ["centered"]
-"""
+# 4 cases, 2 per rank: the mini suite's check cases (their bias test shards its chunks over
+# the ranks, unless each rank works alone) and a proxy case (the gradient harness gathers over
+# the ranks).
+PROXY_CASE = "[[cases]]" + fr.PROXY_SUITE.split("[[cases]]", 1)[1]
 
 
 def test_run_on_two_gloo_ranks_equals_one_process(tmp_path):
-    suite = tmp_path / "dp.toml"
-    suite.write_text(SUITE)
+    suite = fr.write_suite(tmp_path, PROXY_CASE)
     res = torchrun(["-m", "varbench", "run", str(suite), "--out", str(tmp_path / "dp")],
                    timeout=600)
     assert "4 case(s) computed" in res.stdout  # rank 0 counts every rank's cases
@@ -71,7 +33,7 @@ def test_run_on_two_gloo_ranks_equals_one_process(tmp_path):
         one = run_suite(suite, tmp_path / "one")
     finally:
         torch.set_num_threads(n)
-    assert sorted(one.computed) == ["centered", "proxy", "rloo", "topk"]
+    assert sorted(one.computed) == ["centered", "proxy", "rloo", "topk"]  # 2 cases per rank
     dp, single = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("dp", "one"))
     assert [a["name"] for a in dp["analyses"]] == [a["name"] for a in single["analyses"]]
     # each case ran in one process on either side: the same numbers exactly
@@ -82,6 +44,54 @@ def test_run_on_two_gloo_ranks_equals_one_process(tmp_path):
     assert manifest["shard"] is None and manifest["report_digest"] == manifest["digest"]
 
 
+# a validation grid of 5 runs (2 schemes x 2 seeds + the hacking probe) on the random-init
+# micro policy, a few dozen tokens each
+GRID = """
+[suite]
+name = "dpgrid"
+
+[[cases]]
+name = "grid"
+kind = "validate"
+tasks = ["sort"]
+schemes = ["normalized", "otb"]
+Gs = [2]
+seeds = [0, 1]
+budgets = { sort = 60 }
+eval_responses = 4
+hacking_rewards = ["positional"]
+hacking_G = 2
+hacking_seeds = [0]
+prediction = false
+
+[cases.base]
+policy = "micro"
+warm_start = false
+prompts_per_step = 2
+lr = 1e-3
+eval_prompts = 4
+eval_samples = 1
+agg = "token-mean"
+steps = 100000
+"""
+
+
+def test_validate_on_two_gloo_ranks_equals_one_process(tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(GRID)
+    res = torchrun(["-m", "varbench", "validate", "--suite", str(grid), "--out",
+                    str(tmp_path / "dp")], timeout=600)
+    assert "report: " in res.stdout
+    assert main(["validate", "--suite", str(grid), "--out", str(tmp_path / "one")]) == 0
+    assert len(list((tmp_path / "dp" / "cases").glob("*.json"))) == 5  # both ranks' runs
+    for table in ("claims", "cells", "curves", "tokens_to_threshold", "hacking", "stability"):
+        a, b = (pd.read_csv(tmp_path / d / "tables" / f"validation__{table}.csv")
+                for d in ("one", "dp"))
+        wall = [c for c in a.columns if "wall" in c]  # measured time: not a result
+        assert len(a) > 0, table
+        pd.testing.assert_frame_equal(a.drop(columns=wall), b.drop(columns=wall), obj=table)
+
+
 @pytest.mark.parametrize("argv", [
     ["run", "SUITE.toml", "--shard", "1/2"],
     ["run", "SUITE.toml", "--plan"],
@@ -90,7 +100,7 @@ def test_run_on_two_gloo_ranks_equals_one_process(tmp_path):
 ])
 def test_own_sharding_flags_are_refused_with_several_ranks(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before joining (no MASTER_ADDR needed)
-    (tmp_path / "SUITE.toml").write_text(SUITE)
+    fr.write_suite(tmp_path, PROXY_CASE, name="SUITE.toml")
     flag = next(a for a in argv if a.startswith("--") and a != "--out")
     argv = [str(tmp_path / a) if a.isupper() or a.endswith(".toml") else a for a in argv]
     assert main(argv) == 2

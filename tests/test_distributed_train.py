@@ -1,6 +1,7 @@
 """`train` under torchrun: 2 gloo ranks (each step's 3 groups split 2/1, a one-group minibatch
 leaving rank 1 without rows) equal one process in float64, straight and resumed from a
-checkpoint; `update_forward='sampler'` is refused with several ranks (library and CLI)."""
+checkpoint; `update_forward='sampler'` is refused with several ranks (library and CLI); a rank
+failing inside `distributed.each_rank_alone` stops the other instead of leaving it waiting."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ SCRIPT = """
 import dataclasses, pickle, sys
 import torch
 from varbench._util.checks import UsageError
-from varbench._util.distributed import init_from_env, shutdown
+from varbench._util.distributed import each_rank_alone, init_from_env, rank_world, shutdown
 from varbench.grads.precision import exact_float64
 from varbench.models import Policy, build_preset
 from varbench.train.config import TrainConfig
@@ -54,9 +55,19 @@ try:
     refusal = None
 except UsageError as err:
     refusal = str(err)
+def alone(r, w):  # distributed.each_rank_alone: rank 0 fails, rank 1 must not wait for it
+    assert rank_world() == (0, 1)  # inside: no collectives
+    if r == 0:
+        raise ValueError("rank zero broke")
+    return r
+try:
+    each_rank_alone(alone)
+    failed = None
+except Exception as err:
+    failed = f"{type(err).__name__}: {err}"
 params = lambda res: {n: p.detach().clone() for n, p in res.policy.model.named_parameters()}
 pickle.dump({"full": full.records, "resumed": resumed.records, "params": params(full),
-             "resumed_params": params(resumed), "refusal": refusal},
+             "resumed_params": params(resumed), "refusal": refusal, "failed": failed},
             open(f"{out}/rank{rank}.pkl", "wb"))
 shutdown()
 """
@@ -105,6 +116,11 @@ def test_two_gloo_ranks_train_as_one_process_in_float64(tmp_path):
                 torch.testing.assert_close(got[key][name], p.detach(), rtol=1e-9, atol=1e-12,
                                            msg=f"{key} {name} rank {rank}")
         assert "update_forward='sampler'" in got["refusal"] and "2 ranks" in got["refusal"]
+        # each_rank_alone: the failing rank raises its own error, the other names it
+        assert got["failed"] == ("ValueError: rank zero broke" if rank == 0 else
+                                 "UsageError: 1 other rank(s) failed (rank 0: ValueError: rank "
+                                 "zero broke); what every rank finished is kept, rerun the "
+                                 "same command to resume")
     for run in ("full", "resumed"):  # rank 0 wrote the records, once
         pd.testing.assert_frame_equal(_no_time(read_records(tmp_path / run / "records.csv")),
                                       want, **close)

@@ -10,6 +10,8 @@ count), otherwise gloo; the choice and its reason are printed once on stderr. Un
 ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK``; under a multi-rank gloo group every rank
 computes on the CPU (:func:`rank_device`), so two ranks never share GPU 0 by accident. Work is
 split by the library (see :func:`varbench.testing.bias.chunked_estimates`); only rank 0 prints.
+Work split by whole cases (``varbench run`` / ``validate``) runs each rank's cases inside
+:func:`solo` (:func:`each_rank_alone`), where the in-case collectives are off.
 """
 
 from __future__ import annotations
