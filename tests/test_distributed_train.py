@@ -126,6 +126,20 @@ def test_two_gloo_ranks_train_as_one_process_in_float64(tmp_path):
                                       want, **close)
 
 
+def test_cli_train_on_two_ranks_writes_once_and_refuses_an_existing_run(tmp_path):
+    out = tmp_path / "out"
+    argv = ["-m", "varbench", "train", "--policy", "micro", "--no-warm-start", "--steps", "2",
+            "-G", "2", "--prompts-per-step", "3", "--eval-prompts", "2", "--eval-samples", "1",
+            "--out", str(out)]
+    res = torchrun(argv)
+    assert res.stdout.count("held-out accuracy (sampled)") == 1  # rank 0 prints
+    records = read_records(out / "records.csv")
+    assert list(records["step"]) == [0, 1, 2] and records["grad/norm"].iloc[1:].notna().all()
+    again = torchrun(argv, ok=False)  # refused by rank 0, on every rank, nothing replaced
+    assert again.returncode != 0 and "already holds a run" in again.stderr
+    pd.testing.assert_frame_equal(read_records(out / "records.csv"), records)
+
+
 def test_cli_refuses_sampler_forward_with_several_ranks_before_joining(tmp_path, monkeypatch,
                                                                         capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")  # no MASTER_ADDR: joining would fail, not refuse
