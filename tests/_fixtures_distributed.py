@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pandas as pd
 
@@ -18,3 +22,16 @@ def assert_frames_close(a: pd.DataFrame, b: pd.DataFrame, name: str) -> None:
                                        err_msg=f"{name}.{col}")
         else:
             assert list(x) == list(y), f"{name}.{col}"
+
+
+def torchrun(args: list[str], *, ranks: int = 2, timeout: int = 300,
+             env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node RANKS ARGS`` (one
+    thread per rank, gloo on the CPU); with ``ok`` asserts it exited 0, showing its output
+    when not."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(ranks), *args], env=full, text=True, capture_output=True, timeout=timeout)
+    assert res.returncode == 0 or not ok, res.stdout[-4000:] + res.stderr[-4000:]
+    return res

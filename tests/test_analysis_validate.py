@@ -65,6 +65,14 @@ def test_run_configs_space_evaluations_by_responses():
     assert V._run_config(tiny, "sort", "otb", 32, 0).eval_every == 1
 
 
+def test_an_arms_own_prompts_per_step_spaces_its_evaluations():
+    cfg = V.ValidateConfig()  # eval_responses 512, base prompts_per_step 8
+    arm = V._run_config(cfg, "sort", "otb", 4, 1, overrides=(("prompts_per_step", 2),))
+    assert arm.prompts_per_step == 2
+    assert arm.eval_every == 512 // (2 * 4)  # its own 8 responses a step, not the base's 32
+    assert V._run_config(cfg, "sort", "otb", 4, 1).eval_every == 512 // (8 * 4)
+
+
 def test_jobs_and_arms():
     cfg = tiny_grid()
     jobs = V.jobs_of(cfg)

@@ -1,5 +1,4 @@
-"""Cancellation under torchrun: 2 gloo ranks (groups split 2/1) equal one process; `train`,
-`validate` and `run` refuse several ranks up front, naming WORLD_SIZE."""
+"""Cancellation under torchrun: 2 gloo ranks (groups split 2/1) equal one process."""
 
 from __future__ import annotations
 
@@ -8,12 +7,10 @@ import pickle
 import subprocess
 import sys
 
-import pytest
 import torch
 from _fixtures_distributed import assert_frames_close
 
 from varbench.analysis.cancellation import cancellation
-from varbench.app.cli import main
 from varbench.models import build_preset
 from varbench.tasks import get_task
 
@@ -73,17 +70,3 @@ def test_cancellation_two_gloo_ranks_equal_one_process(tmp_path):
         assert set(dp) == set(single)
         for name in single:
             assert_frames_close(dp[name], single[name], name)
-
-
-@pytest.mark.parametrize("argv", [
-    ["train", "--out", "OUT"],
-    ["validate", "--out", "OUT"],
-    ["run", "SUITE.toml"],
-])
-def test_unsharded_commands_refuse_several_ranks(argv, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    argv = [str(tmp_path / a) if a.isupper() or a.endswith(".toml") else a for a in argv]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "WORLD_SIZE=2" in err and f"varbench {argv[0]}" in err
-    assert not (tmp_path / "OUT").exists()  # refused before any work

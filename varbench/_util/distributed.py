@@ -10,17 +10,24 @@ count), otherwise gloo; the choice and its reason are printed once on stderr. Un
 ``LOCAL_RANK`` computes on ``cuda:LOCAL_RANK``; under a multi-rank gloo group every rank
 computes on the CPU (:func:`rank_device`), so two ranks never share GPU 0 by accident. Work is
 split by the library (see :func:`varbench.testing.bias.chunked_estimates`); only rank 0 prints.
+Work split by whole cases (``varbench run`` / ``validate``) runs each rank's cases inside
+:func:`solo` (:func:`each_rank_alone`), where the in-case collectives are off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from varbench._util.checks import UsageError
+
+T = TypeVar("T")
 
 
 def _env_int(name: str) -> int | None:
@@ -89,18 +96,10 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def refuse_multi_rank(command: str, instead: str) -> None:
-    """Raise UsageError naming WORLD_SIZE when ``command`` is launched with several ranks.
-
-    For commands that do not split their work across ranks (yet): every rank would repeat the
-    whole run and write the same files, so they stop before any work instead. ``instead``: what
-    to run in its place, in words.
-    """
-    world = _env_int("WORLD_SIZE") or 1
-    if world > 1:
-        raise UsageError(f"`varbench {command}` does not run data-parallel, but WORLD_SIZE={world} "
-                         f"(torchrun with {world} ranks); every rank would repeat the whole run. "
-                         f"Launch it as one process (WORLD_SIZE unset or 1); {instead}")
+def env_world_size() -> int:
+    """WORLD_SIZE as torchrun set it (1 when unset): the ranks a command was launched with,
+    known before any rank joins the group (bad input is refused before the rendezvous)."""
+    return _env_int("WORLD_SIZE") or 1
 
 
 def rank_device() -> torch.device | None:
@@ -121,11 +120,94 @@ def shutdown() -> None:
     _STATE.clear()
 
 
+_SOLO = [0]  # depth of nested solo() blocks in this process
+
+
+@contextlib.contextmanager
+def solo() -> Iterator[None]:
+    """Inside the block this rank works alone: :func:`rank_world` is ``(0, 1)``, so the
+    library's in-case collectives (sharded analyses, gathers, barriers) are off, while
+    :func:`rank_device` still names the rank's own device. For work split by whole cases
+    (``varbench run`` / ``validate`` under torchrun: each rank its own shard of cases)."""
+    _SOLO[0] += 1
+    try:
+        yield
+    finally:
+        _SOLO[0] -= 1
+
+
 def rank_world() -> tuple[int, int]:
-    """(rank, world size) of the joined process group; (0, 1) when none was joined."""
-    if dist.is_available() and dist.is_initialized():
+    """(rank, world size) of the joined process group; (0, 1) when none was joined or inside
+    :func:`solo`."""
+    if not _SOLO[0] and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` on every rank (``broadcast_object_list``; ``obj`` in one process).
+
+    Pickled through the backend: tensors inside must be on the CPU (a CUDA tensor would be
+    unpickled on the sender's GPU index on every rank); move them to the rank's device after.
+    """
+    rank, world = rank_world()
+    if world == 1:
+        return obj
+    box = [obj if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank of the group (no-op in one process or inside :func:`solo`)."""
+    if rank_world()[1] > 1:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def lead_first() -> Iterator[None]:
+    """Rank 0 runs the block first, then the other ranks (together): rank 0 fills a shared
+    cache (a warm start) that the others then read instead of building it at the same time.
+    No-op in one process or inside :func:`solo`."""
+    rank, world = rank_world()
+    if world > 1 and rank != 0:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if world > 1 and rank == 0:
+            dist.barrier()
+
+
+def each_rank_alone(work: Callable[[int, int], T]) -> list[T]:
+    """Every rank runs ``work(rank, world)`` inside :func:`solo`; every rank's result in rank
+    order once all have finished (one process: ``[work(0, 1)]``).
+
+    An exception on a rank is not left for the others to wait on: every rank's outcome is
+    gathered, the failing rank re-raises its own, and the others raise a UsageError naming
+    the failed rank(s) and their errors.
+    """
+    rank, world = rank_world()
+    err: Exception | None = None
+    out: T | None = None
+    try:
+        with solo():
+            out = work(rank, world)
+    except Exception as e:  # gathered below so that no rank waits on a failed one
+        err = e
+    if world == 1:
+        if err is not None:
+            raise err
+        return [out]  # type: ignore[list-item]
+    status = gather_objects((None, out) if err is None
+                            else (f"{type(err).__name__}: {err}", None))
+    if err is not None:
+        raise err
+    failed = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(status) if msg is not None]
+    if failed:
+        raise UsageError(f"{len(failed)} other rank(s) failed ({'; '.join(failed)}); what "
+                         "every rank finished is kept, rerun the same command to resume")
+    return [res for _, res in status]
 
 
 def gather_objects(obj: object) -> list[object]:

@@ -204,12 +204,14 @@ def _task_of(cfg: ValidateConfig, label: str) -> tuple[str, dict]:
 def _run_config(cfg: ValidateConfig, task: str, scheme: str, G: int, seed: int,
                 reward: str | None = None, overrides: Sequence[tuple[str, Any]] = ()
                 ) -> TrainConfig:
-    per_step = cfg.base["prompts_per_step"] * G
     name, knobs = _task_of(cfg, task)
     extra = {k: dict(v) if isinstance(v, tuple) and k.endswith("_options") else v
              for k, v in overrides}
     if knobs:
         extra["task_options"] = knobs
+    # evaluations every ~eval_responses sampled responses of this run: an arm's own
+    # prompts_per_step (an override) sets its step's response count, not the grid's base
+    per_step = {**cfg.base, **extra}["prompts_per_step"] * G
     return TrainConfig(**{**cfg.base, **extra}, task=name, scheme=scheme, G=G, seed=seed,
                        reward=reward, token_budget=cfg.budgets[task],
                        eval_every=max(1, cfg.eval_responses // per_step))

@@ -110,20 +110,35 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from varbench._util.distributed import refuse_multi_rank
-    from varbench.app.runner import parse_shard, plan_suite, run_suite
-
-    refuse_multi_rank("run", "split the suite with --shard I/N (one process per shard, "
-                      "`varbench merge` after), or torchrun one analysis command "
-                      "(`varbench variance|proxy|cancellation ...`), which splits its work.")
+    from varbench._util.checks import UsageError
+    from varbench._util.distributed import env_world_size, init_from_env, shutdown
+    from varbench.app.runner import parse_shard, plan_suite, run_suite, run_suite_ranks
 
     shard = parse_shard(args.shard) if args.shard else None
+    world = env_world_size()
+    if world > 1 and (shard is not None or args.plan):
+        flag = "--shard" if shard is not None else "--plan"
+        raise UsageError(f"{flag} with WORLD_SIZE={world} (torchrun): the ranks split the suite "
+                         "themselves (rank r runs shard r+1/WORLD_SIZE into --out, rank 0 then "
+                         "writes the report); drop it, or run it as one process")
     if args.plan:
         for line in plan_suite(args.suite, device=args.device, allow_code=args.allow_code):
             print(line)
         return 0
-    summary = run_suite(args.suite, args.out, shard=shard, log=lambda m: print(m, flush=True),
-                        device=args.device, allow_code=args.allow_code)
+    if world > 1:
+        rank, _ = init_from_env()
+        try:
+            summary = run_suite_ranks(args.suite, args.out, device=args.device,
+                                      allow_code=args.allow_code,
+                                      log=lambda m: print(f"rank {rank}: {m}", flush=True))
+        finally:
+            shutdown()
+        if rank != 0:  # rank 0 prints the summary of every rank's cases
+            return 1 if summary.failed else 0
+    else:
+        summary = run_suite(args.suite, args.out, shard=shard,
+                            log=lambda m: print(m, flush=True), device=args.device,
+                            allow_code=args.allow_code)
     print(f"{len(summary.computed)} case(s) computed, {len(summary.cached)} cached, "
           f"{summary.wall_time_s:.1f} s")
     if summary.report is not None:

@@ -154,16 +154,53 @@ def _refuse_existing_run(out: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from varbench._util.distributed import refuse_multi_rank
-
-    refuse_multi_rank("train", "to use several GPUs, train several seeds or schemes as separate "
-                      "processes (`varbench validate --shard I/N`).")
-    from varbench.train.loop import train
+    """``varbench train``; under torchrun (WORLD_SIZE > 1) data-parallel over the ranks
+    (:mod:`varbench.train.parallel`), rank 0 writing ``--out`` and printing."""
+    from varbench._util.distributed import env_world_size, init_from_env, shutdown
+    from varbench.train.parallel import check_world
 
     out = Path(args.out)
-    _refuse_existing_run(out, resume=args.resume, overwrite=getattr(args, "overwrite", False))
-    config = config_from_args(args)
+    world = env_world_size()
+    if world == 1:
+        _refuse_existing_run(out, resume=args.resume,
+                             overwrite=getattr(args, "overwrite", False))
+        return _train_and_print(args, out, config_from_args(args), rank=0)
+    check_world(config_from_args(args), world)  # bad input: exit 2 before any rank joins
+    rank, _ = init_from_env()
+    try:
+        # after joining: the default --device is the rank's own (cuda:LOCAL_RANK or cpu)
+        config = config_from_args(args)
+        _lead_refuses_existing_run(args, out, rank)
+        return _train_and_print(args, out, config, rank=rank)
+    finally:
+        shutdown()
+
+
+def _lead_refuses_existing_run(args: argparse.Namespace, out: Path, rank: int) -> None:
+    """:func:`_refuse_existing_run` on rank 0 only (it may move ``out`` aside); its refusal,
+    if any, raised on every rank alike (no rank is left waiting for the others)."""
+    from varbench._util.distributed import broadcast_object
+
+    problem = None
+    if rank == 0:
+        try:
+            _refuse_existing_run(out, resume=args.resume,
+                                 overwrite=getattr(args, "overwrite", False))
+        except UsageError as err:
+            problem = str(err)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def _train_and_print(args: argparse.Namespace, out: Path, config: TrainConfig, *,
+                     rank: int) -> int:
+    """Train ``config`` into ``out``; rank 0 prints the run's summary."""
+    from varbench.train.loop import train
+
     result = train(config, out, resume=args.resume)
+    if rank != 0:
+        return 0
     df = result.records
     ev = df.dropna(subset=["eval/acc_sampled"])
     first, last = ev.iloc[0], ev.iloc[-1]
@@ -345,15 +382,25 @@ def _add_validate_flags(p: argparse.ArgumentParser) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
 
-    from varbench._util.distributed import refuse_multi_rank
-
-    refuse_multi_rank("validate", "split the runs with --shard I/N, one process per shard.")
-
+    from varbench._util.distributed import env_world_size, init_from_env, shutdown
     from varbench.app.validation import finished_runs, run_validation
 
     if args.threads < 1:
         raise UsageError(f"--threads={args.threads} is not valid; expected an integer >= 1")
     torch.set_num_threads(args.threads)
+    world = env_world_size()
+    if world > 1:
+        given = [f for f, v in (("--shard", args.shard), ("--report-only", args.report_only),
+                                ("--plan", args.plan), ("--power-from", args.power_from)) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)} with WORLD_SIZE={world} (torchrun): the ranks "
+                             "split the runs themselves (rank r runs shard r+1/WORLD_SIZE, rank "
+                             "0 then builds the report); drop it, or run it as one process")
+        rank, _ = init_from_env()
+        try:
+            return _validate_on_ranks(args, rank)
+        finally:
+            shutdown()
     cfg = validate_config(args)
     if args.power_from:
         from varbench.analysis.validate_plan import power_text
@@ -379,6 +426,36 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     print(summary)
     if shard is None:
         print(f"report: {(report_dir or Path(args.out)) / 'report.md'}")
+    return 0
+
+
+def _validate_on_ranks(args: argparse.Namespace, rank: int) -> int:
+    """``varbench validate`` under torchrun: rank r trains shard (r+1, W) of the grid's runs
+    alone (no collectives inside a run) into ``--out``; once every rank has finished, rank 0
+    builds the report (and runs the prediction analysis) from all of them and prints it."""
+    import dataclasses
+
+    import torch
+
+    from varbench._util.distributed import each_rank_alone, rank_device, solo
+    from varbench.app.validation import run_validation
+
+    cfg = validate_config(args)  # after joining: the default device is the rank's own
+    own = rank_device()
+    if own is not None and own.type == "cuda" and torch.device(cfg.base["device"]).type == "cuda":
+        # every rank trains on its own GPU (train_device); one device name for all, so that
+        # every rank's runs have the same case keys (the report finds them all)
+        cfg = dataclasses.replace(cfg, base={**cfg.base, "device": "cuda"})
+    out = Path(args.out)
+    each_rank_alone(lambda r, w: run_validation(cfg, out, progress=None, shard=(r + 1, w)))
+    if rank != 0:
+        return 0
+    report_dir = Path(args.report_dir) if args.report_dir else None
+    with solo():  # the report's prediction analysis: rank 0 alone, the others are done
+        summary = run_validation(cfg, out, progress=None, report_only=True,
+                                 report_dir=report_dir)
+    print(summary)
+    print(f"report: {(report_dir or out) / 'report.md'}")
     return 0
 
 

@@ -209,18 +209,11 @@ def _ranked_states(spec: str, states, task, seed: int, progress, **policy) -> di
     is built on ``policy["device"]``, resolved by :func:`~varbench.app.specs.resolve_device`
     (one process: cuda when available; under NCCL each rank's own GPU), with any world size.
     """
-    import torch.distributed as dist
-
-    from varbench._util.distributed import rank_world
+    from varbench._util.distributed import lead_first
     from varbench.app.specs import policy_states
 
-    rank, world = rank_world()
-    if world > 1 and rank != 0:
-        dist.barrier()
-    out = policy_states(spec, states, task, seed=seed, progress=progress, **policy)
-    if world > 1 and rank == 0:
-        dist.barrier()
-    return out
+    with lead_first():
+        return policy_states(spec, states, task, seed=seed, progress=progress, **policy)
 
 
 def register_estimators(params: dict[str, Any]) -> None:

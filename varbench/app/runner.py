@@ -112,8 +112,56 @@ def run_suite(
     out = check_path("out_dir", out_dir) if out_dir is not None else default_out_dir(suite)
     prepare_out_dir(out)
     check_out_subdirs(out)
-    with dir_lock(out, what="output directory"):  # one writer per output directory
+    # one writer per output directory, or per shard of it (shard_lock)
+    with dir_lock(out, what="output directory", lock_file=shard_lock(out, shard)):
         return _run_locked(suite, out, shard, show_progress(progress), log)
+
+
+def shard_lock(out: Path, shard: tuple[int, int] | None) -> Path | None:
+    """The lock file of ``shard`` of a run into ``out`` (None: the directory's own lock).
+
+    Shards of one suite (or validation grid) may run at once into one directory (torchrun's
+    ranks, or one process per core): they share no case, each case's work directory has its
+    own lock and case files are written atomically, so only the same shard twice is refused.
+    """
+    return None if shard is None else out / f".varbench-shard-{shard[0]}-of-{shard[1]}.lock"
+
+
+def run_suite_ranks(
+    suite: Suite | str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    progress: bool | None = None,
+    log: Callable[[str], None] | None = None,
+    device: str | None = None,
+    allow_code: bool = False,
+) -> RunSummary:
+    """:func:`run_suite` split over a joined torchrun group, into one ``out_dir``.
+
+    Rank r runs shard (r+1, W) of the cases alone (``distributed.solo``: no collectives
+    inside a case); once every rank has finished, rank 0 renders the report from every rank's
+    cases, as one process would. Every rank returns the cases of all ranks (computed, cached,
+    failed); ``report`` is set on rank 0 only. One process: :func:`run_suite`.
+    """
+    from varbench._util.distributed import each_rank_alone, rank_world, solo
+
+    kw = {"device": device, "allow_code": allow_code}
+    rank, world = rank_world()
+    if world == 1:
+        return run_suite(suite, out_dir, progress=progress, log=log, **kw)
+    start = time.perf_counter()
+    parts = each_rank_alone(lambda r, w: run_suite(suite, out_dir, shard=(r + 1, w),
+                                                   progress=progress, log=log, **kw))
+    summary = RunSummary(parts[0].out_dir)
+    for part in parts:
+        summary.computed += part.computed
+        summary.cached += part.cached
+        summary.failed += part.failed
+    if rank == 0:
+        with solo():  # every case is cached now: this renders the report, nothing more
+            summary.report = run_suite(suite, out_dir, progress=False, **kw).report
+    summary.wall_time_s = time.perf_counter() - start
+    return summary
 
 
 def plan_suite(suite: Suite | str | Path, *, device: str | None = None,

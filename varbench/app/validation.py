@@ -41,6 +41,7 @@ from varbench.app.runner import (
     prepare_out_dir,
     read_manifest,
     shard_cases,
+    shard_lock,
 )
 from varbench.app.suite import Case, Suite
 
@@ -105,11 +106,9 @@ def run_validation(cfg: ValidateConfig, out: str | Path, *, progress: bool | Non
                 f"{str(out)!r} (first: {missing[0].name}); run the missing shards first")
     prepare_out_dir(out)
     check_out_subdirs(out)
-    # Shards of one grid may run at once into one directory (README: two cores, one shard
-    # each): each holds its own lock; they share no case, each case's work directory has its
-    # own lock and case files are written atomically, so only the same shard twice is refused.
-    lock = None if shard is None else out / f".varbench-shard-{shard[0]}-of-{shard[1]}.lock"
-    with dir_lock(out, what="output directory", lock_file=lock):
+    # shards of one grid may run at once into one directory (README: two cores, one shard
+    # each; torchrun's ranks): each holds its own lock (runner.shard_lock)
+    with dir_lock(out, what="output directory", lock_file=shard_lock(out, shard)):
         t_phase = time.perf_counter()
         if not report_only:
             _run_locked(suite, out, shard, show_progress(progress), None, grid=grid)

@@ -104,11 +104,10 @@ def chunked_estimates(
     (``"Type: message"``) in place of its tensor, on every rank alike (no rank is left waiting
     in a collective).
     """
-    import torch.distributed as dist
+    from varbench._util.distributed import gather_objects, rank_world
 
     n_chunks = -(-M // CHUNK_STEPS)
-    rank, world = ((dist.get_rank(), dist.get_world_size())
-                   if dist.is_available() and dist.is_initialized() else (0, 1))
+    rank, world = rank_world()  # (0, 1) in one process and inside distributed.solo()
     local: dict[int, tuple[dict[str, torch.Tensor | str], float]] = {}
     for c in range(rank, n_chunks, world):
         n = min(CHUNK_STEPS, M - c * CHUNK_STEPS)
@@ -121,9 +120,7 @@ def chunked_estimates(
                 out[name] = f"{type(err).__name__}: {err}"
         local[c] = (out, float(d.mask.sum()))
     if world > 1:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, local)
-        local = {c: v for part in parts for c, v in part.items()}
+        local = {c: v for part in gather_objects(local) for c, v in part.items()}
     chunks = [local[c] for c in range(n_chunks)]
     result: dict[str, torch.Tensor | str] = {}
     for name in calls:

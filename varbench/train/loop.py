@@ -24,6 +24,11 @@ once) and, for a float32/float64 model without a reference model, its log-probs 
 ``update_forward="sampler"`` drops the update's forward: the loss backpropagates through the
 sampler's own calls (``sample(..., differentiable=True)``), the same gradient up to rounding
 (the same test), worth it for responses of a few tokens only (the config field's docstring).
+
+Data-parallel under torchrun (``varbench.train.parallel``): rank 0 samples, scores and
+computes Delta; each rank runs the update's forward and backward on its share of the groups;
+the gradients are summed before clipping; rank 0 evaluates and writes. Equals one process up to
+float rounding (tests/test_distributed_train.py).
 """
 
 from __future__ import annotations
@@ -40,16 +45,17 @@ from tqdm.auto import tqdm
 
 from varbench._util.checks import UsageError
 from varbench._util.config import resolve_dtype
+from varbench._util.distributed import lead_first, rank_world
 from varbench._util.locks import dir_lock
 from varbench._util.progress import show_progress
 from varbench.estimators import advantages, kl_penalty, policy_loss
 from varbench.estimators.coefficients import sample_weights
 from varbench.grads import token_grad_norms
 from varbench.models import Policy
-from varbench.rollout import check_differentiable, response_logprobs, sample
+from varbench.rollout import check_differentiable, sample
 from varbench.rollout.logprobs import logprob_rows
 from varbench.rollout.sampler import check_rollout_memory
-from varbench.train import setup
+from varbench.train import parallel, setup
 from varbench.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from varbench.train.collapse import CollapseDetector
 from varbench.train.config import TrainConfig, with_defaults
@@ -148,13 +154,15 @@ def train(
     latest checkpoint in ``run_dir`` (a fresh start when there is none).
     """
     setup.check_config(config)
+    parallel.check_world(config)
     run_dir = Path(run_dir) if run_dir is not None else None
     if resume and run_dir is None:
         raise UsageError("resume=True needs run_dir (where the checkpoints are)")
     if config.checkpoint_every and run_dir is None:
         raise UsageError("checkpoint_every > 0 needs run_dir (where to write checkpoints)")
-    if run_dir is None:
-        return _train(config, None, policy, resume, progress)
+    parallel.check_same_config(config)
+    if run_dir is None or rank_world()[0] != 0:  # data-parallel: rank 0 writes, the rest read
+        return _train(config, run_dir, policy, resume, progress)
     run_dir.mkdir(parents=True, exist_ok=True)
     with dir_lock(run_dir, what="training run directory"):  # one writer of records/checkpoints
         return _train(config, run_dir, policy, resume, progress)
@@ -164,12 +172,16 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
            progress: bool | None) -> TrainResult:
     # ---------------------------------------------------------------- setup
     task, reward = setup.build_task(config)
+    lead = rank_world()[0] == 0  # the rank that samples, evaluates and writes (one process: it)
+    device = parallel.train_device(config.device)  # under NCCL: this rank's own GPU
     if policy is None:
-        policy = setup.policy_for(config, task)
+        with lead_first():  # a warm start is trained once (rank 0), then read from the cache
+            policy = setup.policy_for(config, task)
         dtype = resolve_dtype(config.dtype, "dtype")
-        policy.model.to(device=config.device, dtype=dtype)
+        policy.model.to(device=device, dtype=dtype)
     else:
-        policy = setup.own_policy(policy, config, task)
+        policy = setup.own_policy(policy, config, task, device=device)
+    parallel.broadcast_module(policy.model)  # every rank starts from rank 0's weights
     # a step samples prompts_per_step x G responses, an evaluation eval_prompts x eval_samples:
     # refused before the first step when either cannot fit this device's memory
     T = task.max_new_tokens
@@ -190,14 +202,16 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
     rows: list[dict] = []
     start = 0
     if resume:
-        ckpt = latest_checkpoint(run_dir)
+        # rank 0's choice, read by every rank (--out on a file system every rank sees)
+        ckpt = parallel.share(latest_checkpoint(run_dir) if lead else None, device)
         if ckpt is not None:
             start, state = load_checkpoint(ckpt, model, optimizer, {"train": train_gen})
-            _check_same_run(config, state["config"], ckpt)
+            if lead:  # the others' configs equal rank 0's (check_same_config), device aside
+                _check_same_run(config, state["config"], ckpt)
             counters = state["counters"]
             detector.load_state_dict(state["detector"])
     writer = None
-    if run_dir is not None:
+    if run_dir is not None and lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(config.to_json())
         writer = RecordWriter(run_dir / "records.csv", resume_step=start if start > 0 else None,
@@ -217,7 +231,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
     if start == 0:  # row 0: the starting policy, before any update
         t0 = time.perf_counter()
         row = {"step": 0, "tokens/sampled": 0, "tokens/env": 0}
-        row.update(setup.evaluate(policy, task, eval_prompts, reward, config, eval_seed))
+        if lead:  # the others' rows are replaced by rank 0's at the end
+            row.update(setup.evaluate(policy, task, eval_prompts, reward, config, eval_seed))
         row["time/eval_s"] = time.perf_counter() - t0
         row["time/wall_s"] = counters["wall_s"] = row["time/eval_s"]
         emit(row)
@@ -237,18 +252,15 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             group["lr"] = lr
         row: dict = {"step": step, "lr": lr}
 
-        # ---- 1. sample G responses for each of P training prompts (the policy, temperature 1)
-        t0 = time.perf_counter()
+        # ---- 1-3. rank 0 samples, scores and computes Delta; every rank gets them (share)
         prompt_seed, sample_seed = torch.randint(0, 2**62, (2,), generator=train_gen,
                                                   device=train_gen.device).tolist()
-        prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
         model.eval()
-        batch = sample(policy, task, prompts, config.G, seed=sample_seed,
-                       temperature=config.temperature, reward=reward, differentiable=bptt)
-        logp_graph = None  # [P, G, T] on the sampler's graph (update_forward="sampler")
-        if bptt:
-            logp_graph, batch.logprobs = batch.logprobs, batch.logprobs.detach()
-        row["time/sample_s"] = time.perf_counter() - t0
+        batch, rewards, exact, adv, logp_graph = None, None, None, None, None
+        if lead:
+            batch, rewards, exact, adv, logp_graph = _rollout(
+                config, policy, task, reward, prompt_seed, sample_seed, bptt, row)
+        batch, rewards, exact, adv = parallel.share((batch, rewards, exact, adv), device)
         mask = batch.mask.bool()  # [P, G, T]
         n_sampled, n_env = int(batch.mask.sum()), int(batch.env_mask.sum())
         counters["tokens_sampled"] += n_sampled
@@ -256,10 +268,6 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         row.update({"tokens/sampled": counters["tokens_sampled"],
                     "tokens/env": counters["tokens_env"], "tokens/step_sampled": n_sampled})
 
-        # ---- 2. score: the training reward, and exact match for the record
-        t0 = time.perf_counter()
-        rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each, no rescoring
-        row["time/score_s"] = time.perf_counter() - t0
         agree = rewards.max(1).values == rewards.min(1).values  # [P]
         row.update({
             "train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
@@ -269,12 +277,8 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             "policy/entropy": float(batch.entropy[mask].mean()),
         })
 
-        # ---- 3. advantages (Delta) over the whole batch, then optional dynamic filtering
+        # ---- optional dynamic filtering
         t0 = time.perf_counter()
-        weights = {"logprobs": batch.logprobs, "sum_pi_sq": batch.sum_pi_sq}
-        if config.token_weights == "exact":
-            weights = {"token_weights": exact_token_weights(model, batch)}
-        adv = advantages(config.scheme, rewards, mask, **weights, **dict(config.scheme_options))
         keep = torch.arange(batch.P, device=mask.device)
         if config.dynamic_filter:
             keep = (~agree).nonzero()[:, 0]
@@ -285,7 +289,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             "adv/nonzero_frac": float((adv != 0).any(-1).float().mean()),
             "train/groups_used": len(keep),
         })
-        row["time/adv_s"] = time.perf_counter() - t0
+        row["time/adv_s"] = row.get("time/adv_s", 0.0) + time.perf_counter() - t0
 
         # ---- 4. logp_old (and the reference's) detached, then epochs x minibatches of updates
         t0 = time.perf_counter()
@@ -295,12 +299,12 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
             # With one update per step, pi_old is the policy of that update's own forward: its
             # log-probs, detached, are logp_old (ratio exactly 1) and a second forward is saved.
             single = config.epochs == 1 and config.minibatches == 1
-            with torch.no_grad():
+            with torch.no_grad():  # each rank its share of the groups, gathered
                 logp_old = None if single else _old_logprobs(model, batch, keep,
                                                               ref_model is not None)
                 logp_ref = None
                 if ref_model is not None:
-                    logp_ref = response_logprobs(ref_model, batch, keep, shared_prompt=True)
+                    logp_ref = parallel.sharded_logprobs(ref_model, batch, keep)
             model.train()
             stats: dict[str, list[float]] = {}
             norms: list[float] = []
@@ -310,10 +314,10 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
                                       device=train_gen.device).to(keep.device)
                 for mb in order.chunk(config.minibatches):
                     groups = keep[mb]
-                    # rows per forward from the memory plan (checkpointed chunks; None: one)
+                    # this rank's groups' log-probs in the full tensor (parallel.py); rows
+                    # per forward from the memory plan (checkpointed chunks; None: one)
                     logp = (logp_graph[groups] if logp_graph is not None else
-                            response_logprobs(model, batch, groups, shared_prompt=True,
-                                              rows=logprob_rows(model, batch, len(groups))))
+                            parallel.sharded_logprobs(model, batch, groups, rows=logprob_rows))
                     old = logp.detach() if logp_old is None else logp_old[mb]
                     ref = None if logp_ref is None else logp_ref[mb]
                     if ref is not None and epoch == 0:  # KL(pi_old || ref) on this step's samples
@@ -322,9 +326,11 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
                     loss, metrics = minibatch_loss(config, logp, old, adv[groups], mask[groups],
                                                    ref)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    if loss.requires_grad:  # a rank without groups in this minibatch: no graph
+                        loss.backward()
                     clip_to = config.grad_clip if config.grad_clip > 0 else float("inf")
                     clip_params = setup.grads_for_clipping(optimizer, params)
+                    parallel.all_reduce_grads(clip_params)  # the ranks' shares, summed
                     norms.append(float(torch.nn.utils.clip_grad_norm_(clip_params, clip_to)))
                     optimizer.step()
                     for k, v in metrics.items():
@@ -343,7 +349,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         # ---- 5. held-out evaluation every eval_every steps (and at the last step)
         last = step == config.steps or (
             config.token_budget and counters["tokens_sampled"] >= config.token_budget)
-        if step % config.eval_every == 0 or last:
+        if lead and (step % config.eval_every == 0 or last):
             t0 = time.perf_counter()
             row.update(setup.evaluate(policy, task, eval_prompts, reward, config, eval_seed))
             row["time/eval_s"] = time.perf_counter() - t0
@@ -354,7 +360,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
         bar.update(1)
         bar.set_postfix(reward=f"{row['train/reward_mean']:.2f}", tokens=counters["tokens_sampled"])
 
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
+        if lead and config.checkpoint_every and step % config.checkpoint_every == 0:
             save_checkpoint(run_dir, step, model, optimizer, {"train": train_gen},
                             {"counters": counters, "detector": detector.state_dict(),
                              "config": config.to_dict(), "last_row": row,
@@ -363,6 +369,7 @@ def _train(config: TrainConfig, run_dir: Path | None, policy: Policy | None, res
     bar.close()
     if config.token_budget and counters["tokens_sampled"] >= config.token_budget:
         stopped = "token_budget"
+    rows = parallel.share(rows, device)  # every rank returns rank 0's records
     df = as_records(pd.DataFrame(rows))  # float64 columns, as a resumed run reads them back
     return TrainResult(records=df, policy=policy, run_dir=run_dir, stopped=stopped)
 
@@ -398,7 +405,38 @@ def _old_logprobs(model: torch.nn.Module, batch, keep: torch.Tensor, with_ref: b
     full = next(model.parameters()).dtype in (torch.float32, torch.float64)
     if full and not with_ref:
         return batch.logprobs[keep]
-    return response_logprobs(model, batch, keep, shared_prompt=True)
+    return parallel.sharded_logprobs(model, batch, keep)
+
+
+def _rollout(config: TrainConfig, policy: Policy, task, reward: str, prompt_seed: int,
+             sample_seed: int, bptt: bool, row: dict) -> tuple:
+    """Steps 1-3 of a step (rank 0 under torchrun): ``(batch, rewards, exact, adv,
+    logp_graph)``, the sampling, scoring and advantage times recorded in ``row``.
+
+    1. G responses for each of P training prompts (the policy, temperature 1); 2. the
+    training reward and exact match (the sampler's reward reused, no rescoring); 3. Delta
+    over the whole batch. ``logp_graph``: the sampler's differentiable log-probs
+    (``update_forward="sampler"``), else None.
+    """
+    t0 = time.perf_counter()
+    prompts = task.prompts(config.prompts_per_step, split="train", seed=prompt_seed)
+    batch = sample(policy, task, prompts, config.G, seed=sample_seed,
+                   temperature=config.temperature, reward=reward, differentiable=bptt)
+    logp_graph = None  # [P, G, T] on the sampler's graph (update_forward="sampler")
+    if bptt:
+        logp_graph, batch.logprobs = batch.logprobs, batch.logprobs.detach()
+    row["time/sample_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rewards, exact = setup.score(task, batch, prompts, reward)  # [P, G] each
+    row["time/score_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mask = batch.mask.bool()
+    weights = {"logprobs": batch.logprobs, "sum_pi_sq": batch.sum_pi_sq}
+    if config.token_weights == "exact":
+        weights = {"token_weights": exact_token_weights(policy.model, batch)}
+    adv = advantages(config.scheme, rewards, mask, **weights, **dict(config.scheme_options))
+    row["time/adv_s"] = time.perf_counter() - t0
+    return batch, rewards, exact, adv, logp_graph
 
 
 def detector_flags(detector: CollapseDetector, grad_norm: float, entropy: float) -> dict:

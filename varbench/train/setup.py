@@ -55,9 +55,11 @@ def policy_for(config: TrainConfig, task: Task) -> Policy:
                         add_task_tokens=config.add_task_tokens)
 
 
-def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
+def own_policy(policy: Policy, config: TrainConfig, task: Task,
+               device: torch.device | str | None = None) -> Policy:
     """The policy the loop trains: a deep copy of a caller's ``policy`` (whose object is never
-    changed) on ``config.device`` in ``config.dtype`` ("auto": its own), bound to ``task``."""
+    changed) on ``device`` (default ``config.device``; data-parallel: the rank's own) in
+    ``config.dtype`` ("auto": its own), bound to ``task``."""
     import copy
 
     from varbench.train.policies import prepare_for_task
@@ -69,8 +71,9 @@ def own_policy(policy: Policy, config: TrainConfig, task: Task) -> Policy:
         raise UsageError(f"dtype='auto' on {policy.name!r}, a float16 checkpoint, would train "
                          "in float16, which needs loss scaling; choose dtype='bfloat16' or "
                          "'float32'")
-    check_device("device", config.device, dtype=dtype)
-    model = copy.deepcopy(policy.model).to(device=config.device, dtype=dtype)
+    device = config.device if device is None else device
+    check_device("device", str(device), dtype=dtype)
+    model = copy.deepcopy(policy.model).to(device=device, dtype=dtype)
     own = Policy(model=model, tokenizer=copy.deepcopy(policy.tokenizer), name=policy.name,
                  meta=copy.deepcopy(policy.meta))
     return prepare_for_task(own, task, add_task_tokens=config.add_task_tokens)
