@@ -17,8 +17,8 @@ import torch
 
 from varbench._util.checks import UsageError
 from varbench.stats.estimates import variance_stats
-from varbench.stats.noise_scale import _weighted, noise_scale, noise_scale_interval
 from varbench.stats.intervals import gram_matrix
+from varbench.stats.noise_scale import _weighted, noise_scale, noise_scale_interval
 
 
 def _brute(x: np.ndarray, G: int) -> float:
