@@ -11,6 +11,8 @@ from dataclasses import fields
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from varbench._util.checks import UsageError
 from varbench._util.config import field_docs, flags_of
@@ -20,6 +22,9 @@ from varbench.analysis.variance import VarianceConfig
 from varbench.app import executors
 from varbench.app.cli import build_parser, main
 from varbench.app.suite import parse_case
+
+# the kinds property test's value strategy and argv spelling (tests/test_analysis_kinds.py)
+from test_analysis_kinds import _argv, _values  # noqa: E402  isort: skip
 
 
 def _cells() -> pd.DataFrame:
@@ -118,6 +123,62 @@ def test_config_suite_and_cli_agree(key, value, ok, tmp_path, monkeypatch, capsy
     if not ok:
         for msg in (lib, suite, cli):
             assert key in msg or flags_of(f)[0] in msg, msg
+
+
+@pytest.fixture(scope="module")
+def micro():
+    import varbench as vb
+
+    return vb.build_policy("micro"), vb.get_task("sort", n=2)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_knob_is_accepted_or_refused_alike(data, micro, tmp_path, monkeypatch, capsys):
+    """Any field of PlannerConfig, a value drawn inside, at or outside its bounds (the kinds
+    property test's strategy): the config, the suite schema and the subcommand agree."""
+    f = data.draw(st.sampled_from(fields(PlannerConfig)), label="field")
+    value = data.draw(_values(f), label=f.name)
+
+    class Accepted(Exception):
+        pass
+
+    def verdict(fn):
+        try:
+            fn()
+            return True
+        except Accepted:
+            return True
+        except UsageError as err:
+            return str(err)
+
+    def accept(*a, **k):
+        raise Accepted
+
+    from varbench.analysis import planner, variance
+
+    def library():  # the keyword call, up to the point where the work would start
+        pol, task = micro
+        cfg = PlannerConfig(**{f.name: tuple(value) if isinstance(value, list) else value})
+        planner.run({"s": pol}, [task], cfg)
+
+    monkeypatch.setattr(variance, "sizes", accept)
+    lib = verdict(library)
+    assert lib is not None
+    suite = verdict(lambda: parse_case({"name": "c", "kind": "plan", f.name: value}))
+    monkeypatch.setattr(executors.CaseKind, "execute", accept)
+    capsys.readouterr()
+    try:
+        assert main(["plan", *_argv(f, value), "--out", str(tmp_path / "o")]) == 2
+        cli = capsys.readouterr().err
+    except Accepted:
+        cli = True
+    assert (lib is True) == (suite is True) == (cli is True), (f.name, value, lib, suite, cli)
+    names = [f.name, *flags_of(f)]
+    for msg in (lib, suite, cli):
+        if msg is not True:
+            assert any(n in msg for n in names), (f.name, value, msg)
 
 
 SMALL = ["--preset", "micro", "--task", "sort", "--Gs", "2", "4", "-M", "4", "--prompts", "1",

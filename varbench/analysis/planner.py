@@ -160,7 +160,8 @@ def run(policies: Mapping[str, Policy], tasks: Sequence[Task], config: PlannerCo
         records = {"arms": arms, **res.records}
         out.append(AnalysisResult(
             kind="plan", name="plan", records=records,
-            summary={**res.summary, "best_arm": arms["arm"].iloc[0] if len(arms) else None},
+            summary={**res.summary, "best_arm": next(
+                (r.arm for r in arms.itertuples() if math.isfinite(r.rank)), None)},
             headlines=_headlines(arms, config.level), config=cfg, notes=notes,
             provenance={**res.provenance, "config": cfg}))
     return out
