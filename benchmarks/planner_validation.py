@@ -85,8 +85,10 @@ def _grid():
     return ValidateConfig.from_params(params)
 
 
-def measure(tasks: list[str], cache: Path, progress: bool) -> pd.DataFrame:
-    """The planner's arms per task at the grid's warm start and prediction-check settings."""
+def measure(tasks: list[str], cache: Path, progress: bool, *, min_responses: int = 0,
+            n_ref: int = 64) -> pd.DataFrame:
+    """The planner's arms per task at the grid's warm start and prediction-check settings
+    (``min_responses``, ``n_ref``: the grid's 0 and 64 unless changed)."""
     from varbench.analysis import planner
     from varbench.analysis.validate import Job, job_config
     from varbench.train.setup import build_task, policy_for
@@ -100,8 +102,9 @@ def measure(tasks: list[str], cache: Path, progress: bool) -> pd.DataFrame:
         policy = policy_for(tc, task)
         pc = planner.PlannerConfig(
             schemes=cfg.schemes, Gs=tuple(G for G in cfg.Gs if G >= 2), modes=(tc.agg,),
-            M=cfg.variance_M, n_prompts=cfg.variance_prompts, reference="sampled", n_ref=64,
-            sketch_dim=256, min_responses=0, prompts_per_step=cfg.base["prompts_per_step"])
+            M=cfg.variance_M, n_prompts=cfg.variance_prompts, reference="sampled", n_ref=n_ref,
+            sketch_dim=256, min_responses=min_responses,
+            prompts_per_step=cfg.base["prompts_per_step"])
         t0 = time.perf_counter()
         res = planner.run({"warm": policy}, [task], pc, cache_dir=str(cache / name),
                           progress=progress)[0]
@@ -117,8 +120,9 @@ def _fmt(x: float, p: int = 2) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.{p}f}"
 
 
-def write(table: pd.DataFrame, out: Path) -> str:
-    """planner_validation.md and .csv under ``out`` from the joined table; returns the md."""
+def write(table: pd.DataFrame, out: Path, *, changed: str = "") -> str:
+    """planner_validation.md and .csv under ``out`` from the joined table; returns the md.
+    ``changed``: the measurement settings that differ from the grid's (a sensitivity run)."""
     res = loto(table)
     t = res["table"]
     cols = ["task", "scheme", "G", "P", "tokens_per_response", "B_noise", "B_noise_ci_low",
@@ -188,6 +192,9 @@ def write(table: pd.DataFrame, out: Path) -> str:
                      f"{_fmt(float(pub.max()))}); the published check ran an earlier version of "
                      "the variance code on the same seeds.")
     lines += ["", "Per-cell table: planner_validation.csv.", ""]
+    if changed:
+        lines[1:1] = ["", f"**Sensitivity run, not the grid's settings: {changed}** (the "
+                      "measurement bullets below describe the grid's).", ""]
     md = "\n".join(lines)
     (out / "planner_validation.md").write_text(md)
     return md
@@ -203,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
                     default=str(Path.home() / ".cache" / "varbench" / "planner_validation"))
     ap.add_argument("--from-csv", default=None, help="a written planner_validation.csv")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--min-responses", type=int, default=0,
+                    help="response floor per prompt (default 0: the grid's; a sensitivity run)")
+    ap.add_argument("--n-ref", type=int, default=64, help="sampled reference (default 64)")
     args = ap.parse_args(argv)
     tables = Path(args.tables)
     if args.from_csv:
         table = pd.read_csv(args.from_csv)
     else:
-        arms = measure(args.tasks, Path(args.cache), args.progress)
+        arms = measure(args.tasks, Path(args.cache), args.progress,
+                       min_responses=args.min_responses, n_ref=args.n_ref)
         cells = pd.read_csv(tables / "validation__cells.csv", keep_default_na=False,
                             na_values=[""])
         core = cells[cells["variant"].isna()]  # the core grid (no variant)
@@ -219,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         pred = pred[pred["variant"].isna()][["task", "scheme", "G", "variance"]]
         table = table.merge(pred.rename(columns={"variance": "variance_published"}),
                             on=["task", "scheme", "G"], how="left")
-    print(write(table, Path(args.out)))
+    changed = ", ".join(f"{k} = {v}" for k, v, grid in (
+        ("min_responses", args.min_responses, 0), ("n_ref", args.n_ref, 64)) if v != grid)
+    print(write(table, Path(args.out), changed=changed))
     return 0
 
 
