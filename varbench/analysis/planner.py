@@ -179,6 +179,7 @@ def plan_figures(result: AnalysisResult, fig_dir: Path, prefix: str) -> list[tup
     hi = (ok["pred_tokens_rel_ci_high"] - ok["pred_tokens_rel"]).clip(lower=0).fillna(0)
     a1.errorbar(ok["pred_tokens_rel"], y, xerr=[lo, hi], fmt="o", capsize=2)
     a1.set_yticks(y, ok["arm"], fontsize=7)
+    a1.set_xscale("log")  # relative tokens and their intervals span decades at small M
     a1.set_xlabel("predicted sampled tokens to threshold (x best arm)")
     a1.set_title("planner ranking")
     for (scheme, mode), e in arms.groupby(["scheme", "mode"], sort=False):
