@@ -184,12 +184,16 @@ def flags_of(f: dataclasses.Field) -> list[str]:
 
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's docstring (the string literal under it) of the dataclass ``cls``, read
-    from its source: the command line's help text."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(sys.modules[cls.__module__])))
-    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    docs = {}
-    for item, nxt in zip(node.body, node.body[1:], strict=False):
-        if (isinstance(item, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(item.target, ast.Name)):
-            docs[item.target.id] = " ".join(str(nxt.value.value).split())
+    from its source: the command line's help text. A config that extends another inherits
+    the docstrings of the fields it does not redeclare."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(sys.modules[klass.__module__])))
+        node = next(n for n in ast.walk(tree)
+                    if isinstance(n, ast.ClassDef) and n.name == klass.__name__)
+        for item, nxt in zip(node.body, node.body[1:], strict=False):
+            if (isinstance(item, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(item.target, ast.Name)):
+                docs[item.target.id] = " ".join(str(nxt.value.value).split())
     return docs

@@ -1,4 +1,5 @@
-"""varbench.analysis: proxy correlation, estimator variance, token gradient cancellation.
+"""varbench.analysis: proxy correlation, estimator variance, token gradient cancellation, the
+planner.
 
 Each analysis returns an :class:`AnalysisResult` (tidy pandas records + headline figures with
 standard errors + provenance) that ``varbench.report.write_report`` renders.
@@ -7,6 +8,7 @@ standard errors + provenance) that ``varbench.report.write_report`` renders.
 from varbench.analysis.cancellation import CancellationConfig, cancellation
 from varbench.analysis.kinds import ANALYSES, AnalysisKind, register_analysis
 from varbench.analysis.oracle import ExactDistribution, enumerate_distribution
+from varbench.analysis.planner import PlannerConfig, predict_arms
 from varbench.analysis.proxy import ProxyConfig, proxy_correlation
 from varbench.analysis.trie import prefix_node_ids, shared_steps, token_net_weight
 from varbench.analysis.variance import DEFAULT_SCHEMES, VarianceConfig, estimator_variance
@@ -22,6 +24,7 @@ __all__ = [
     "CancellationConfig",
     "ExactDistribution",
     "Headline",
+    "PlannerConfig",
     "ProxyConfig",
     "TokenVectors",
     "VarianceConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "enumerate_distribution",
     "estimator_variance",
     "paired_compare",
+    "predict_arms",
     "prefix_node_ids",
     "proxy_correlation",
     "register_analysis",

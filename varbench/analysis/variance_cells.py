@@ -44,6 +44,7 @@ from varbench.stats.intervals import (
     paired_ratio_interval,
     sketch_sd,
 )
+from varbench.stats.noise_scale import noise_scale_interval
 
 GRADIENTS = ("projected", "vectors")
 
@@ -342,6 +343,11 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                     row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
                         w["se"], w["ci_low"], w["ci_high"])
                     row[f"{k}_sketch_sd"] = sd[k]
+                # the per-group noise scale's bootstrap-t interval (varbench.stats.noise_scale;
+                # the sketch's error is not in it), read by the planner
+                ns = noise_scale_interval(e, level=level, n_boot=n_boot, seed=seed + 7,
+                                          method=interval, gram=gram)
+                row["noise_scale_ci_low"], row["noise_scale_ci_high"] = ns["ci_low"], ns["ci_high"]
                 # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
                 row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
                     row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
@@ -401,6 +407,9 @@ def _set_exact(row: dict, ex: dict[str, float], sketch: dict[str, float] | None 
         row[k] = v
         if f"{k}_se" in row:
             row[f"{k}_se"] = 0.0 if sketch is None else float("nan")
+    # the noise scale's interval: the exact value itself (flat vectors), unknown (sketched)
+    row["noise_scale_ci_low"] = row["noise_scale_ci_high"] = (
+        vals["noise_scale"] if sketch is None else float("nan"))
     for k in INTERVAL_STATS:
         sd = 0.0 if sketch is None else sketch[k]
         row[f"{k}_se"] = sd
