@@ -26,6 +26,7 @@ from varbench.app import executors
 from varbench.app.cli import main
 from varbench.app.suite import parse_case
 from varbench.estimators.registry import schemes, weighted_schemes
+from varbench.report.figures import FIGURES, register_figures
 
 # the modules (varbench.analysis's names `cancellation` etc. are the functions)
 ca = importlib.import_module("varbench.analysis.cancellation")
@@ -200,6 +201,26 @@ def _count_run(policies, tasks, config, *, cache_dir=None, progress=None, settin
                            provenance(config=cfg, seeds=config.seed), [])]
 
 
+def _count_figures(result, fig_dir, prefix):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.bar([0], [len(result.records["prompts"])])
+    name = f"{prefix}prompts.png"
+    fig.savefig(fig_dir / name)
+    plt.close(fig)
+    return [(name, "Prompts counted.")]
+
+
+def test_a_second_figure_maker_for_one_kind_is_refused():
+    with pytest.raises(UsageError, match="'variance' are already registered"):
+        register_figures("variance", _count_figures)
+    assert FIGURES["variance"] is ANALYSES["variance"].figures
+
+
 def _count_plan(tasks, config, vocab_size):
     from varbench.analysis.plan import Plan
 
@@ -207,9 +228,10 @@ def _count_plan(tasks, config, vocab_size):
 
 
 def test_a_new_kind_is_a_config_a_run_and_one_registration(tmp_path, monkeypatch, capsys):
-    kind = AnalysisKind("count", CountConfig, _count_run, None, _count_plan,
+    kind = AnalysisKind("count", CountConfig, _count_run, _count_figures, _count_plan,
                         "count a task's prompts", states=("random",))
     monkeypatch.setitem(ANALYSES, "count", kind)  # removed again after the test
+    monkeypatch.setitem(FIGURES, "count", _count_figures)
     assert register_analysis(kind) is kind  # the one declaration (again: the same kind)
     # the suite schema: its keys are the config's fields and the policy spec
     suite = tmp_path / "s.toml"
@@ -222,6 +244,9 @@ def test_a_new_kind_is_a_config_a_run_and_one_registration(tmp_path, monkeypatch
     run_suite(suite, tmp_path / "out", progress=False)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["analyses"][0]["headlines"][0]["value"] == 3
+    # its declared figures are drawn in the report (no figure table to edit elsewhere)
+    assert (tmp_path / "out" / "figures" / "c__prompts.png").is_file()
+    assert "c__prompts.png" in (tmp_path / "out" / "report.md").read_text()
     bad = tmp_path / "bad.toml"
     bad.write_text(suite.read_text().replace("n_prompts = 3", "n_prompts = 0"))
     with pytest.raises(SuiteError, match=r"key 'n_prompts'.*>= 1"):

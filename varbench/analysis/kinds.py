@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from varbench._util.checks import UsageError
+from varbench.report.figures import register_figures
 
 POLICY_LAYOUTS = ("states", "per_task")
 
@@ -64,6 +65,8 @@ def register_analysis(kind: AnalysisKind) -> AnalysisKind:
     if kind.policies not in POLICY_LAYOUTS:
         raise UsageError(f"policies={kind.policies!r} is not valid; choose one of "
                          f"{list(POLICY_LAYOUTS)}")
+    if kind.figures is not None:
+        register_figures(kind.name, kind.figures)
     ANALYSES[kind.name] = kind
     return kind
 

@@ -207,10 +207,6 @@ def plan(tasks: Sequence[Task], config: PlannerConfig, vocab_size: Callable[[], 
     return dataclasses.replace(p, analysis="plan")
 
 
-# the report draws a result's figures by its kind (the report package cannot import the
-# analyses): the planner's are declared there, once
-report_figures.FIGURES.setdefault("plan", plan_figures)
-
 KIND = register_analysis(AnalysisKind(
     "plan", PlannerConfig, run, plan_figures, plan,
     "predict tokens-to-threshold per scheme x G from warm-start noise scales",

@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as _MplFigure
 
+from varbench._util.checks import UsageError
+
 Figure = tuple[str, str]
 
 
@@ -246,9 +248,15 @@ def _in_run_figures(steps, fig_dir: Path, prefix: str) -> list[tuple[str, str]]:
                    "proxy's fidelity, per measured batch.")]
 
 
-FIGURES: dict[str, Callable[..., list[Figure]]] = {
-    "proxy": proxy_figures,
-    "variance": variance_figures,
-    "cancellation": cancellation_figures,
-    "training": training_figures,
-}
+FIGURES: dict[str, Callable[..., list[Figure]]] = {"training": training_figures}
+"""``{result kind: figures(result, fig_dir, prefix)}``: what :func:`~varbench.report.writer.
+write_report` draws. Training's is here; each analysis kind's is the ``figures`` of its
+declaration, entered by :func:`varbench.analysis.kinds.register_analysis` (the report package
+cannot import the analyses)."""
+
+
+def register_figures(kind: str, draw: Callable[..., list[Figure]]) -> None:
+    """Draw ``draw(result, fig_dir, prefix)`` for every result of ``kind`` in a report."""
+    if kind in FIGURES and FIGURES[kind] is not draw:
+        raise UsageError(f"figures of result kind {kind!r} are already registered")
+    FIGURES[kind] = draw
