@@ -198,3 +198,33 @@ def test_real_vocabulary_softmax_is_peaked():
     ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
     assert float(logits.std(-1).mean()) == pytest.approx(gpu_check.LOGIT_STD, rel=0.3)
     assert float(ent.max()) < math.log(151936) - 0.25
+
+
+@pytest.mark.slow
+def test_default_attention_outside_the_batched_backward_phases(monkeypatch):
+    """Only the phases with a vmapped backward enter the math-attention context; the others
+    run the model's default attention (sdpa: the fused kernels on CUDA)."""
+    import contextlib
+
+    state, seen = {"math": False}, {}
+
+    @contextlib.contextmanager
+    def recording(model, device=None):
+        state["math"] = True
+        try:
+            yield None
+        finally:
+            state["math"] = False
+
+    monkeypatch.setattr(gpu_check, "batched_backward_attention", recording)
+    for ph in ("forward", "sampling", "norms"):
+        def wrapped(pol, ctx, fn=gpu_check.PHASE_FNS[ph], ph=ph):
+            if pol is not ctx["ref_policy"]:
+                seen.setdefault(ph, set()).add(state["math"])
+            return fn(pol, ctx)
+
+        monkeypatch.setitem(gpu_check.PHASE_FNS, ph, wrapped)
+    assert gpu_check.main(["--device", "cpu", "--quick", "--dtypes", "float32", "--no-cli",
+                           "--phases", "forward", "sampling", "norms"]) == 0
+    assert seen == {"forward": {False}, "sampling": {False}, "norms": {True}}
+    assert gpu_check.qwen2_policy("quick").model.config._attn_implementation == "sdpa"
