@@ -10,10 +10,12 @@ norms; sampling with the KV cache (the sampler's own log-probs and entropies of 
 drew against a full forward of the reference on those tokens); one proxy cell (the token
 records of the proxy analysis); one variance cell with an exact reference (enumerated response
 table: g* and the exact variance / MSE of two schemes); one cancellation cell (shared-step
-residuals and gradient cancellation ratios after one PPO inner step); training (the clipped
-loss and gradient norm of three AdamW steps on one fixed batch, and three steps of the real
-training loop, whose loss, gradient norm and entropy records are compared with the same loop
-run on the float64 reference). Only the phases with a batched (vmapped) backward
+residuals and cancellation ratios after one PPO inner step with GSPO's sequence ratio, and the
+per-token gradient vectors, sketched by one S on both sides); training (the clipped loss and
+gradient norm of three AdamW steps on one fixed batch, and three steps of the real training
+loop, whose gradient-norm and entropy records are compared with the same loop run in float64
+on the candidate's device: the sampler's generator lives there). Only the phases with a
+batched (vmapped) backward
 (``BATCHED_BACKWARD``) run under math attention; the others use the model's default attention
 (fused SDPA kernels on CUDA), as users get it.
 
@@ -23,13 +25,17 @@ run must equal the one-process run's (``CLI_TOL``). ``varbench train`` refuses s
 (it is not data-parallel), so the training loop is checked by the ``train`` phase instead.
 
 Model sizes, all Qwen2-shaped (GQA, q/k/v biases) and built locally from a transformers
-``Qwen2Config`` (nothing is downloaded):
+``Qwen2Config`` (nothing is downloaded), the final norm scaled so the logits have std
+``LOGIT_STD`` (a random init's softmax is otherwise near-uniform, and its statistics the same
+for any model):
 - ``check`` (``quick`` under ``--quick``): the embedded tokenizer's vocabulary, small enough
   for an exact float64 reference on the CPU (rows say ``ref cpu/float64``); the variance cell
   keeps flat (unsketched) gradients.
 - ``quick-vocab`` (``--quick``): Qwen2-0.5B's real 151936-token vocabulary with its tied head
   on a 2-layer body, against float64 on the CPU; every phase but the variance cell (its exact
-  table enumerates the vocabulary). Ids past the tokenizer decode to "" (rewards are seeded).
+  table enumerates the vocabulary) and the real loop (ids past the tokenizer decode to "": no
+  reward, no gradient; the fixed-batch rows use seeded rewards). The CPU stand-in for the
+  ``realistic`` size: the same vocabulary, tying and head path, on a 2-layer hidden-32 body.
 - ``realistic`` (CUDA only; ``--no-realistic`` to skip): Qwen2-0.5B's shape (hidden 896,
   24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied head), against its
   float64 copy on the same GPU (``ref cuda/float64``); the variance cell is skipped as above.
@@ -68,6 +74,7 @@ from varbench.estimators.coefficients import sample_weights
 from varbench.estimators.loss import policy_loss
 from varbench.estimators.registry import advantages
 from varbench.grads import (
+    CountSketch,
     exact_float64,
     forward_stats,
     sequence_grad_norms,
@@ -92,6 +99,17 @@ TOLERANCES = {
 }
 
 QWEN2_VOCAB = 151936  # Qwen2-0.5B's vocabulary, its head tied to the embedding
+# Standard deviation of the random-init logits: the final norm's weight is set so that
+# ``softmax`` is far from uniform. At the init scale (0.02, std ~0.1-0.6) the tokenizer-size
+# distributions are near-uniform: the entropy is log V and w_t 1 to 1e-5 for ANY model. Over
+# the real vocabulary w_t = 1 - 2 pi_y + sum pi^2 stays ~1 (sum pi^2 ~ exp(std^2) / V) at any
+# std bfloat16 logits can hold to the 0.05-nat tolerance (2.5: 0.048 measured), so there w_t
+# and W_t check the statistics' arithmetic and the tokenizer-size model their model dependence
+# (``VOCAB_SCALE_BOUND``).
+LOGIT_STD = 1.0
+# Rows of the real-vocabulary sizes whose value a different random model of the same logit
+# scale reproduces within the float32 tolerance (measured: w_t 2.3e-5, W_t 1.6e-4 of 2e-4).
+VOCAB_SCALE_BOUND = {("forward", "w_t"), ("proxy", "W_t")}
 SIZES = {  # Qwen2-shaped bodies; the vocabulary is the embedded tokenizer's unless "vocab"
     "quick": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
@@ -142,6 +160,9 @@ def qwen2_policy(size: str, seed: int = 0) -> Policy:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # logit_v = norm(h) . E_v: std sqrt(hidden) * init * weight
+        model.model.norm.weight.fill_(
+            LOGIT_STD / (cfg.initializer_range * math.sqrt(cfg.hidden_size)))
     model.eval()
     return Policy(model=model, tokenizer=tok, name=f"qwen2-{size}", meta={"size": size})
 
@@ -218,16 +239,34 @@ def synthetic_inputs(vocab: int, B: int, L: int, seed: int = 0):
 
 def fixture_batch(ref: Policy, task, prompts, G: int):
     """One batch for every device (same tokens): sampled by the reference, then the first
-    token tied within two halves of each group (so the prefix trie has shared steps) and
+    token tied within two halves of each group (so the prefix trie has shared steps, each
+    with advantages of both signs: the fixed rewards 0 and 1 open the first half) and
     seeded rewards in {0, 0.5, 1} (a random-init policy earns 0 everywhere: advantages, losses
-    and gradients would all be 0 and prove nothing)."""
+    and gradients would all be 0 and prove nothing). The sampling statistics (log-probs,
+    entropies, sum pi^2) are the reference's on the edited tokens: the sampler's would be
+    stale there, and every PPO ratio would read that mismatch instead of the model's step."""
     batch = sample(ref, task, prompts, G, seed=0)
     tokens = batch.tokens.clone()
+    # not one token for the whole group: sum_i A_i grad logp_0 would cancel exactly, and Adam
+    # (g / (|g| + eps)) turns float32's rounding residue of that 0 into a full step
     tokens[:, :, 0] = tokens[:, :2, 0].repeat_interleave(G // 2, dim=1)
     g = torch.Generator().manual_seed(0)
     rewards = torch.randint(0, 3, batch.rewards.shape, generator=g).to(batch.rewards) / 2
     rewards[:, 0], rewards[:, 1] = 0.0, 1.0  # never an all-agree group
-    return dataclasses.replace(batch, tokens=tokens, rewards=rewards)
+    batch = dataclasses.replace(batch, tokens=tokens, rewards=rewards)
+    flat = batch.flat()
+    dev = ref.device
+    st = forward_stats(ref.model, flat.input_ids.to(dev), flat.response_mask.to(dev),
+                       flat.attention_mask.to(dev))
+    P, G_, T = tokens.shape
+    m = batch.mask != 0
+
+    def resp(x):  # [B, L] -> [P, G, T] response positions, 0 off the mask
+        x = x[:, flat.prompt_len:].reshape(P, G_, T).to(batch.logprobs)
+        return torch.where(m, x, torch.zeros_like(x))
+
+    return dataclasses.replace(batch, logprobs=resp(st.logp), entropy=resp(st.entropy),
+                               sum_pi_sq=resp(st.sum_pi_sq))
 
 
 # --- phases: each returns {quantity: (value, kind, mask or None)} on the given policy ------
@@ -282,7 +321,34 @@ def phase_variance(pol, ctx) -> dict:
     return out
 
 
+CANCEL_CLIP = (0.99, 100.0)  # ratios in [0.01, 101]
+
+
+def shared_sketch(pol, ctx) -> CountSketch | None:
+    """The cancellation phase's CountSketch on ``pol``'s device: None (``token_vectors`` draws
+    it from seed 1) where the reference is on the same device type, so both draw one S; else
+    the reference device's S (seed 1), its hashes moved to ``pol``'s device (CPU and CUDA
+    generators draw different S for one seed)."""
+    ref = ctx["ref_policy"]
+    if ctx["sketch_dim"] is None or pol.device.type == ref.device.type:
+        return None
+    if "sketch_hashes" not in ctx:
+        ctx["sketch_hashes"] = CountSketch.for_model(ref.model, ctx["sketch_dim"], 1).hashes()
+    bs, ss = ctx["sketch_hashes"]
+    return CountSketch.from_hashes([b.to(pol.device) for b in bs],
+                                   [s.to(pol.device) for s in ss], ctx["sketch_dim"],
+                                   device=pol.device)
+
+
 def phase_cancellation(pol, ctx) -> dict:
+    """Shared-step residuals after one PPO inner step, with GSPO's sequence ratio, and the
+    per-token gradient vectors they read.
+
+    With a token ratio every member of a shared step (one prefix, one token) has the same
+    ratio, so ``c`` is constant there and ``rel_residual`` = ``|sum A| / sum |A|`` whatever the
+    model (a row that cannot fail); the sequence ratio differs across members. ``grad_ratio``
+    equals ``rel_residual`` (the members' token gradients are one vector), so the vectors get
+    their own row."""
     batch = batch_to(ctx["batch"], pol.device)
     mask = batch.mask != 0
     rewards = batch.rewards.to(batch.logprobs.dtype)
@@ -290,13 +356,24 @@ def phase_cancellation(pol, ctx) -> dict:
                      sum_pi_sq=batch.sum_pi_sq)
     # one PPO inner step (k = 1) on the device: the ratios, hence c, depend on the model (at
     # k = 0 every shared-step quantity is a function of the batch alone)
-    logps = ppo_logps(pol, batch, adv, [1], lr=1e-3, clip=(0.2, 0.2))
-    c = sample_weights(logps[1], batch.logprobs, adv, mask, "seq-mean-token-sum")
-    grads = token_vectors(pol.model, batch, sketch_dim=ctx["sketch_dim"], sketch_seed=1).vec
-    df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask, token_grads=grads)
+    # a step well above bfloat16's weight resolution, under a clip wide enough that no member
+    # leaves it (a clipped member has c = 0, and a step of only clipped members proves nothing)
+    logps = ppo_logps(pol, batch, adv, [1], lr=1e-3, clip=CANCEL_CLIP)
+    c = sample_weights(logps[1], batch.logprobs, adv, mask, "seq-mean-token-sum",
+                       ratio="sequence", clip=CANCEL_CLIP)
+    tv = token_vectors(pol.model, batch, sketch_dim=ctx["sketch_dim"], sketch_seed=1,
+                       sketch=shared_sketch(pol, ctx))
+    df = shared_steps(batch.tokens, adv, c, mask, env_mask=batch.env_mask,
+                      token_grads=tv.vec)
     df = df.sort_values(["p", "t", "token"]).reset_index(drop=True)
-    out = {f"{col} (k=1)": (torch.tensor(df[col].to_numpy(dtype=float)).nan_to_num(-1.0),
-                            "norm", None) for col in ("residual", "rel_residual", "grad_ratio")}
+    # rel_residual where the members' advantages have both signs (< 1 for any c > 0); where
+    # they share one sign it is 1 for any c. Both sides select alike unless a c is 0 (then
+    # the shapes differ: a FAIL)
+    mixed = df[df["rel_residual"] < 1 - 1e-6]
+    out = {"residual (k=1)": (torch.tensor(df["residual"].to_numpy(dtype=float)), "norm", None),
+           "rel_residual (k=1, mixed signs)": (
+               torch.tensor(mixed["rel_residual"].to_numpy(dtype=float)), "norm", None)}
+    out[f"token vectors ({tv.sketch})"] = (tv.vec, "norm", None)
     with torch.no_grad():
         lr_ = (logps[1] - batch.logprobs)[mask].abs().mean()
     out["mean |log ratio| (k=1)"] = (lr_, "norm", None)
@@ -305,7 +382,8 @@ def phase_cancellation(pol, ctx) -> dict:
 
 def phase_train(pol, ctx) -> dict:
     """Three AdamW steps of the clipped loss on one fixed batch (the losses and gradient
-    norms are compared), then three steps of the real loop (its records must be finite)."""
+    norms are compared), then three steps of the real loop (``LOOP_RECORDS`` against the float64
+    loop on the candidate's device)."""
     model = copy.deepcopy(pol.model).train()
     dev = pol.device
     batch = batch_to(ctx["batch"], dev)
@@ -329,9 +407,28 @@ def phase_train(pol, ctx) -> dict:
         opt.step()
     out = {"loss x3 (fixed batch)": (torch.stack(losses), "nats", None),
            "grad norm x3": (torch.stack(gnorms), "norm", None)}
-    if ctx.get("loop"):  # the real loop, its records against the float64 reference's loop
-        out["loop x3 (loss, grad norm, entropy)"] = (_loop_steps(pol, ctx), "norm", None)
+    if ctx.get("loop") and pol is not ctx["ref_policy"]:
+        # the real loop against the float64 loop ON THE CANDIDATE'S DEVICE: the sampler draws
+        # from a generator on the model's device, and CPU and CUDA generators draw other tokens
+        refs = ctx.setdefault("loop_refs", {})
+        if pol.device.type not in refs:
+            ref = ctx["ref_policy"]
+            ref = dataclasses.replace(ref, model=copy.deepcopy(ref.model).to(pol.device))
+            refs[pol.device.type] = _loop_steps(ref, ctx)
+        recs, want = _loop_steps(pol, ctx), refs[pol.device.type]
+        for j, col in enumerate(LOOP_RECORDS):  # one row per record: each on its own scale
+            out[f"loop x3 {col}"] = (recs[:, j] if recs.dim() == 2 else recs, "norm", None,
+                                     want[:, j] if want.dim() == 2 else want)
     return out
+
+
+# The loop's records compared with the reference loop's. Not loss/total: on-policy (one
+# epoch, ratio 1) with centred advantages it is -mean(A) = 0 for any model. The loop runs on
+# the tokenizer-vocabulary sizes only (``loop``): a real-vocabulary model's ids past the
+# tokenizer decode to "", so every reward and gradient of its loop is 0, and its mean entropy
+# is set by the logit scale (a wrong model matches it); its tied head's training is the
+# fixed-batch rows (seeded rewards).
+LOOP_RECORDS = ("grad/norm", "policy/entropy")
 
 
 def _loop_steps(pol, ctx) -> torch.Tensor:
@@ -346,15 +443,15 @@ def _loop_steps(pol, ctx) -> torch.Tensor:
             Path(tmp) / "ckpt")
         dtype = str(next(pol.model.parameters()).dtype).removeprefix("torch.")
         cfg = TrainConfig(policy=str(ckpt), warm_start=False, task="sort",
-                          task_options={"n": 2}, steps=3, G=ctx["G"], prompts_per_step=1,
+                          reward="inclusion_adjacency",  # partial credit: rewards differ
+                          task_options={"n": 2}, steps=3, G=ctx["G"], prompts_per_step=4,
                           eval_every=3, eval_prompts=2, eval_samples=1, dtype=dtype,
                           device=str(pol.device), seed=ctx["seed"])
         df = train(cfg, run_dir=Path(tmp) / "run", resume=False, progress=False).records
     steps = df[df["step"] >= 1] if "step" in df else df.iloc[:0]
-    cols = ["loss/total", "grad/norm", "policy/entropy"]
-    if len(steps) != 3 or not all(c in steps for c in cols):
+    if len(steps) != 3 or not all(c in steps for c in LOOP_RECORDS):
         return torch.tensor([math.nan])  # not three recorded steps: a FAIL
-    return torch.tensor(steps[cols].to_numpy(dtype=float))
+    return torch.tensor(steps[list(LOOP_RECORDS)].to_numpy(dtype=float))
 
 
 PHASE_FNS: dict[str, Callable] = {
@@ -389,7 +486,8 @@ def run_size(size: str, device: torch.device, ref_device: torch.device, dtypes: 
     ctx = {"inputs": synthetic_inputs(ref.model.config.vocab_size, batch_rows, seq),
            "task": task, "variance_task": get_task("sort", n=1), "prompts": prompts, "G": G,
            "seed": 0, "batch": batch,
-           "ref_policy": ref, "sketch_dim": sketch_dim, "loop": loop}
+           "ref_policy": ref, "sketch_dim": sketch_dim,
+           "loop": loop and "vocab" not in SIZES[size]}
     refs = {}
     for ph in phases:
         t0 = time.perf_counter()

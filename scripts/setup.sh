@@ -62,10 +62,18 @@ if [ "$OFFLINE" = 1 ]; then
              "none; set PYTHON to the python that holds torch" >&2
         exit 1
     fi
-    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
+    # --without-pip: ensurepip would put its own pip and (Python <= 3.11) setuptools 65.5 into
+    # the venv, ahead of the system's, and the build needs setuptools >= 68; the system's pip
+    # installs into the venv all the same.
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages --without-pip "$VENV"
     if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
         echo "scripts/setup.sh: error: $VENV cannot see the torch of $PY (made without" \
              "--system-site-packages?); remove $VENV and rerun" >&2
+        exit 1
+    fi
+    if ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+        echo "scripts/setup.sh: error: offline setup installs with the pip of $PY, and $VENV" \
+             "cannot run it (python -m pip); install pip for $PY" >&2
         exit 1
     fi
     # Every requirement of the chosen extras (and the build backend: nothing is fetched for an

@@ -191,7 +191,7 @@ def test_no_registry_and_a_system_torch_reuses_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "no package registry answered" in proc.stdout
     assert "system-pip download" in log  # the probe ran
-    assert "venv --system-site-packages " + str(venv) in log
+    assert "venv --system-site-packages --without-pip " + str(venv) in log
     assert not [c for c in log if "torch==" in c]  # torch is reused, never installed
     installs = [c for c in log if c.startswith("pip") and " install " in c]
     assert installs == ["pip --quiet install --no-index --no-build-isolation -e .[dev]"]
