@@ -226,16 +226,16 @@ def main() -> None:
             chunk = {"token_norms": 4, "train_logprobs": 1, "sampling": 1,
                      "logits": 512}[path]
             L = args.T
-            p = memplan.plan(shape, path, B, L, None, default=chunk)
             if args.layers and path in ("token_norms", "train_logprobs"):
                 traced = extrapolated(full, dtype, path, L, chunk, args.layers)
             else:
                 traced = trace(with_layers(full, full.num_hidden_layers), dtype, path, L, chunk)
-            # the traced chunk is one row: the plan of one row
-            planned = memplan.plan(shape, path, 1, L, None, default=chunk).peak_bytes
+            # the traced chunk is one row: the plan of one row (sampling: all L positions
+            # sampled, as the trace's prefill holds them)
+            planned = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
             picks = []
             for gpu in GPUS.values():
-                q = memplan.plan_from_config(full, dtype, path, B, L, gpu)
+                q = memplan.plan_from_config(full, dtype, path, B, L, gpu, response=L)
                 picks.append(f"{q.chunk} {q.unit[:3]}" if q.fits else "no fit")
             print(f"{name:14s} {path:15s} {chunk:5d} {planned / 2**30:8.2f} "
                   f"{traced / 2**30:8.2f} {planned / traced:6.2f} {picks[0]:>10s} "
