@@ -171,6 +171,8 @@ def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
       (``n L width e`` per cotangent), a tied head's ``[V h]`` or an untied head's ``[L, V]``;
     - the vocabulary's backward: the batched gather backward's ``[C, L, V]`` gradient, its
       stack and its product in the log-probs' dtype (``3a`` per element and cotangent);
+    - the backward's end: every cotangent of the chunk beside the previous chunk's (traced
+      as the peak of an untied Llama-3-8B in float32);
     - an untied head's ghost norms: its cotangent cast to the statistics' dtype and its Gram
       product (``a + a [e != a]``), its running prefix product and sum (``2a L V`` fixed);
     - a tied head: autograd's sum of the embedding's and the head's per-token parts (``3e``
@@ -202,6 +204,8 @@ def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
         phases.append((fixed + graph, 3 * e * V * h + prev + mods))
         phases.append((fixed + a * V * h, (e + cast + a) * V * h + mods))
     else:
+        # the backward's end: its cotangents beside the previous chunk's, the graph alive
+        phases.append((fixed + graph, prev + mods + L * V * e))
         phases.append((fixed + 2 * a * L * V, (e + cast + a) * L * V + mods))
     if materialised:
         phases.append((fixed + graph, 3 * e * materialised + prev + mods))
@@ -244,10 +248,9 @@ def fixed_bytes(shape: ModelShape, path: str, B: int, L: int, *,
     one row (token paths), the ``[B, L]`` outputs, per-module running state. ``response``
     (sampling): the response length T of the L positions, when known."""
     check_choice("path", path, list(PATHS))
-    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    e, a, V, h = shape.elsize, shape.acc, shape.vocab, shape.hidden
     if shape.hidden == 0:
         return 0
-    low = 4 if e < 4 else 0
     if path in ("token_norms", "vectors"):  # the largest phase's (_token_phases)
         return max(f for f, _ in _token_phases(shape, path, L, 0)) + 2 * B * L * a
     if path == "sequence_norms":
