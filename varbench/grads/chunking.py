@@ -24,8 +24,7 @@ DEFAULT_CHUNK = 8
 BLOCK_BYTES = 1 << 28  # CPU: 256 MiB of per-token gradients per harness pass
 
 __all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "MAX_CHUNK", "MEMORY_FRACTION", "auto_block_bytes",
-           "auto_chunk", "check_fraction", "cotangent_bytes", "free_device_bytes",
-           "token_plan"]
+           "check_fraction", "cotangent_bytes", "free_device_bytes", "token_plan"]
 
 
 def free_device_bytes(device: torch.device | str) -> int | None:
@@ -67,28 +66,6 @@ def token_plan(model: torch.nn.Module, B: int, L: int, device: torch.device | st
     p = memplan.plan(shape, path, B, L, budget, default=chunk_size or DEFAULT_CHUNK,
                      materialised=n_grad)
     return memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
-
-
-def auto_chunk(
-    device: torch.device | str,
-    item_bytes: int,
-    *,
-    chunk_size: int | None = None,
-    default: int = DEFAULT_CHUNK,
-    memory_fraction: float = MEMORY_FRACTION,
-    cap: int = MAX_CHUNK,
-) -> int:
-    """Tokens per batched backward: ``chunk_size`` when given, ``default`` on a non-CUDA
-    device, else ``floor(memory_fraction * free / item_bytes)`` clamped to ``[1, cap]``.
-
-    ``item_bytes``: memory of one cotangent (:func:`cotangent_bytes`).
-    """
-    if chunk_size is not None:
-        return check_positive_int("chunk_size", chunk_size)
-    budget = _free_budget(device, memory_fraction)
-    if budget is None:
-        return default
-    return max(1, min(int(cap), budget // max(1, int(item_bytes))))
 
 
 def auto_block_bytes(

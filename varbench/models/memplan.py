@@ -12,14 +12,17 @@ of the free device memory; no budget, i.e. the CPU: the path's default). A model
 chunk does not fit is refused by :func:`check_plan`, naming the bytes it needs.
 
 The terms (e: the model's bytes per element, a: the accumulation's, 4 or 8; L: the prefix of a
-unit, h/i/V: hidden, intermediate, vocabulary; per layer and position ``w = 3h + 2 kv + 2i``
-module outputs) were traced with :class:`LiveBytes` on the CPU (tests/test_memplan.py holds
-the plan within 15% of the traced peak; benchmarks/plan_scale.py at full scale):
-
-- a tied head's per-token gradient ``[C, V h]`` costs ``max(4e, e + 2a)`` bytes per element
-  per cotangent (autograd's sum of the embedding's and the head's parts, then its float32
-  copy and prefix sum), the vocabulary's cotangent ``e + 4 + 4 [e != 4]`` per ``L V`` element;
-- the kept activations of a training forward are ``9h e + 4[e != 4] h + 4 i e`` bytes per
+unit, h/i/V: hidden, intermediate, vocabulary; per layer and position ``width`` module outputs)
+were traced with :class:`LiveBytes`: on the CPU at small scale (tests/test_memplan.py,
+tests/test_memplan_budget.py) and on fake full-size models, the real functions where they can
+run there (benchmarks/plan_scale.py: planned within 15% of traced for Qwen2-0.5B, Qwen2.5-1.5B,
+Gemma-2-2B and Llama-3-8B). The per-token harness's peak is the largest of its phases
+(:func:`_token_phases`): a plan holds ``(fixed, unit)`` per phase and its chunk fits all;
+- the batched vocabulary backward costs ``3a`` bytes per ``L V`` element and cotangent, beside
+  the previous chunk's cotangents (still referenced while the next backward runs);
+- a tied head's per-token gradient ``[C, V h]``: autograd's sum of the embedding's and the
+  head's parts (``3e``), then its float32 copy and prefix sum;
+- the kept activations of a training forward are ``9h e + 4[e < 4] h + 4 i e`` bytes per
   layer and position (RMS norms keep a float32 copy of their input in low precision).
 """
 
