@@ -218,6 +218,7 @@ def main() -> None:
           "parameters at the traced chunk")
     print(f"{'shape':14s} {'path':15s} {'chunk':>5s} {'planned':>8s} {'traced':>8s} "
           f"{'ratio':>6s} {'80GB':>10s} {'140GB':>10s}")
+    refused: list[str] = []
     for name in args.shapes:
         full = SHAPES[name]()
         shape = memplan.ModelShape.from_config(full, dtype)
@@ -234,12 +235,20 @@ def main() -> None:
             # sampled, as the trace's prefill holds them)
             planned = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
             picks = []
-            for gpu in GPUS.values():
+            for gpu_name, gpu in GPUS.items():
                 q = memplan.plan_from_config(full, dtype, path, B, L, gpu, response=L)
                 picks.append(f"{q.chunk} {q.unit[:3]}" if q.fits else "no fit")
+                if not q.fits:
+                    refused.append(f"{name} {path} on {gpu_name}: one {q.unit[:-1]} needs "
+                                   f"{memplan.gib(q.need_bytes)} beyond the "
+                                   f"{memplan.gib(q.model_bytes)} parameters, the budget "
+                                   f"({memplan.MEMORY_FRACTION:g} of the rest) is "
+                                   f"{memplan.gib(q.budget or 0)}")
             print(f"{name:14s} {path:15s} {chunk:5d} {planned / 2**30:8.2f} "
                   f"{traced / 2**30:8.2f} {planned / traced:6.2f} {picks[0]:>10s} "
                   f"{picks[1]:>10s}", flush=True)
+    for line in refused:  # what does not fit, and why
+        print("no fit:", line)
 
 
 if __name__ == "__main__":
