@@ -1,29 +1,33 @@
 """The memory plan at full scale without a GPU: real shapes under FakeTensorMode, traced.
 
-    python benchmarks/plan_scale.py [--T 1024] [--B 8] [--layers 2]
+    python benchmarks/plan_scale.py [--T 1024] [--B 8] [--dtype bfloat16] [--layers 0]
 
 Per shape (Qwen2-0.5B, Qwen2.5-1.5B, Gemma-2-2B, Llama-3-8B: real vocabularies, tied where
-they are) and path: the planned peak (varbench.models.memplan) and the traced one at one
-chunk, their ratio, and the chunks the plan picks on an 80 GB and a 140 GB GPU. The model is
-built under FakeTensorMode (no memory, no data); the live bytes of what each path's chunk
-allocates are counted by memplan.LiveBytes. What is traced, per path:
+they are) and path: the planned peak (varbench.models.memplan, one row) and the traced one at
+one chunk, their ratio, and the chunks the plan picks for B rows on an 80 GB and a 140 GB GPU
+("no fit": one unit does not fit; the plan then refuses, naming the bytes). The model is
+built under FakeTensorMode (no memory, no data); the live bytes of what each path allocates
+are counted by memplan.LiveBytes (views and in-place writes of tensors made before it, the
+parameters, are not). What is traced, per path:
 
-- train_logprobs: the body's forward and the library's chunked ``head_logprobs`` (the
-  trainer's head path) over one row, and their backward;
-- sampling: one row's KV cache (transformers' cache, the sampler's ``grow_cache``) filled over
-  the prompt and response, and one decode step's logits;
-- token_norms: one chunk of the harness's batched backward (``is_grads_batched``) over one
-  row with every Linear output a target (its cotangents kept, as the ghost norms keep them)
-  and a tied head's per-token gradient materialised and copied to float32, as the harness
-  does; the real function's host reads (its plan from the mask) cannot run on fake tensors,
-  so the CPU tests (tests/test_memplan.py) hold the real function to the same plan;
+- train_logprobs: the optimizer's gradients, the body's forward and the library's chunked
+  ``head_logprobs`` (the trainer's head path) over one row, and their backward;
+- sampling: one row's KV cache (the sampler's ``grow_cache``) filled by a prefill over all
+  T positions (the longest prompt a T-position plan admits) and that step's logits;
+- token_norms: the real ``token_grad_norms`` (chunk_size = the chunk) over the last two
+  chunks of one row: the second holds what the first left (ghost state, its cotangents).
+  Its host reads run for real on the real masks (:class:`HostReads`), a scalar read of a
+  fake tensor (the NaN check) reads 0; the parameters' routes are those ``plan_modules``
+  picks on a small real model of the architecture (:func:`small_routes`);
 - logits: ``head_stats`` over one chunk of positions, the chunk as one statistics block (as
   CUDA runs it; the CPU's cache blocks hold less).
 
-For token_norms and train_logprobs fewer layers (``--layers``, l) are traced and the
-per-layer terms extrapolated linearly to the model's depth n: traced(n) = traced(l) +
-(n - l) / l * (traced(2l) - traced(l)); tests/test_memplan.py checks that extrapolation at
-small scale (within 5%). Sampling and logits are traced at full depth.
+Every path is traced at the model's depth by default. ``--layers l`` traces token_norms and
+train_logprobs on l and 2l layers and extrapolates linearly, traced(n) = traced(l) +
+(n - l) / l * (traced(2l) - traced(l)) (tests/test_memplan.py checks it at small scale):
+quicker, but it under-counts where a phase that grows faster with depth takes over at full
+depth (a tied head's token_norms: the batched embedding backward beside every module's
+cotangents of two chunks).
 """
 
 from __future__ import annotations
@@ -32,14 +36,20 @@ import argparse
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
+import varbench.grads.exact as exact
+from varbench.grads import token_grad_norms
+from varbench.grads.ghost import ModuleForm, ModulePlan, plan_modules
+from varbench.grads.params import select_params
 from varbench.models import logits as logits_mod
 from varbench.models import memplan
 from varbench.models.forward import forward_logits
 from varbench.models.head import OutputHead
-from varbench.models.logits import head_logprobs, head_stats, token_logprobs, upcast
+from varbench.models.logits import head_logprobs, head_stats
 from varbench.rollout.kvcache import grow_cache
 
 SHAPES = {
@@ -75,16 +85,18 @@ def with_layers(config, n: int):
 
 def trace(config, dtype, path: str, T: int, chunk: int) -> int:
     """Traced peak bytes (beyond the parameters) of one chunk of ``path`` on fake tensors."""
+    # the harness's routes, decided on a small real model before anything is traced
+    routes = small_routes(config, dtype) if path == "token_norms" else {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        V = config.vocab_size
         ids = torch.zeros(1, T, dtype=torch.long)
         am = torch.ones(1, T, dtype=torch.long)
-        if path == "train_logprobs":  # the optimizer's gradients exist before a step
-            for q in model.parameters():
-                q.grad = torch.zeros_like(q)
         with memplan.LiveBytes() as lv:
             if path == "train_logprobs":
+                # the optimizer's gradients exist before a step and count beyond the
+                # parameters (LiveBytes counts no tensor made before it was entered)
+                for q in model.parameters():
+                    q.grad = torch.zeros_like(q)
                 model.train()
                 h = model.base_model(input_ids=ids, attention_mask=am).last_hidden_state
                 lp = head_logprobs(h[0, :-1], _head(model), ids[0, 1:])
@@ -104,7 +116,7 @@ def trace(config, dtype, path: str, T: int, chunk: int) -> int:
                     h = torch.zeros(chunk, config.hidden_size, dtype=dtype)
                     head_stats(h, _head(model), torch.zeros(chunk, dtype=torch.long), chunk=chunk)
             elif path == "token_norms":
-                _token_chunk(model, ids, am, chunk, V)
+                _token_chunk(model, routes, T, chunk)
         return lv.peak
 
 
@@ -123,52 +135,90 @@ def _head(model) -> OutputHead:
     return OutputHead(weight=model.get_output_embeddings().weight, softcap=cap)
 
 
-def _token_chunk(model, ids, am, C: int, V: int) -> None:
-    """One chunk of the exact harness: C cotangents of log-probs over one row, batched."""
-    outs = []
-    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
-            and m.weight is not model.get_input_embeddings().weight]
-    hooks = [m.register_forward_hook(lambda m, a, o: outs.append(o)) for m in lins]
-    try:
-        with torch.enable_grad():
-            logits = forward_logits(model, ids, am).logits
-            lp = token_logprobs(upcast(logits), ids)[0, -C:]
-            tied = model.get_input_embeddings().weight
-            is_tied = tied is model.get_output_embeddings().weight
-            rest = [tied] if is_tied else []
-            eye = torch.eye(C, dtype=lp.dtype)
-            grads = torch.autograd.grad(lp, outs + rest, grad_outputs=eye,
-                                        is_grads_batched=True, allow_unused=True)
-            if is_tied:
-                g = grads[-1].reshape(C, -1).to(torch.float32)
-                torch.einsum("cn,cn->c", g, g)
-                cum = g.clone()
-                cum.cumsum_(0)
-                del g, cum
-            for d in grads[: len(outs)]:
-                if d is not None:
-                    d.to(torch.float32).sum()
-    finally:
-        for h in hooks:
-            h.remove()
+class HostReads(TorchDispatchMode):
+    """Lets the library's host reads run on fake tensors: an op whose tensor inputs are all
+    real (the masks a test passes, their nonzero plan) runs for real; a scalar read of a fake
+    tensor (a NaN check) reads 0 / False, the value of a finite, well-formed run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if ts and not any(isinstance(t, FakeTensor) for t in ts):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 0
+        return func(*args, **kwargs)
+
+
+def small_routes(config, dtype) -> dict[str, ModuleForm | None]:
+    """Every parameter's ghost route (its form, None: materialised) as
+    ``ghost.plan_modules`` decides it on a small real model of ``config``'s architecture
+    (the routes are structural; the inspection reads values, which fake tensors lack)."""
+    d = config.to_dict()
+    heads = d["num_attention_heads"]
+    d.update(hidden_size=16 * heads, intermediate_size=32 * heads, vocab_size=512,
+             head_dim=16)
+    cfg = config.__class__(**d)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    ids = torch.randint(0, 512, (1, 16))
+    chosen = select_params(model, None)
+
+    def probe():
+        return 16, forward_logits(model, ids, torch.ones_like(ids)).logits
+
+    plan = plan_modules(model, chosen, probe)
+    routes: dict[str, ModuleForm | None] = {n: None for n, _ in plan.rest}
+    routes.update({n: f for _, n, f in plan.ghost})
+    return routes
+
+
+def _token_chunk(model, routes: dict[str, ModuleForm | None], T: int, C: int) -> None:
+    """Two chunks of the real ``token_grad_norms`` (chunk_size C) over the last 2 C tokens
+    of one row: the second, over all T positions, holds what the first left (the ghost
+    engine's per-module inputs, Grams and running prefixes: a row's steady state). Its
+    parameters' ``routes`` are those of :func:`small_routes`."""
+    mods = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    mp = ModulePlan()
+    for name, form in routes.items():
+        if form is None:
+            mp.rest.append((name, params[name]))
+        elif name.endswith(".weight"):
+            mp.ghost.append((mods[name[: -len(".weight")]], name, form))
+    mp.methods = {n: "traced" for n in routes}
+    with unset_fake_temporarily():  # the masks and ids are real: the harness plans from them
+        ids = torch.zeros(1, T, dtype=torch.long)
+        rm = torch.zeros(1, T)
+        rm[0, T - 2 * C:] = 1
+        am = torch.ones(1, T, dtype=torch.long)
+    with HostReads(), mock.patch.object(exact, "plan_modules", lambda m, c, probe: mp):
+        token_grad_norms(model, ids, rm, am, chunk_size=C, progress=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=1024, help="positions (prompt + response)")
     ap.add_argument("--B", type=int, default=8, help="rows")
-    ap.add_argument("--layers", type=int, default=2, help="layers traced (then extrapolated)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="token_norms / train_logprobs: trace this many layers and twice as "
+                         "many, extrapolated (quicker; under-counts where a phase that grows "
+                         "faster with depth takes over); 0 (default): the model's depth")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--paths", nargs="*",
                     default=["token_norms", "train_logprobs", "sampling", "logits"])
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"B={args.B} T={args.T} dtype={args.dtype}; traced on {args.layers} and "
-          f"{2 * args.layers} layers, extrapolated to the model's depth; peaks in GiB beyond "
-          "the parameters at the traced chunk")
+    how = (f"traced on {args.layers} and {2 * args.layers} layers, extrapolated to the "
+           "model's depth" if args.layers else "traced at the model's depth")
+    print(f"B={args.B} T={args.T} dtype={args.dtype}; {how}; peaks in GiB beyond the "
+          "parameters at the traced chunk")
     print(f"{'shape':14s} {'path':15s} {'chunk':>5s} {'planned':>8s} {'traced':>8s} "
           f"{'ratio':>6s} {'80GB':>10s} {'140GB':>10s}")
+    refused: list[str] = []
     for name in args.shapes:
         full = SHAPES[name]()
         shape = memplan.ModelShape.from_config(full, dtype)
@@ -177,21 +227,28 @@ def main() -> None:
             chunk = {"token_norms": 4, "train_logprobs": 1, "sampling": 1,
                      "logits": 512}[path]
             L = args.T
-            p = memplan.plan(shape, path, B, L, None, default=chunk)
-            if path in ("token_norms", "train_logprobs"):  # the extrapolation tested
+            if args.layers and path in ("token_norms", "train_logprobs"):
                 traced = extrapolated(full, dtype, path, L, chunk, args.layers)
-            else:  # cheap at full depth (no backward); their small-scale peak is not linear
+            else:
                 traced = trace(with_layers(full, full.num_hidden_layers), dtype, path, L, chunk)
-            # the traced chunk is one row: the plan's per-row fixed outputs ([B, L]) aside
-            planned = p.peak_bytes - (memplan.fixed_bytes(shape, path, B, L)
-                                      - memplan.fixed_bytes(shape, path, 1, L))
+            # the traced chunk is one row: the plan of one row (sampling: all L positions
+            # sampled, as the trace's prefill holds them)
+            planned = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
             picks = []
-            for gpu in GPUS.values():
-                q = memplan.plan_from_config(full, dtype, path, B, L, gpu)
+            for gpu_name, gpu in GPUS.items():
+                q = memplan.plan_from_config(full, dtype, path, B, L, gpu, response=L)
                 picks.append(f"{q.chunk} {q.unit[:3]}" if q.fits else "no fit")
+                if not q.fits:
+                    refused.append(f"{name} {path} on {gpu_name}: one {q.unit[:-1]} needs "
+                                   f"{memplan.gib(q.need_bytes)} beyond the "
+                                   f"{memplan.gib(q.model_bytes)} parameters, the budget "
+                                   f"({memplan.MEMORY_FRACTION:g} of the rest) is "
+                                   f"{memplan.gib(q.budget or 0)}")
             print(f"{name:14s} {path:15s} {chunk:5d} {planned / 2**30:8.2f} "
                   f"{traced / 2**30:8.2f} {planned / traced:6.2f} {picks[0]:>10s} "
                   f"{picks[1]:>10s}", flush=True)
+    for line in refused:  # what does not fit, and why
+        print("no fit:", line)
 
 
 if __name__ == "__main__":

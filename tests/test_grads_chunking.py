@@ -14,9 +14,9 @@ from varbench.grads.chunking import (
     BLOCK_BYTES,
     DEFAULT_CHUNK,
     auto_block_bytes,
-    auto_chunk,
     cotangent_bytes,
     free_device_bytes,
+    token_plan,
 )
 from varbench.grads.vectors import token_vectors
 from varbench.models import memplan
@@ -38,36 +38,40 @@ def free_gib(monkeypatch):
 
 
 def test_cpu_keeps_the_measured_defaults():
+    model = tiny_llama()
     assert free_device_bytes("cpu") is None
-    assert auto_chunk("cpu", 10**9) == DEFAULT_CHUNK == 8
+    assert token_plan(model, 2, 10, "cpu").chunk == DEFAULT_CHUNK == 8
     assert auto_block_bytes("cpu") == BLOCK_BYTES
-    assert auto_chunk("cpu", 1, chunk_size=3) == 3  # the knob wins
+    assert token_plan(model, 2, 10, "cpu", chunk_size=3).chunk == 3  # the knob wins
     assert auto_block_bytes("cpu", block_bytes=77) == 77
 
 
-def test_cuda_chunk_is_the_memory_fraction_over_the_cotangent_size(free_gib):
+def test_cuda_chunk_is_the_plans_in_the_memory_fraction(free_gib):
+    """On CUDA the chunk is the memory plan's inside memory_fraction of the free memory
+    (the one plan: no other guess), capped, at least one, the knob still winning."""
+    model = tiny_llama()
     assert free_device_bytes(CUDA) == 2 << 30 and free_gib == [CUDA]
-    # floor(0.5 * 2 GiB / 4 MiB) = 256, under the cap
-    assert auto_chunk(CUDA, 4 << 20) == 256
-    assert auto_chunk(CUDA, 4 << 20, memory_fraction=0.25) == 128
-    assert auto_chunk(CUDA, 1) == chunking.MAX_CHUNK  # capped
-    assert auto_chunk(CUDA, 1, cap=40) == 40
-    assert auto_chunk(CUDA, 10 << 30) == 1  # at least one cotangent
-    assert auto_chunk(CUDA, 4 << 20, chunk_size=5) == 5  # the knob wins
+    shape = memplan.ModelShape.from_model(model)
+    for frac in (0.5, 0.25):
+        want = memplan.plan(shape, "token_norms", 2, 10, int(frac * (2 << 30))).chunk
+        assert token_plan(model, 2, 10, CUDA, memory_fraction=frac).chunk == want
+    assert token_plan(model, 2, 10, CUDA).chunk == chunking.MAX_CHUNK  # a tiny model: capped
+    assert token_plan(model, 2, 10, CUDA, chunk_size=5).chunk == 5  # the knob wins
     assert auto_block_bytes(CUDA) == (1 << 30) // 2  # half of the fraction's share
     assert auto_block_bytes(CUDA, memory_fraction=1.0) == 1 << 30
     for bad in (0, 1.5, -0.1, True, "half"):
         with pytest.raises(ValueError, match="memory_fraction"):
-            auto_chunk(CUDA, 1, memory_fraction=bad)
+            token_plan(model, 2, 10, CUDA, memory_fraction=bad)
     with pytest.raises(ValueError, match="chunk_size"):
-        auto_chunk(CUDA, 1, chunk_size=0)
+        token_plan(model, 2, 10, CUDA, chunk_size=0)
 
 
 def test_cotangent_bytes_is_the_plans_unit_and_counts_a_tied_head():
-    """cotangent_bytes is the memory plan's per-cotangent term: the vocabulary at e + 4 bytes
-    per L x V element (float32; 16 for token_norms' kept head cotangent), each layer's module
-    outputs, and for token_norms a tied head's per-token gradient [V h] at 16 bytes per
-    element (float32)."""
+    """cotangent_bytes is the memory plan's per-cotangent term: for token_vectors the batched
+    gather backward's three float32 copies of the L x V vocabulary gradient and one cotangent
+    at every module output; for token_norms the largest of the harness's phases (the previous
+    chunk's cotangents on top; a tied head's per-token gradient [V h], materialised in
+    float32 with its prefix copy); a materialised parameter adds at least its float32 copy."""
     from varbench.models import memplan
 
     L = 10
@@ -76,14 +80,15 @@ def test_cotangent_bytes_is_the_plans_unit_and_counts_a_tied_head():
         c = model.config
         shape = memplan.ModelShape.from_model(model)
         assert shape.tied is tied and shape.elsize == 4
-        width = 3 * c.hidden_size + 2 * shape.kv_dim + 2 * c.intermediate_size
-        vocab = L * c.vocab_size * 8
-        layers = c.num_hidden_layers * L * width * 4
-        assert cotangent_bytes(model, L) == vocab + layers  # vectors: the block holds the head
-        # untied: the head's ghost cotangent is kept (e + 2a + 4 bytes per L x V element)
-        head = max(vocab, 16 * c.vocab_size * c.hidden_size) if tied else 2 * vocab
-        assert cotangent_bytes(model, L, path="token_norms") == head + layers
-        assert cotangent_bytes(model, L, n_grad=100) == vocab + layers + 1600
+        mods = c.num_hidden_layers * L * shape.width * 4
+        vocab = 3 * 4 * L * c.vocab_size
+        assert cotangent_bytes(model, L) == vocab + mods  # vectors: the block holds the head
+        tok = cotangent_bytes(model, L, path="token_norms")
+        assert tok == memplan.unit_bytes(shape, "token_norms", L)
+        assert tok >= vocab + mods and tok >= 2 * mods  # the previous chunk's too
+        if tied:
+            assert tok >= 8 * c.vocab_size * c.hidden_size
+        assert cotangent_bytes(model, L, 100, path="token_norms") >= tok + 4 * 100
     plain = torch.nn.Linear(3, 2)  # no transformers config: as large as the parameters
     assert cotangent_bytes(plain, 5) == 4 * 8
 

@@ -51,7 +51,9 @@ def test_token_norms_stay_in_a_faked_budget_and_the_plan_is_within_15_percent(
         monkeypatch, tied, dtype):
     model = decoder(tied, dtype)
     B, L = 2, 32
-    ids, rm, am = inputs(B, L)
+    # 24 response tokens per row: 4 full chunks of 6, the last over all 32 positions (the
+    # plan is the peak of a full chunk at the row's end, beside the previous one's cotangents)
+    ids, rm, am = inputs(B, L, prompt=8)
     shape = memplan.ModelShape.from_model(model)
     assert shape.tied is tied
     fixed = memplan.fixed_bytes(shape, "token_norms", B, L)

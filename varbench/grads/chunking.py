@@ -22,9 +22,13 @@ from varbench.models.memplan import MEMORY_FRACTION, ModelShape
 # T=128: 8 -> 1.50-1.57, 16 -> 1.60-1.68, 32 -> 1.86-1.97; T=512: 8 -> 25.6, 16 -> 26.9
 DEFAULT_CHUNK = 8
 BLOCK_BYTES = 1 << 28  # CPU: 256 MiB of per-token gradients per harness pass
+# a block of per-token gradients exists about 2.5 times at once (autograd's batched result, the
+# vmap's stack of it, an embedding's per-cotangent backward; traced on the CPU,
+# tests/test_memplan_budget.py): a measured budget is shared out in this many copies
+BLOCK_COPIES = 3
 
-__all__ = ["BLOCK_BYTES", "DEFAULT_CHUNK", "MAX_CHUNK", "MEMORY_FRACTION", "auto_block_bytes",
-           "auto_chunk", "check_fraction", "cotangent_bytes", "free_device_bytes",
+__all__ = ["BLOCK_BYTES", "BLOCK_COPIES", "DEFAULT_CHUNK", "MAX_CHUNK", "MEMORY_FRACTION",
+           "auto_block_bytes", "check_fraction", "cotangent_bytes", "free_device_bytes",
            "token_plan"]
 
 
@@ -69,28 +73,6 @@ def token_plan(model: torch.nn.Module, B: int, L: int, device: torch.device | st
     return memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
 
 
-def auto_chunk(
-    device: torch.device | str,
-    item_bytes: int,
-    *,
-    chunk_size: int | None = None,
-    default: int = DEFAULT_CHUNK,
-    memory_fraction: float = MEMORY_FRACTION,
-    cap: int = MAX_CHUNK,
-) -> int:
-    """Tokens per batched backward: ``chunk_size`` when given, ``default`` on a non-CUDA
-    device, else ``floor(memory_fraction * free / item_bytes)`` clamped to ``[1, cap]``.
-
-    ``item_bytes``: memory of one cotangent (:func:`cotangent_bytes`).
-    """
-    if chunk_size is not None:
-        return check_positive_int("chunk_size", chunk_size)
-    budget = _free_budget(device, memory_fraction)
-    if budget is None:
-        return default
-    return max(1, min(int(cap), budget // max(1, int(item_bytes))))
-
-
 def auto_block_bytes(
     device: torch.device | str,
     *,
@@ -98,10 +80,12 @@ def auto_block_bytes(
     default: int = BLOCK_BYTES,
     memory_fraction: float = MEMORY_FRACTION,
     chunk_plan: memplan.Plan | None = None,
+    held: int = 0,
 ) -> int:
     """Bytes of per-token gradients per harness pass: ``block_bytes`` when given, ``default``
-    on a non-CUDA device, else what the chunk's plan (``chunk_plan``: its planned peak) leaves
-    of ``memory_fraction`` of the free memory; without a plan, half of it (the share
+    on a non-CUDA device, else what the chunk's plan (``chunk_plan``: its planned peak) and
+    ``held`` bytes beside the block (a count sketch's hash) leave of ``memory_fraction`` of the
+    free memory, over :data:`BLOCK_COPIES`; without a plan, half of the fraction (the share
     :func:`token_plan` is given for the chunk's activation gradients)."""
     if block_bytes is not None:
         return check_positive_int("block_bytes", block_bytes)
@@ -110,12 +94,13 @@ def auto_block_bytes(
         return default
     if chunk_plan is None:
         return max(1, budget // 2)
-    left = budget - chunk_plan.peak_bytes
-    if left <= 0:
+    left = budget - chunk_plan.peak_bytes - int(held)
+    if left < BLOCK_COPIES:
         raise UsageError(f"no memory is left for the per-token gradient block: the chunk's "
-                         f"plan ({chunk_plan.describe()}) takes the budget of "
-                         f"{memplan.gib(budget)}; pass a smaller chunk_size")
-    return left
+                         f"plan ({chunk_plan.describe()}) and {memplan.gib(held)} of sketch "
+                         f"state take the budget of {memplan.gib(budget)}; pass a smaller "
+                         "chunk_size")
+    return left // BLOCK_COPIES
 
 
 def _free_budget(device: torch.device | str, memory_fraction: float) -> int | None:

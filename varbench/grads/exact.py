@@ -178,7 +178,7 @@ def packed_chunk(offsets: list[int], budget: int) -> int:
 
     ``offsets [B+1]``: row b's response tokens are ``offsets[b]:offsets[b+1]`` of the
     row-major token list. A packed chunk of C tokens over rows lo..hi holds C cotangents of
-    ``hi - lo + 1`` rows each, so a budget measured in one-row cotangents (``auto_chunk``)
+    ``hi - lo + 1`` rows each, so a budget measured in one-row cotangents (``token_plan``)
     bounds ``C x rows``, not C. Host arithmetic only (no device read).
     """
     n = offsets[-1]
@@ -218,7 +218,7 @@ def token_grad_norms(
     ``groups``: True (embeddings / each block's attention and MLP / final norm / head) or a
     callable name -> group, adding ``[B, L, n_groups]`` breakdowns; ``chunk_size``: tokens per
     batched backward (default: ``DEFAULT_CHUNK`` on the CPU, on CUDA from ``memory_fraction``
-    of the free device memory, :func:`varbench.grads.chunking.auto_chunk`); ``method``:
+    of the free device memory, :func:`varbench.grads.chunking.token_plan`); ``method``:
     'ghost' (default: Linear/Embedding weights by Gram-matrix ghost norms, see
     :mod:`varbench.grads.ghost`; memory ~ chunk_size x activations) or 'materialize' (every
     per-token gradient formed, memory ~ chunk_size x P); ``dtype``/``device``:

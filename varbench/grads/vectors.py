@@ -462,8 +462,12 @@ def token_vectors(
     cplan = token_plan(model, B, L, dev, path="vectors", chunk_size=chunk_size,
                        memory_fraction=memory_fraction / 2)
     chunk_size = cplan.chunk
+    # beside the block: the sketch's hash (stored: a bucket and a sign per coordinate; streamed:
+    # one chunk's draw and one application's product)
+    held = 0 if sk is None else (12 * sk.n_params if sk.buckets is not None else
+                                 12 * sk.chunk + 4 * CountSketch.APPLY_ELEMENTS)
     block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction,
-                                   chunk_plan=cplan if measured else None)
+                                   chunk_plan=cplan if measured else None, held=held)
     if measured and (dev.type == "cuda" if pack is None else pack):
         # a packed chunk's cotangents each span its rows: keep tokens x rows in the budget
         offs = [0]

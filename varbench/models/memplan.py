@@ -12,14 +12,17 @@ of the free device memory; no budget, i.e. the CPU: the path's default). A model
 chunk does not fit is refused by :func:`check_plan`, naming the bytes it needs.
 
 The terms (e: the model's bytes per element, a: the accumulation's, 4 or 8; L: the prefix of a
-unit, h/i/V: hidden, intermediate, vocabulary; per layer and position ``w = 3h + 2 kv + 2i``
-module outputs) were traced with :class:`LiveBytes` on the CPU (tests/test_memplan.py holds
-the plan within 15% of the traced peak; benchmarks/plan_scale.py at full scale):
-
-- a tied head's per-token gradient ``[C, V h]`` costs ``max(4e, e + 2a)`` bytes per element
-  per cotangent (autograd's sum of the embedding's and the head's parts, then its float32
-  copy and prefix sum), the vocabulary's cotangent ``e + 4 + 4 [e != 4]`` per ``L V`` element;
-- the kept activations of a training forward are ``9h e + 4[e != 4] h + 4 i e`` bytes per
+unit, h/i/V: hidden, intermediate, vocabulary; per layer and position ``width`` module outputs)
+were traced with :class:`LiveBytes`: on the CPU at small scale (tests/test_memplan.py,
+tests/test_memplan_budget.py) and on fake full-size models, the real functions where they can
+run there (benchmarks/plan_scale.py: planned within 15% of traced for Qwen2-0.5B, Qwen2.5-1.5B,
+Gemma-2-2B and Llama-3-8B). The per-token harness's peak is the largest of its phases
+(:func:`_token_phases`): a plan holds ``(fixed, unit)`` per phase and its chunk fits all;
+- the batched vocabulary backward costs ``3a`` bytes per ``L V`` element and cotangent, beside
+  the previous chunk's cotangents (still referenced while the next backward runs);
+- a tied head's per-token gradient ``[C, V h]``: autograd's sum of the embedding's and the
+  head's parts (``3e``), then its float32 copy and prefix sum;
+- the kept activations of a training forward are ``9h e + 4[e < 4] h + 4 i e`` bytes per
   layer and position (RMS norms keep a float32 copy of their input in low precision).
 """
 
@@ -42,6 +45,8 @@ UNITS = {"token_norms": "cotangents", "sequence_norms": "rows", "vectors": "cota
 MEMORY_FRACTION = 0.5  # share of the free device memory a chunk may take (the rest: the
 # allocator's fragmentation, other processes and what the estimate misses)
 MAX_COTANGENTS = 512  # cotangents per batched backward at most (the vmap's batch)
+DEFER_ELEMENTS = 1 << 24  # the sampler defers a step's statistics into one [rows, T, V]
+# float32 buffer when it holds at most this many elements (varbench.rollout.sampler)
 HEADROOM = 0.95  # a chunk is planned into this share of the budget: traced peaks of the
 # terms' coefficients run up to ~2% above them (a bfloat16 tied head: 10.13, not 10, bytes)
 
@@ -72,9 +77,22 @@ class ModelShape:
         return 8 if self.elsize == 8 else 4
 
     @property
+    def q_dim(self) -> int:
+        """Width of one layer's queries: ``heads * head_dim`` (not always ``hidden``: Gemma-2)."""
+        return self.heads * self.head_dim
+
+    @property
     def width(self) -> int:
-        """Module outputs per layer and position: q, o, down (h), k, v (kv), gate, up (i)."""
-        return 3 * self.hidden + 2 * self.kv_dim + 2 * self.intermediate
+        """Module outputs per layer and position: q (q_dim), o, down (h), k, v (kv), gate,
+        up (i)."""
+        return self.q_dim + 2 * self.hidden + 2 * self.kv_dim + 2 * self.intermediate
+
+    def linears(self) -> list[tuple[int, int]]:
+        """``(in + 1, out)`` of each Linear of one layer (the ghost engine's input cache
+        holds a column of ones for a bias)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return [(h + 1, q), (h + 1, kv), (h + 1, kv), (q + 1, h), (h + 1, i), (h + 1, i),
+                (i + 1, h)]
 
     @property
     def model_bytes(self) -> int:
@@ -133,80 +151,150 @@ def _tied(model: torch.nn.Module) -> bool | None:
     return we is wo
 
 
+def _ghost_state(a: int, L: int, n_in: int, out: int) -> int:
+    """Bytes the ghost engine keeps for one module over a row of ``L`` positions: its cached
+    inputs ``[L, in]`` and Gram ``[L, L]`` and its running prefix, ``[L, out]`` in position
+    mode or ``[out, in]`` in weight mode (chosen when ``in`` is below about ``2 L``: the
+    larger of the two is counted there)."""
+    run = L if n_in >= 2 * L else max(L, n_in)
+    return a * (L * n_in + L * L + out * run)
+
+
+def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
+                  ) -> list[tuple[int, int]]:
+    """``(fixed, unit)`` bytes of each phase of one chunk of the per-token harness over a
+    prefix of ``L`` (traced with the real ``token_grad_norms`` on fake full-size models,
+    benchmarks/plan_scale.py, two chunks so the second holds what the first left):
+
+    - every phase: the chunk forward's logits ``[L, V]`` (and their float32 copy), its kept
+      activations, the ghost engine's per-module state (:func:`_ghost_state`), a tied head's
+      running prefix ``[V h]`` (``a``; its next value beside it while it is replaced), and the
+      previous chunk's
+      cotangents (still referenced while the next backward runs): every module output
+      (``n L width e`` per cotangent), a tied head's ``[V h]`` or an untied head's ``[L, V]``;
+    - the vocabulary's backward: the batched gather backward's ``[C, L, V]`` gradient, its
+      stack and its product in the log-probs' dtype (``3a`` per element and cotangent);
+    - the backward's end: every cotangent of the chunk beside the previous chunk's (traced
+      as the peak of an untied Llama-3-8B in float32);
+    - an untied head's ghost norms: its cotangent cast to the statistics' dtype and its Gram
+      product (``a + a [e != a]``), its running prefix product and sum (``2a L V`` fixed);
+    - a tied head: autograd's sum of the embedding's and the head's per-token parts (``3e``
+      beside the previous chunk's ``e``) and the materialised copy and prefix sum
+      (``a [e != a] + a``);
+    - ``materialised`` parameter elements (method 'materialize'): the same as a tied head's.
+    """
+    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    low = 4 if e < 4 else 0  # the float32 copy a low-precision tensor gets
+    cast = a if e != a else 0  # a cast to the statistics' dtype (none when they agree)
+    mods = n * L * shape.width * e  # one cotangent at every module output
+    logits = L * V * e  # kept by the loop until the next chunk's forward
+    # freed with the graph once the chunk's backward is done: the float32 logits, the kept
+    # activations
+    graph = L * V * low + L * n * (h * (9 * e + low) + 4 * e * shape.intermediate)
+    state = n * sum(_ghost_state(a, L, i, o) for i, o in shape.linears())
+    if path == "vectors":  # the harness of token_vectors: no ghost state, no tied term
+        return [(logits + graph, 3 * a * L * V + mods + (e + cast) * materialised)]
+    if shape.tied:
+        state += a * V * h  # its running prefix (and its next value while it is replaced)
+        head_prev = V * h * e
+    else:
+        state += _ghost_state(a, L, L, h) + _ghost_state(a, L, h + 1, V)  # embedding, head
+        head_prev = L * V * e
+    prev = mods + head_prev + e * materialised
+    fixed = logits + state
+    phases = [(fixed + graph, 3 * a * L * V + prev)]
+    if shape.tied:
+        phases.append((fixed + graph, 3 * e * V * h + prev + mods))
+        phases.append((fixed + a * V * h, (e + cast + a) * V * h + mods))
+    else:
+        # the backward's end: its cotangents beside the previous chunk's, the graph alive
+        phases.append((fixed + graph, prev + mods + L * V * e))
+        phases.append((fixed + 2 * a * L * V, (e + cast + a) * L * V + mods))
+    if materialised:
+        phases.append((fixed + graph, 3 * e * materialised + prev + mods))
+        phases.append((fixed, (e + cast + a) * materialised + mods))
+    return phases
+
+
 def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -> int:
     """Bytes one unit of ``path`` adds to a chunk over a prefix of ``L`` positions.
 
     ``materialised``: parameter elements whose per-token gradient the harness forms (the
-    'materialize' method; a tied head's is counted here already).
+    'materialize' method; a tied head's is counted here already). The per-token paths take
+    the largest of their phases' units (:func:`_token_phases`).
     """
     check_choice("path", path, list(PATHS))
     e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
     if shape.hidden == 0:  # not a decoder: the parameters' size per unit
         return 4 * (shape.n_params + materialised)
-    low = 4 if e != 4 else 0  # the float32 copy a low-precision tensor gets
+    low = 4 if e < 4 else 0  # the float32 copy a low-precision tensor gets
     if path in ("token_norms", "vectors"):
-        vocab = L * V * (e + 4 + low)
-        if shape.tied and path == "token_norms":  # formed after the vocabulary's cotangents
-            vocab = max(vocab, max(4 * e, e + 2 * a) * V * h)
-        elif path == "token_norms":  # an untied head's cotangent is kept for its ghost norms
-            vocab = L * V * (e + 2 * a + 4)
-        layers = n * L * shape.width * e
-        return vocab + layers + max(4 * e, e + 2 * a) * materialised
+        return max(u for _, u in _token_phases(shape, path, L, materialised))
     if path == "sequence_norms":
         # cotangents of every module output (acc) and the kept activations of one row
         return L * (V * (2 * e + 4 * a) + n * (88 * h + 26 * shape.intermediate))
     if path == "train_logprobs":
         return L * n * (h * (9 * e + low) + 4 * e * shape.intermediate + 2 * e * shape.kv_dim)
     if path == "sampling":
-        # keys and values of every layer, the step's logits in float32 and their softmax
-        return 2 * n * shape.kv_dim * L * e + V * (e + 3 * 4)
+        # keys and values of every layer over L positions (the cache's capacity), the larger
+        # of a step's logits (in float32, their softmax) and the prefill's live activations
+        # at one layer (traced: up, gate and their product [L, i]; residual, input, norm
+        # [L, h]; the causal mask [L, L] of one byte, one per attention kind)
+        prefill = L * (3 * shape.intermediate + 4 * h) * e + 2 * L * L
+        return 2 * n * shape.kv_dim * L * e + max(V * (e + 3 * 4), prefill)
     return logits_unit(V, e)
 
 
-def fixed_bytes(shape: ModelShape, path: str, B: int, L: int) -> int:
+def fixed_bytes(shape: ModelShape, path: str, B: int, L: int, *,
+                response: int | None = None) -> int:
     """Bytes a ``path`` holds whatever its chunk: the forward's kept activations of the chunk's
-    one row (token paths), the ``[B, L]`` outputs, per-module running state."""
+    one row (token paths), the ``[B, L]`` outputs, per-module running state. ``response``
+    (sampling): the response length T of the L positions, when known."""
     check_choice("path", path, list(PATHS))
-    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    e, a, V, h = shape.elsize, shape.acc, shape.vocab, shape.hidden
     if shape.hidden == 0:
         return 0
-    low = 4 if e != 4 else 0
-    if path in ("token_norms", "vectors"):
-        fwd = L * V * (e + 4 + low) + L * n * (h * (9 * e + low) + 4 * e * shape.intermediate)
-        state = n * L * shape.width * a  # ghost running prefixes [L, out] per module
-        if shape.tied and path == "token_norms":  # the tied weight's running prefix and copy
-            state += 2 * a * V * h
-        return fwd + state + 2 * B * L * a
+    if path in ("token_norms", "vectors"):  # the largest phase's (_token_phases)
+        return max(f for f, _ in _token_phases(shape, path, L, 0)) + 2 * B * L * a
     if path == "sequence_norms":
         return 2 * B * L * a
     if path == "train_logprobs":
-        # the head's chunked log-probs (256 positions of logits and their gradients at a time),
-        # the parameters' gradient and the head's float32 gradient accumulator
-        return 256 * logits_unit(V, e, grad=True) + 2 * B * L * a + shape.n_params * e + 4 * V * h
+        # the head's chunked log-probs (256 positions of logits and their gradients at a time,
+        # its weight's gradient accumulator), the parameters' gradients
+        return (256 * logits_unit(V, e, grad=True) + logits_fixed(V, h, e, grad=True)
+                + 2 * B * L * a + shape.n_params * e)
     if path == "sampling":
-        return B * L * (8 + 4 + 4 + 3 * 4) + min(B * L * V, 1 << 24) * 4
+        # the [B, T] outputs (tokens, masks, statistics); the sampler's deferred statistics
+        # buffer [rows, T, V] (float32) where rows * T * V <= DEFER_ELEMENTS: none when one
+        # row's exceeds it, at most DEFER_ELEMENTS elements (T unknown: taken as L, which
+        # bounds it)
+        T = L if response is None else min(L, response)
+        defer = 0 if T * V > DEFER_ELEMENTS else 4 * min(B * T * V, DEFER_ELEMENTS)
+        if response is None:
+            defer = 4 * min(B * L * V, DEFER_ELEMENTS)
+        return B * T * (8 + 4 + 4 + 3 * 4) + defer
     return logits_fixed(V, h, e) + 2 * B * L * a
 
 
 def logits_unit(vocab: int, elsize: int, *, grad: bool = False) -> int:
     """Bytes one position adds to a chunk of the logit statistics: its logits and their
     softmax in the statistics' dtype (``2a V``; traced with the whole chunk as one block, as on
-    CUDA; the CPU's cache blocking keeps the softmax per block, so this bounds it there), on
-    the differentiable path (``grad``) the recomputed logits, their gradient and log-probs
-    (``(e + 3a) V``)."""
+    CUDA; the CPU's cache blocking keeps the softmax per block, so this bounds it there); on
+    the differentiable path (``grad``) the backward's recomputed logits and their float32 copy
+    (``(e + 4 [e < 4]) V``, traced: 6.0 V in bfloat16, 4.0 V in float32)."""
     a = 8 if elsize == 8 else 4
-    return vocab * (elsize + 3 * a if grad else 2 * a)
+    low = 4 if elsize < 4 else 0
+    return vocab * (elsize + low if grad else 2 * a)
 
 
 def logits_fixed(vocab: int, hidden: int, elsize: int, *, grad: bool = False) -> int:
-    """Bytes the logit statistics hold whatever the chunk: the head matmul's copy of the
-    ``[V, h]`` weight (traced on the CPU, whose matmul copies the transposed weight; kept as
-    an upper bound elsewhere); on the differentiable path (``grad``) also the weight's
-    gradient accumulator (``a``) and its cast to a low-precision weight's dtype (traced: 7.7
-    and 8.0 bytes per weight element in bfloat16 and float32 against these 8)."""
+    """Bytes the logit statistics hold whatever the chunk: nothing on the forward path (the
+    head matmul reads the ``[V, h]`` weight in place); on the differentiable path (``grad``)
+    the weight's gradient accumulator (``a``) and its cast to a low-precision weight's dtype
+    (``e``; traced: 4.06 and 4.13 bytes per weight element in bfloat16 and float32 during the
+    chunks, the cast comes after them)."""
     a = 8 if elsize == 8 else 4
-    acc = a + (elsize if elsize != a else 0) if grad else 0
-    return vocab * hidden * (elsize + acc)
+    return vocab * hidden * (a + (elsize if elsize != a else 0)) if grad else 0
 
 
 def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str, default: int,
@@ -231,12 +319,15 @@ def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str,
 
 def probe_bytes(shape: ModelShape, path: str, L: int) -> int:
     """Bytes of a path's phase before its chunks (0 where none): the gradient harness's
-    inspection forward of one row, with an untied head's form check (``(e + 4a) V h``)."""
-    if path not in ("token_norms", "vectors") or shape.hidden == 0:
+    inspection forward of one row, with an untied head's form check (``(e + 4a) V h``); the
+    sequence norms' first chunk checks the head's factored form once per module (its weight
+    gradient by autograd and factored, and their difference: traced 12 bytes per weight
+    element in float32), tied or not, beside one row's logits."""
+    if path not in ("token_norms", "vectors", "sequence_norms") or shape.hidden == 0:
         return 0
     e, a, V, h = shape.elsize, shape.acc, shape.vocab, shape.hidden
-    low = 4 if e != 4 else 0
-    check = 0 if shape.tied else (e + 4 * a) * V * h
+    low = 4 if e < 4 else 0
+    check = 0 if shape.tied and path != "sequence_norms" else (e + 4 * a) * V * h
     return L * V * (e + 4 + low) + check
 
 
@@ -252,16 +343,23 @@ class Plan:
     budget: int | None
     model_bytes: int
     probe_bytes: int = 0
+    # (fixed, unit) of each phase of a pass (its peak is the largest phase's); empty: the one
+    # phase (fixed_bytes, unit_bytes). fixed_bytes / unit_bytes are the phases' largest.
+    phases: tuple[tuple[int, int], ...] = ()
+
+    def _at(self, chunk: int) -> int:
+        ph = self.phases or ((self.fixed_bytes, self.unit_bytes),)
+        return max(self.probe_bytes, max(f + chunk * u for f, u in ph))
 
     @property
     def peak_bytes(self) -> int:
-        """Planned peak beyond the parameters at the chosen chunk (the larger phase)."""
-        return max(self.probe_bytes, self.fixed_bytes + self.chunk * self.unit_bytes)
+        """Planned peak beyond the parameters at the chosen chunk (the largest phase)."""
+        return self._at(self.chunk)
 
     @property
     def need_bytes(self) -> int:
         """The least a pass needs: one unit (beyond the parameters)."""
-        return max(self.probe_bytes, self.fixed_bytes + self.unit_bytes)
+        return self._at(1)
 
     @property
     def fits(self) -> bool:
@@ -276,25 +374,32 @@ class Plan:
 
 
 def plan(shape: ModelShape, path: str, B: int, L: int, budget: int | None, *,
-         default: int | None = None, cap: int | None = None, materialised: int = 0) -> Plan:
+         default: int | None = None, cap: int | None = None, materialised: int = 0,
+         response: int | None = None) -> Plan:
     """The plan of ``path`` over ``B`` rows of ``L`` positions inside ``budget`` bytes.
 
     The chunk is the largest number of units (cotangents, rows or positions, :data:`UNITS`)
     whose ``fixed + chunk * unit`` fits :data:`HEADROOM` of the budget, at least 1, at most
     ``cap`` (default: B rows; :data:`MAX_COTANGENTS` cotangents; ``B * L`` positions).
     Without a budget (no measured device memory) it is ``default`` (default: ``cap``).
+    ``response``: sampling's response length (:func:`fixed_bytes`).
     """
     unit = unit_bytes(shape, path, L, materialised=materialised)
-    fixed = fixed_bytes(shape, path, B, L)
+    fixed = fixed_bytes(shape, path, B, L, response=response)
+    phases = ((fixed, unit),)
+    if path in ("token_norms", "vectors") and shape.hidden:
+        out = 2 * B * L * shape.acc
+        phases = tuple((f + out, u) for f, u in _token_phases(shape, path, L, materialised))
     if cap is None:
         cap = {"cotangents": MAX_COTANGENTS, "rows": B, "positions": B * L}[UNITS[path]]
     cap = max(1, int(cap))
     if budget is None:
         chunk = cap if default is None else default
     else:
-        chunk = max(1, min(cap, (int(HEADROOM * budget) - fixed) // max(1, unit)))
+        room = int(HEADROOM * budget)
+        chunk = max(1, min([cap] + [(room - f) // max(1, u) for f, u in phases]))
     return Plan(path, UNITS[path], int(chunk), int(fixed), int(unit), budget,
-                shape.model_bytes, probe_bytes(shape, path, L))
+                shape.model_bytes, probe_bytes(shape, path, L), phases)
 
 
 def plan_from_config(config: Any, dtype: torch.dtype | str, path: str, B: int, T: int,
@@ -364,7 +469,8 @@ def gib(n: float) -> str:
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages made by ops while active and still alive: ``live`` now,
     ``peak`` the most at once. Works on real and fake tensors (FakeTensorMode, meta) alike;
-    tensors made before entering (the parameters) are not counted."""
+    tensors made before entering (the parameters) are not counted, nor their views or what
+    in-place ops write into them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -377,10 +483,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output on an input's storage (a view, an in-place or out= op) allocates nothing:
+        # without this a view of a parameter (a Linear's weight.t()) or an in-place add into a
+        # gradient made before entering would count that tensor as new
+        ins = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor) and t.layout == torch.strided}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 st = t.untyped_storage()
-                if st in self._seen:
+                if st in self._seen or st._cdata in ins:
                     continue
                 n = st.nbytes()
                 self._seen[st] = n
@@ -390,8 +501,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-__all__ = ["HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS", "LiveBytes",
-           "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes", "free_device_bytes",
-           "gib", "logit_rows", "logits_fixed", "logits_unit", "plan", "plan_before_load",
-           "plan_from_config", "probe_bytes", "unit_bytes"]
-
+__all__ = ["DEFER_ELEMENTS", "HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS",
+           "LiveBytes", "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes",
+           "free_device_bytes", "gib", "logit_rows", "logits_fixed", "logits_unit", "plan",
+           "plan_before_load", "plan_from_config", "probe_bytes", "unit_bytes"]

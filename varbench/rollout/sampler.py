@@ -90,7 +90,7 @@ def check_rollout_memory(policy: Policy, P: int, G: int, T: int, *, arg: str = "
     one group's KV cache and step logits). The model comes on top, so a size this refuses can
     never run; one it admits still may not."""
     shape = memplan.ModelShape.from_model(policy.model)
-    p = memplan.plan(shape, "sampling", P * G, T, None)
+    p = memplan.plan(shape, "sampling", P * G, T, None, response=T)
     need = p.fixed_bytes + G * p.unit_bytes
     check_memory(arg, G, need, policy.device if device is None else device,
                  what=f"P={P} prompts x G={G} responses: the outputs of T={T} tokens and one "
@@ -268,7 +268,7 @@ def sample(
     lp_out, spsq_out, ent_out = (torch.zeros((B, T), dtype=sdt, device=dev)
                                  for _ in range(3))
     stop = torch.full((B,), T, dtype=torch.long, device=dev)  # steps each row took part in
-    per = sampling_prompts(policy, P, G, Lp + T, rows)  # prompts per KV cache (memory plan)
+    per = sampling_prompts(policy, P, G, Lp + T, rows, response=T)  # per KV cache (the plan)
     used = 0
     for p0 in range(0, P, per):
         p1 = min(P, p0 + per)
@@ -325,17 +325,20 @@ def sample(
     )
 
 
-def sampling_prompts(policy: Policy, P: int, G: int, L: int, rows: int | None = None) -> int:
+def sampling_prompts(policy: Policy, P: int, G: int, L: int, rows: int | None = None, *,
+                     response: int | None = None) -> int:
     """Prompts per KV cache of :func:`sample`: ``rows`` (rounded down to whole groups, at
     least one) when given, else the memory plan's rows (path ``sampling``: every layer's keys
-    and values over ``L`` positions and a step's logits per row) inside the device's budget;
-    all ``P`` without a measured budget (the CPU)."""
+    and values over ``L`` positions, the larger of a step's logits and the prefill's
+    activations per row; ``response`` of the L positions are sampled) inside the device's
+    budget; all ``P`` without a measured budget (the CPU)."""
     if rows is not None:
         return max(1, min(P, check_positive_int("rows", rows) // G))
     budget = memplan.device_budget(policy.device)
     if budget is None:
         return P
-    p = memplan.plan(memplan.ModelShape.from_model(policy.model), "sampling", P * G, L, budget)
+    p = memplan.plan(memplan.ModelShape.from_model(policy.model), "sampling", P * G, L, budget,
+                     response=response)
     return max(1, min(P, p.chunk // G))
 
 
@@ -374,7 +377,8 @@ def _sample_rows(model, step, calls, pids, pmask, prompts, G, T, out, *, task, t
     return used
 
 
-_DEFER_MAX = 1 << 24  # elements of the [B, T, V] logits kept for deferred statistics
+_DEFER_MAX = memplan.DEFER_ELEMENTS  # elements of the [B, T, V] logits kept for deferred
+# statistics (the memory plan counts this buffer)
 
 
 def _plain(temperature: float, top_k: int | None, top_p: float | None) -> bool:
