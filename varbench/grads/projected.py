@@ -295,6 +295,7 @@ def _block_sketches(model, ids, am, c, chosen, state: dict, acc, args) -> torch.
                         p1, p2 = pl.proj[id(w)]
                         lo, hi = pl.slot[id(w)]
                         out[s, :, lo:hi] += _project(fac, p1, p2, w.shape[0])
+                        del fac  # the head's [b, t, V] factor: not alive into the next call
                     if b is not None and f.kind != "embedding" and id(b) in chosen_name:
                         db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
                         dense.setdefault(id(b), []).append(db)
@@ -302,6 +303,8 @@ def _block_sketches(model, ids, am, c, chosen, state: dict, acc, args) -> torch.
                     for k, g in zip(local, grads, strict=True):
                         dense.setdefault(id(getattr(m, k)), []).append(g.to(acc))
                 _put_dense(out[s], dense, chosen, pl)
+                # this set's cotangents die before the next set's backward makes its own
+                cots = dense = generic = D = None
     finally:
         rec.remove()
     return out
