@@ -1,7 +1,8 @@
 """Variance cells at scale: per-token vectors + combine vs coefficient-first projected sketches.
 
-    .venv/bin/python benchmarks/bench_variance_scale.py [--T 128 512] [--groups 3] [-G 2]
+    .venv/bin/python benchmarks/bench_variance_scale.py [--T 128 512] [--groups 3 [3]] [-G 2]
         [--hidden 256] [--layers 2] [--vocab 32768] [--sketch-dim 1024] [--k1 16 --k2 16]
+        [--today-T 128]
 
 Side by side in one process on a Qwen2-shaped model (tied head, GQA; random weights, random
 response tokens: timing and memory depend on shapes, not on what the tokens say), for two
@@ -14,15 +15,19 @@ per-token OTB-shaped set: the same advantage times a positive per-token weight):
           weighted backward per set, Kronecker-projected (``k1 x k2`` per weight);
 - exact:  ``group_gradients`` (one backward per group and set, flat: the truth the two
           sketched variances estimate).
-``--paths`` picks the contenders (today's per-token path is the slow one at T = 512).
+``--paths`` picks the contenders; today's per-token path is the slow one at T = 512 (its cost
+per response grows ~T^2: T cotangents, each over the whole sequence): ``--today-T`` names the T
+at which it runs (default every T) and ``--groups`` takes one value per T (fewer responses at
+the long T); a T without today's row says so in the table.
 
 Reported per contender: wall and process-CPU seconds per response-use (responses x sets) in
 units of one forward+backward of one response (measured here, same shapes, weight gradients
 on), the peak resident memory above the start of the contender (VmHWM reset through
 /proc/self/clear_refs), and each set's group-estimate variance (trace of the covariance over
 the groups) with its sketch standard deviation (CountSketch: stats.intervals.sketch_sd; new:
-grads.projected.projection_sd). Then a paper model of the new path for a 4,096-response cell
-on Llama-3-8B at T = 1024 on one H200. Timings are single runs (``--threads``, default 1).
+grads.projected.projection_sd, the estimate that widens the intervals). Then a paper model of
+the new path for a 4,096-response cell on Llama-3-8B at T = 1024 on one H200. Timings are
+single runs (``--threads``, default 1).
 """
 
 from __future__ import annotations
@@ -138,9 +143,9 @@ def fwd_bwd_unit(model, batch: RolloutBatch, repeat: int = 3) -> tuple[float, fl
     return sorted(walls)[repeat // 2], sorted(cpus)[repeat // 2]
 
 
-def cell(model, T: int, args) -> list[dict]:
-    """Both paths (and the exact one) on one cell of ``args.groups x args.G`` responses."""
-    batch = rollouts(args.groups, args.G, T, args.vocab, seed=T)
+def cell(model, T: int, groups: int, args) -> list[dict]:
+    """Both paths (and the exact one) on one cell of ``groups x args.G`` responses."""
+    batch = rollouts(groups, args.G, T, args.vocab, seed=T)
     coeffs = coefficient_sets(batch)
     S, B = coeffs.shape[0], batch.P * batch.G
     unit_w, unit_c = fwd_bwd_unit(model, batch)
@@ -155,7 +160,7 @@ def cell(model, T: int, args) -> list[dict]:
         return r.vec.sum(-2).double(), r.blocks  # [S, P, K']
 
     rows = []
-    if "today" in args.paths:
+    if "today" in args.paths and (args.today_T is None or T in args.today_T):
         est, w, c, peak = measured(today)
         rows.append(dict(path="today", wall=w, cpu=c, peak=peak, est=est,
                          sd=[sketch_sd(est[s], est[s].mean(0), args.sketch_dim)["variance"]
@@ -179,11 +184,11 @@ def analysis_cells(model, T: int, args) -> None:
     ``groups x G`` responses, schemes centered and otb (proxy weights), both contractions:
     today's gradients="vectors" and the new default gradients="projected"; agreement of the
     variance within the combined sketch/projection SDs (z)."""
-    b = rollouts(1, args.groups * args.G, T, args.vocab, seed=T + 1)
+    b = rollouts(1, args.groups[T] * args.G, T, args.vocab, seed=T + 1)
     g = torch.Generator().manual_seed(3)
     b.logprobs = -torch.rand(b.tokens.shape, generator=g) * 3
     b.sum_pi_sq = torch.rand(b.tokens.shape, generator=g)
-    M, G = args.groups, args.G
+    M, G = args.groups[T], args.G
     unit_w, unit_c = fwd_bwd_unit(model, b)
 
     def sets(data):
@@ -229,25 +234,29 @@ def analysis_cells(model, T: int, args) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'T':>5} {'path':<6} {'resp':>5} {'sets':>4} {'fb s':>7} {'wall/use':>9} "
-          f"{'cpu/use':>8} {'peak MiB':>9}  " + "  ".join(
+    print(f"{'T':>5} {'path':<6} {'resp':>5} {'sets':>4} {'fb s':>7} {'wall s':>8} "
+          f"{'cpu s':>8} {'wall/use':>9} {'cpu/use':>8} {'peak MiB':>9}  " + "  ".join(
               f"{'var ' + s.split()[0]:>24}" for s in SETS))
     for r in rows:
         uses = r["B"] * r["S"]
         cols = "  ".join(f"{v[0]:>11.4e} ± {sd:>9.2e}" for v, sd in zip(r["var"], r["sd"],
                                                                        strict=True))
         print(f"{r['T']:>5} {r['path']:<6} {r['B']:>5} {r['S']:>4} {r['unit_c']:>7.3f} "
-              f"{r['wall'] / uses / r['unit_w']:>9.2f} {r['cpu'] / uses / r['unit_c']:>8.2f} "
+              f"{r['wall']:>8.1f} {r['cpu']:>8.1f} {r['wall'] / uses / r['unit_w']:>9.2f} "
+              f"{r['cpu'] / uses / r['unit_c']:>8.2f} "
               f"{r['peak'] / 2**20:>9.1f}  {cols}")
-    print("(wall/use, cpu/use: seconds per response x coefficient set in units of one "
+    print("(wall s, cpu s: the contender's whole call; wall/use, cpu/use: seconds per "
+          "response x coefficient set in units of one "
           "forward+backward 'fb s' (CPU s of one response); var: trace of the covariance over "
-          "the groups, ± the sketch's sd bound (z below: (sketched - exact) / that sd); "
+          "the groups, ± the sketch's stated sd (z below: (sketched - exact) / that sd); "
           "targets: new <= 2 (sequence) / <= 3 (OTB) fb per use)")
     by = {(r["T"], r["path"]): r for r in rows}
     for T in sorted({r["T"] for r in rows}):
         t, n = by.get((T, "today")), by[(T, "new")]
         line = f"T={T}"
-        if t is not None:
+        if t is None:
+            line += ": today's path not run at this T (--today-T / --paths)"
+        else:
             line += (f": today/new wall {t['wall'] / n['wall']:.1f}x, cpu "
                      f"{t['cpu'] / n['cpu']:.1f}x, peak {t['peak'] / max(n['peak'], 1):.1f}x")
         if (T, "exact") in by:
@@ -319,7 +328,8 @@ def paper_model(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--groups", type=int, default=3, help="groups (prompts) per cell")
+    ap.add_argument("--groups", type=int, nargs="+", default=[3],
+                    help="groups (prompts) per cell: one value, or one per --T")
     ap.add_argument("-G", type=int, default=2, help="responses per group")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
@@ -331,6 +341,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--paths", nargs="+", default=["today", "new", "exact"],
                     choices=["today", "new", "exact"], help="contenders ('new' always runs)")
+    ap.add_argument("--today-T", type=int, nargs="+", default=None,
+                    help="the T at which today's path runs (default: every T)")
     ap.add_argument("--paper-only", action="store_true")
     ap.add_argument("--analysis", action="store_true",
                     help="also run both paths through the analysis' cell code")
@@ -339,6 +351,13 @@ def main() -> None:
     ap.add_argument("--efficiency", type=float, default=0.35,
                     help="achieved fraction of peak (HF model, eager kernels)")
     args = ap.parse_args()
+    if len(args.groups) not in (1, len(args.T)):
+        ap.error(f"--groups takes one value or one per --T ({len(args.T)}), got {args.groups}")
+    groups = dict(zip(args.T, args.groups * len(args.T) if len(args.groups) == 1
+                      else args.groups, strict=True))
+    if any(g < 2 for g in groups.values()):
+        ap.error(f"--groups must be at least 2 (a variance over groups), got {args.groups}")
+    args.groups = groups
     torch.set_num_threads(args.threads)
     if not args.paper_only:
         model = qwen2(args.hidden, args.layers, args.vocab)
@@ -346,10 +365,10 @@ def main() -> None:
         print(f"Qwen2-shaped: hidden {args.hidden}, {args.layers} layers, V = {args.vocab}, "
               f"D = {D / 1e6:.1f}M, threads {args.threads}, today K = {args.sketch_dim}, new "
               f"k1 x k2 = {args.k1} x {args.k2} (+ dense K = {args.k_dense}); "
-              f"{args.groups} groups x {args.G} responses, sets: {', '.join(SETS)}")
+              f"groups per T {groups} x {args.G} responses, sets: {', '.join(SETS)}")
         rows = []
         for T in args.T:
-            rows += cell(model, T, args)
+            rows += cell(model, T, groups[T], args)
         print_table(rows)
         if args.analysis:
             print("\nthrough the analysis' cells (varbench.analysis.variance_cells):")

@@ -120,9 +120,8 @@ def test_gaussian_projection_unbiased_over_seeds(setup):
 def test_gaussian_projection_within_stated_error_per_seed(setup):
     """Fixed seeds 0..5 at k1 = k2 = 12 (sides 16..64 projected), dense CountSketch of 64:
     every cell's variance and MSE lies within 4 of its stated error (projection_sd, the
-    plug-in bound that widens the intervals) of the flat vectors' value. (Known gap: at
-    k = 4 the plug-in, read from the sketched norms, undercovers on gpt2's tied embedding:
-    86% of cells within 2 sd, worst 73 sd, measured over 24 seeds.)"""
+    estimate that widens the intervals) of the flat vectors' value. (Measured coverage, 100
+    seeds: docs/science.md section 9; at k = 4 the estimate undercovers.)"""
     arch, model, b, tv, vec_data, proj_data = setup
     want = _cells(vec_data, _reference(model, b, tv, None),
                   VectorContraction(None))[0].set_index(["scheme", "mode"])

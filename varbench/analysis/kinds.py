@@ -36,7 +36,8 @@ class AnalysisKind:
     """The report's figures of a result (:mod:`varbench.report.figures`)."""
     plan: Callable[..., Any]
     """``plan(tasks, config, vocab_size)`` -> :class:`~varbench.analysis.plan.Plan` of one
-    policy (``vocab_size()``: the policy's output vocabulary, read only when needed)."""
+    policy (``vocab_size()``: the policy's output vocabulary, read only when needed); with
+    ``plan_model``, ``plan(tasks, config, vocab_size, model)``."""
     summary: str
     policies: str = "states"
     """``"states"``: ``{state: Policy}`` of the one task; ``"per_task"``: ``{task: Policy}``."""
@@ -48,6 +49,9 @@ class AnalysisKind:
     """The subcommand's defaults where they differ from the config's (small, to run in
     minutes on 2 cores)."""
     description: str = ""
+    plan_model: bool = False
+    """Whether ``plan`` takes a fourth argument ``model()``: the policy's
+    :class:`~varbench.models.memplan.ModelShape` and the device's free bytes (its chunk plans)."""
 
     @property
     def task_key(self) -> str:

@@ -52,7 +52,7 @@ from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.analysis.kinds import AnalysisKind, one_task, register_analysis
 from varbench.analysis.oracle import ResponseTable, enumerate_distribution, response_table
-from varbench.analysis.plan import Plan
+from varbench.analysis.plan import Plan, gradient_path, path_memory
 from varbench.analysis.variance_cells import (
     GRADIENTS,
     ProjectedContraction,
@@ -77,6 +77,7 @@ from varbench.estimators.registry import schemes as registered_schemes
 from varbench.grads.exact import token_grad_norms
 from varbench.grads.seqnorms import sequence_grad_norms
 from varbench.grads.vectors import combine, token_vectors
+from varbench.models import memplan
 from varbench.models.presets import Policy
 from varbench.report.figures import variance_figures
 from varbench.report.provenance import provenance
@@ -209,22 +210,51 @@ class VarianceSizes:
     details: tuple[str, ...] = ()
     """Why the sizes are what they are (a raised floor, the reference chosen)."""
 
+    path: str = "vectors"
+    """The gradient path of the group estimates (:func:`~varbench.analysis.plan.gradient_path`)."""
+    sets: int = 1
+    """Coefficient sets per response and G: schemes x modes."""
+    token_sq: bool = False
+    """Whether a label reads exact ``||g_t||^2`` (the per-token norm harness on every response
+    of the projected path)."""
+    memory: memplan.Plan | None = None
+    """The path's chunk plan (None: no model shape given to :func:`sizes`)."""
+
     @property
     def plan(self) -> Plan:
         """Responses and passes of the call (all prompts): see :mod:`varbench.analysis.plan`."""
         gmax, P = self.Gs[-1], self.n_prompts
+        uses = len(self.Gs) * self.sets  # response-uses per response
         if self.table:  # groups drawn from the enumerated table: vectors of every response
-            return Plan("variance", 0, 0, P * self.space, P * self.space, details=self.details)
+            return Plan("variance", 0, 0, P * self.space, P * self.space, details=self.details,
+                        path="vectors", uses=P * self.space * uses, cell_passes=P * self.space,
+                        memory=self.memory)
         floor, cap = self.M_floor * gmax, self.M_cap * gmax
         ref = self.n_ref if self.reference == "sampled" else 0
-        # per prompt: vectors of each response, the sequence-norm check on round 0 (one
-        # batched backward over its M * max(G) responses), the reference's vectors
-        extra = self.M * gmax + (ref if self.reference == "sampled" else self.space)
+        ref_passes = ref if self.reference == "sampled" else self.space
+        if self.path == "projected":
+            # per response: one forward per G and one weighted backward per coefficient set
+            # (a pass each); the sequence-norm check on round 0: its exact norms and its own
+            # sketch (one backward each); the reference one weighted backward per response;
+            # exact ||g_t||^2 (a label reading them): the norm harness on every response
+            per = uses + (1 if self.token_sq else 0)
+            extra = 2 * self.M * gmax + ref_passes
+        else:
+            # per response one batched per-token backward (its vectors, shared by every set);
+            # the sequence-norm check on round 0 (one backward per response); the reference's
+            per, extra = 1, self.M * gmax + ref_passes
         grows = self.target_rel_se is not None and cap > floor
-        return Plan("variance", P * floor, P * ref, P * self.space, P * (floor + extra),
+        how = ("projected: one forward per G and one weighted backward per coefficient set "
+               "and response" if self.path == "projected" else
+               "vectors: one batched backward of its T cotangents per response, shared by "
+               "every coefficient set")
+        return Plan("variance", P * floor, P * ref, P * self.space, P * (floor * per + extra),
                     max_sampled=P * cap if grows else None,
-                    max_passes=P * (cap + extra) if grows else None, details=self.details,
-                    passes_at_most=self.reference == "exact")
+                    max_passes=P * (cap * per + extra) if grows else None,
+                    details=(*self.details, how), passes_at_most=self.reference == "exact",
+                    path=self.path, uses=P * floor * uses,
+                    cell_passes=P * floor * (uses if self.path == "projected" else 1),
+                    memory=self.memory)
 
 
 @dataclass(frozen=True)
@@ -319,16 +349,21 @@ def exact_label_ok(label: str) -> bool:
     return reads(split_label(label)[0], "token_weights")
 
 
-def variance_plan(task: Task, *, vocab_size: int, **knobs: Any) -> VarianceSizes:
+def variance_plan(task: Task, *, vocab_size: int, shape: memplan.ModelShape | None = None,
+                  free: int | None = None, **knobs: Any) -> VarianceSizes:
     """:func:`sizes` of the keyword call (``knobs``: :class:`VarianceConfig` fields)."""
-    return sizes(task, VarianceConfig(**knobs), vocab_size)
+    return sizes(task, VarianceConfig(**knobs), vocab_size, shape=shape, free=free)
 
 
-def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
+def sizes(task: Task, config: VarianceConfig, vocab_size: int, *,
+          shape: memplan.ModelShape | None = None, free: int | None = None) -> VarianceSizes:
     """The sizes :func:`run` samples on ``task`` with a policy of ``vocab_size`` output tokens
     (no model, no sampling): the response floor (``min_responses``: M raised to whole rounds of
     ``M``), adaptive M's cap, the reference (exact when enumerable, else ``n_ref`` sampled
-    responses) and whether groups come from an enumerated table. ``.plan`` is what it spends."""
+    responses), whether groups come from an enumerated table and the gradient path that
+    computes the group estimates. ``.plan`` is what it spends. With the model's ``shape`` (and
+    ``free``: the device's free bytes before loading, None where not measured) also the path's
+    chunk plan over the task's ``max_new_tokens`` positions (a prompt adds its own)."""
     c = config
     schemes, M, target_rel_se, n_prompts = c.schemes, c.M, c.target_rel_se, c.n_prompts
     reference, n_ref, exact, table_limit = c.reference, c.n_ref, c.exact, c.table_limit
@@ -365,7 +400,15 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
         details.append(f"adaptive M from {M_floor} up to {max(M_cap, M_floor)} "
                        f"(target relative SE {target_rel_se})")
     details += rollouts_note(c.rollouts)
-    return VarianceSizes(Gs=Gs, M=M, min_responses=min_responses, M_floor=M_floor,
+    path = gradient_path(c.gradients, use_table)
+    memory = None
+    if shape is not None:  # rows of one response_sketches call (a G's floor) or one round
+        memory = path_memory(path, shape, (M_floor if path == "projected" else M) * Gs[-1], T,
+                             free)
+    return VarianceSizes(path=path, sets=len(c.schemes) * len(c.modes),
+                         token_sq=any(split_label(label)[1] for label in c.schemes),
+                         memory=memory,
+                         Gs=Gs, M=M, min_responses=min_responses, M_floor=M_floor,
                          M_cap=max(M_cap, M_floor), reference="exact" if use_exact else "sampled",
                          table=use_table, n_ref=int(n_ref), space=V**T if use_exact else 0,
                          n_prompts=n_prompts, target_rel_se=target_rel_se,
@@ -463,7 +506,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
            "n_ref": n_ref, "sketch_dim": sketch_dim, "sketch_seed": sketch_seed,
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
-           "gradients": "vectors" if use_table else gradients, "proj_k": proj_k,
+           "gradients": plan_sizes.path, "proj_k": proj_k,
            "groups": "every response at every G",
            **rollouts_key(c.rollouts, c.logprob_tol), **(config or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(policy))
@@ -713,9 +756,13 @@ def _pool(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return out.reset_index()
 
 
-def plan(tasks: Sequence[Task], config: VarianceConfig, vocab_size: Callable[[], int]) -> Plan:
-    """What :func:`run` spends per policy state (``vocab_size()``: the policy's vocabulary)."""
-    return sizes(one_task(tasks, "variance"), config, vocab_size()).plan
+def plan(tasks: Sequence[Task], config: VarianceConfig, vocab_size: Callable[[], int],
+         model: Callable[[], tuple[memplan.ModelShape, int | None]] | None = None) -> Plan:
+    """What :func:`run` spends per policy state (``vocab_size()``: the policy's vocabulary;
+    ``model()``: its shape and the device's free bytes, for the chunk plan; None: unstated)."""
+    shape, free = (None, None) if model is None else model()
+    return sizes(one_task(tasks, "variance"), config, vocab_size(), shape=shape,
+                 free=free).plan
 
 
 KIND = register_analysis(AnalysisKind(
@@ -725,4 +772,5 @@ KIND = register_analysis(AnalysisKind(
     cli_defaults={"Gs": (2, 4, 8), "M": 16, "n_prompts": 1, "n_ref": 1024},
     description="Variance, bias, MSE, cosine, SNR of group gradient estimates against an "
                 "exact (enumerated) or sampled reference. CLI defaults are smaller than the "
-                "library's (G 2 4 8 16 32, M 32, 2 prompts) to run in minutes on 2 cores."))
+                "library's (G 2 4 8 16 32, M 32, 2 prompts) to run in minutes on 2 cores.",
+    plan_model=True))

@@ -140,7 +140,7 @@ class ProjectedContraction:
         return [self.cache[key][: coef.shape[0]] for key, coef in sets]
 
     def error_sd(self, e: torch.Tensor, r: torch.Tensor, gram=None) -> dict[str, float]:
-        """The projection's SD bound of variance, MSE and projection (:func:`projection_sd`)."""
+        """The projection's SD estimate of variance, MSE and projection (:func:`projection_sd`)."""
         return projection_sd(e, r, self.blocks or [])
 
 

@@ -247,12 +247,32 @@ def split_case(kind: CaseKind, params: dict) -> tuple[Any, Any, list[str]]:
             ak.config.from_dict(config, source=f"case {kind.name!r}"), specs)
 
 
+def plan_model(pspec):
+    """``() -> (ModelShape, free bytes)`` of a policy spec for the chunk plans, read once: its
+    config in its dtype (no weights) and the device's free memory before loading (None where
+    not measured, the CPU)."""
+    import functools
+
+    @functools.cache
+    def model():
+        from varbench.app.specs import resolve_device
+        from varbench.models.memplan import free_device_bytes
+        from varbench.train.policies import model_shape_of
+
+        shape = model_shape_of(pspec.spec, pspec.dtype,
+                               trust_remote_code=pspec.trust_remote_code)
+        return shape, free_device_bytes(resolve_device(pspec.device))
+    return model
+
+
 def analysis_plan(kind: CaseKind, params: dict, *, tasks: list | None = None,
-                  vocab_size: int | None = None):
+                  vocab_size: int | None = None, model=None):
     """``(Plan, label)``: what an analysis case will spend (every policy state together), from
     the analysis's own plan function (:mod:`varbench.analysis.plan`). ``tasks``: the resolved
     Task objects (None: resolved here from the case); ``vocab_size``: the policy's output
-    vocabulary (None: read from its config, no weights loaded)."""
+    vocabulary (None: read from its config, no weights loaded); ``model``: ``() -> (ModelShape,
+    free bytes)`` for the chunk plans (None: from the config and the device before loading,
+    :func:`plan_model`)."""
     from varbench.app.specs import resolve_task
     from varbench.train.policies import is_checkpoint_dir, vocab_size_of
 
@@ -264,7 +284,9 @@ def analysis_plan(kind: CaseKind, params: dict, *, tasks: list | None = None,
         return vocab_size if vocab_size is not None else vocab_size_of(
             pspec.spec, trust_remote_code=pspec.trust_remote_code)
 
-    plan = kind.analysis.plan(tasks, config, vocab)
+    ak = kind.analysis
+    plan = (ak.plan(tasks, config, vocab, model or plan_model(pspec)) if ak.plan_model
+            else ak.plan(tasks, config, vocab))
     if kind.analysis.policies == "per_task":  # one policy per task (the first state)
         return plan, f"{len(tasks)} task(s)"
     states = ([Path(pspec.spec).name] if is_checkpoint_dir(pspec.spec)
@@ -297,7 +319,8 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
     register_estimators(params)
     pspec, config, specs = split_case(kind, params)
     tasks = [resolve_task(t, pspec.knobs) for t in specs]
-    plan, label = analysis_plan(kind, params, tasks=tasks)
+    model = plan_model(pspec)  # measured before loading: the second plan reads the same
+    plan, label = analysis_plan(kind, params, tasks=tasks, model=model)
     _notice(name, plan, label)  # before any policy is built or warm-started
     device = resolve_device(pspec.device)  # "": cuda when available, else cpu
     policy_kw = {"dtype": pspec.dtype, "device": device,
@@ -315,7 +338,8 @@ def _analysis(kind: CaseKind, name: str, params: dict, work_dir: Path, progress,
         # the vocabulary as built (task tokens may have grown it): the notice again if it moved
         V = {int(p.model.get_output_embeddings().weight.shape[0]) for p in pols.values()}
         if len(V) == 1:
-            built, _ = analysis_plan(kind, params, tasks=tasks, vocab_size=V.pop())
+            built, _ = analysis_plan(kind, params, tasks=tasks, vocab_size=V.pop(),
+                                     model=model)
             if built != plan:
                 _notice(name, built, label, again=True)
     settings["model_dtype"] = {k: model_dtype(p) for k, p in pols.items()}  # cell keys

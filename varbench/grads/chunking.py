@@ -29,7 +29,7 @@ BLOCK_COPIES = 3
 
 __all__ = ["BLOCK_BYTES", "BLOCK_COPIES", "DEFAULT_CHUNK", "MAX_CHUNK", "MEMORY_FRACTION",
            "auto_block_bytes", "check_fraction", "cotangent_bytes", "free_device_bytes",
-           "token_plan"]
+           "shape_token_plan", "token_plan"]
 
 
 def free_device_bytes(device: torch.device | str) -> int | None:
@@ -63,14 +63,25 @@ def token_plan(model: torch.nn.Module, B: int, L: int, device: torch.device | st
     """The plan of a per-token path over ``B`` rows of ``L`` positions on ``device``: the
     knob's chunk when given, ``DEFAULT_CHUNK`` without a measured budget (CPU), else the
     largest that fits; refused (UsageError) when one cotangent cannot fit the budget."""
-    budget = _free_budget(device, memory_fraction)
+    return shape_token_plan(ModelShape.from_model(model), B, L, free_device_bytes(device),
+                            path=path, chunk_size=chunk_size, n_grad=n_grad,
+                            memory_fraction=memory_fraction, what=type(model).__name__)
+
+
+def shape_token_plan(shape: ModelShape, B: int, L: int, free: int | None, *,
+                     path: str = "token_norms", chunk_size: int | None = None, n_grad: int = 0,
+                     memory_fraction: float = MEMORY_FRACTION,
+                     what: str = "the model") -> memplan.Plan:
+    """:func:`token_plan` of a model known by its ``shape`` (named ``what`` in a refusal) on
+    a device with ``free`` bytes free beside the model (None: not measured, the CPU)."""
+    frac = check_fraction(memory_fraction)
+    budget = None if free is None else int(frac * free)
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
         budget = None
-    shape = ModelShape.from_model(model)
     p = memplan.plan(shape, path, B, L, budget, default=chunk_size or DEFAULT_CHUNK,
                      materialised=n_grad)
-    return memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
+    return memplan.check_plan(p, f"a {L}-position sequence of {what}")
 
 
 def auto_block_bytes(

@@ -28,9 +28,9 @@ Unbiasedness and variance (docs/science.md, "Coefficient-first projected sketche
 ``E<S a, S b> = <a, b>`` and, for Gaussian sides,
 ``Var = (tr(Z^2) + ||W||^2)/k1 + (tr(Z^2) + ||Z||^2)/k2 + (||Z||^2 + ||W||^2 + <a,b>^2 +
 ||a||^2 ||b||^2)/(k1 k2)`` with ``Z = a^T b`` and ``W = a b^T`` (:func:`block_pair_variance`);
-blocks are drawn independently so their variances add. :func:`projection_sd` is the plug-in
-upper bound that goes into intervals (as :func:`varbench.stats.intervals.sketch_sd` is for the
-CountSketch).
+blocks are drawn independently so their variances add. :func:`projection_sd` is the error that
+goes into intervals (as :func:`varbench.stats.intervals.sketch_sd` is for the CountSketch),
+estimated from the spread of the sketches' rows and columns (iid draws: :func:`kron_sum_var`).
 """
 
 from __future__ import annotations
@@ -295,6 +295,7 @@ def _block_sketches(model, ids, am, c, chosen, state: dict, acc, args) -> torch.
                         p1, p2 = pl.proj[id(w)]
                         lo, hi = pl.slot[id(w)]
                         out[s, :, lo:hi] += _project(fac, p1, p2, w.shape[0])
+                        del fac  # the head's [b, t, V] factor: not alive into the next call
                     if b is not None and f.kind != "embedding" and id(b) in chosen_name:
                         db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
                         dense.setdefault(id(b), []).append(db)
@@ -302,6 +303,8 @@ def _block_sketches(model, ids, am, c, chosen, state: dict, acc, args) -> torch.
                     for k, g in zip(local, grads, strict=True):
                         dense.setdefault(id(getattr(m, k)), []).append(g.to(acc))
                 _put_dense(out[s], dense, chosen, pl)
+                # this set's cotangents die before the next set's backward makes its own
+                cots = dense = generic = D = None
     finally:
         rec.remove()
     return out
@@ -470,18 +473,47 @@ def block_pair_variance(a: torch.Tensor, b: torch.Tensor, k1: float, k2: float) 
             + (z2 + w2 + s * s + a.pow(2).sum() * b.pow(2).sum()) * u * v)
 
 
+def kron_sum_var(F: torch.Tensor, blk: Block) -> float:
+    """Unbiased estimate of the variance over the projection of ``F.sum()``, ``F [k1, k2]`` a
+    sum over groups of products of one Kronecker block's sketch entries (e.g. ``u_m[i, j]^2``).
+
+    Entry ``(i, j)`` of a sketch ``P_1^T G P_2`` depends on column i of ``P_1`` and column j of
+    ``P_2`` alone (iid columns), so ``F`` is a separately exchangeable array
+    ``f(p_i, q_j)``: with the two-way ANOVA mean squares of rows, columns and interaction,
+    ``Var(F.sum()) = k1 k2 (MS_rows + MS_cols - MS_int)`` (each mean square's expectation is
+    that of the crossed random-effects model: Hoeffding's decomposition of f), clamped at 0.
+    An exact side (identity) is not random: one side random leaves ``k_random s^2`` of that
+    side's sums."""
+    a, b = blk.k1, blk.k2
+    F = F.reshape(a, b).to(torch.float64)
+    rows_random, cols_random = blk.k1 < blk.rows and a > 1, blk.k2 < blk.cols and b > 1
+    if rows_random and cols_random:
+        r, c, m = F.mean(1, keepdim=True), F.mean(0, keepdim=True), F.mean()
+        ms_rows = b * float((r - m).pow(2).sum()) / (a - 1)
+        ms_cols = a * float((c - m).pow(2).sum()) / (b - 1)
+        ms_int = float((F - r - c + m).pow(2).sum()) / ((a - 1) * (b - 1))
+        return max(0.0, a * b * (ms_rows + ms_cols - ms_int))
+    if rows_random:
+        return a * float(F.sum(1).var())
+    if cols_random:
+        return b * float(F.sum(0).var())
+    return 0.0
+
+
 def projection_sd(estimates: torch.Tensor, reference: torch.Tensor,
                   blocks: list[Block]) -> dict[str, float]:
-    """Plug-in upper bounds on the projection's standard deviation of the variance
-    (``tr`` of the covariance of ``estimates [M, K]``), the MSE about ``reference [K]`` and the
-    projection ``<g_bar, g*> / ||g*||^2`` (the analogue of
-    :func:`varbench.stats.intervals.sketch_sd` for these sketches).
+    """The projection's standard deviation of the variance (``tr`` of the covariance of
+    ``estimates [M, K]``), the MSE about ``reference [K]`` and the projection
+    ``<g_bar, g*> / ||g*||^2`` (the analogue of :func:`varbench.stats.intervals.sketch_sd` for
+    these sketches), estimated from the sketches themselves.
 
-    Per block l with factor ``c_l`` (:meth:`Block.norm_var_factor`): ``Var<S_l a, S_l b> <=
-    c_l ||a_l||^2 ||b_l||^2`` and, by Cauchy-Schwarz over the covariance of the summands,
-    ``Var[sum_m w_m ||S_l u_m||^2] <= c_l (sum_m w_m ||u_m||^2)^2``; blocks are independent, so
-    variances add. Norms are read from the sketches (unbiased plug-ins), the reference taken
-    as fixed, as sketch_sd does."""
+    Per Kronecker block the statistic is ``F.sum()`` for ``F[i, j]`` the groups' sum of
+    squared (variance, MSE) or multiplied (projection) sketch entries; its variance over the
+    projection is estimated from ``F``'s rows, columns and their interaction
+    (:func:`kron_sum_var`: the rows and the columns of a sketch are iid draws). The
+    CountSketch block keeps its plug-in bound ``(2/K) (sum_m w_m ||u_m||^2)^2``
+    (:meth:`Block.norm_var_factor`, Cauchy-Schwarz over the summands); blocks are independent,
+    so variances add. The reference is taken as fixed, as sketch_sd does."""
     x = estimates.detach().to(torch.float64)
     ref = reference.detach().to(torch.float64).reshape(-1)
     M = x.shape[0]
@@ -490,8 +522,13 @@ def projection_sd(estimates: torch.Tensor, reference: torch.Tensor,
     gbar = x.mean(0)
     var = mse = proj = 0.0
     for blk in blocks:
-        c = blk.norm_var_factor()
         sl = slice(blk.start, blk.stop)
+        if blk.kind == "kron":
+            var += kron_sum_var(u[:, sl].pow(2).sum(0) / (M - 1), blk)
+            mse += kron_sum_var(e[:, sl].pow(2).sum(0) / M, blk)
+            proj += kron_sum_var(gbar[sl] * ref[sl], blk)
+            continue
+        c = blk.norm_var_factor()
         var += c * float(u[:, sl].pow(2).sum() / (M - 1)) ** 2
         mse += c * float(e[:, sl].pow(2).sum() / M) ** 2
         proj += c * float(gbar[sl].pow(2).sum()) * float(ref[sl].pow(2).sum())

@@ -314,21 +314,29 @@ SEQUENCE_CPU_BYTES = 1 << 30
 """CPU: activation memory one :func:`sequence_grad_norms` chunk may hold (1 GiB)."""
 
 
+def sequence_plan(shape: memplan.ModelShape, B: int, L: int,
+                  free: int | None) -> memplan.Plan:
+    """The memory plan :func:`sequence_rows` chunks ``B`` sequences of ``L`` positions by
+    (path ``sequence_norms``): ``free`` bytes free on the device with the model loaded give
+    the budget ``MEMORY_FRACTION * free``; None (the CPU) :data:`SEQUENCE_CPU_BYTES`."""
+    from varbench.grads.chunking import MEMORY_FRACTION
+
+    budget = SEQUENCE_CPU_BYTES if free is None else int(MEMORY_FRACTION * free)
+    return memplan.plan(shape, "sequence_norms", max(B, 1), L, budget)
+
+
 def sequence_rows(model: torch.nn.Module, B: int, L: int, device: torch.device | str,
                   rows: int | None = None) -> int:
     """Sequences per forward+backward of :func:`sequence_grad_norms`: ``rows`` when given,
-    else the memory plan's (:func:`varbench.models.memplan.plan`, path ``sequence_norms``)
-    inside the budget (CUDA: ``MEMORY_FRACTION`` of the free memory; CPU:
-    :data:`SEQUENCE_CPU_BYTES`), at least 1 and at most ``B``; UsageError when one row cannot
-    fit a measured budget."""
-    from varbench.grads.chunking import MEMORY_FRACTION, free_device_bytes
+    else the memory plan's (:func:`sequence_plan`) inside the budget (CUDA:
+    ``MEMORY_FRACTION`` of the free memory; CPU: :data:`SEQUENCE_CPU_BYTES`), at least 1 and
+    at most ``B``; UsageError when one row cannot fit a measured budget."""
+    from varbench.grads.chunking import free_device_bytes
 
     if rows is not None:
         return min(check_positive_int("rows", rows), max(B, 1))
     free = free_device_bytes(device)
-    budget = SEQUENCE_CPU_BYTES if free is None else int(MEMORY_FRACTION * free)
-    p = memplan.plan(memplan.ModelShape.from_model(model), "sequence_norms", max(B, 1), L,
-                     budget)
+    p = sequence_plan(memplan.ModelShape.from_model(model), B, L, free)
     if free is not None:
         memplan.check_plan(p, f"a {L}-position sequence of {type(model).__name__}")
     return p.chunk

@@ -35,14 +35,13 @@ def check_policy_spec(spec: str | Path, arg: str = "policy") -> str:
     return name
 
 
-def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
-    """Output vocabulary of the policy ``spec`` names, from its config alone (no weights read):
-    what a plan needs (the variance analysis enumerates ``V**T`` responses when small)."""
+def _text_config(spec: str | Path, trust_remote_code: bool):
+    """The (text) model config of the policy ``spec`` names, from its config alone."""
     name = check_policy_spec(spec)
     if name in presets():
         from varbench.models.presets import preset_config
 
-        return int(preset_config(name).vocab_size)
+        return preset_config(name)
     from transformers import AutoConfig
 
     try:
@@ -51,11 +50,34 @@ def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
     except Exception as err:  # noqa: BLE001 - any unreadable config is the user's file
         first = " ".join(str(err).split())[:300]
         raise UsageError(f"cannot read the config of {name!r}: {first}") from err
+    return cfg
+
+
+def vocab_size_of(spec: str | Path, *, trust_remote_code: bool = False) -> int:
+    """Output vocabulary of the policy ``spec`` names, from its config alone (no weights read):
+    what a plan needs (the variance analysis enumerates ``V**T`` responses when small)."""
+    cfg = _text_config(spec, trust_remote_code)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     n = getattr(text, "vocab_size", None)
     if not isinstance(n, int) or n < 1:
-        raise UsageError(f"the config of {name!r} has no vocab_size")
+        raise UsageError(f"the config of {spec!r} has no vocab_size")
     return n
+
+
+def model_shape_of(spec: str | Path, dtype: str | torch.dtype | None = None, *,
+                   trust_remote_code: bool = False):
+    """The :class:`~varbench.models.memplan.ModelShape` of the policy ``spec`` names in
+    ``dtype`` (None / "auto": the checkpoint's stored dtype, float32 for a preset), from its
+    config alone: what a plan's chunk sizes read."""
+    from varbench.models.memplan import ModelShape
+
+    cfg = _text_config(spec, trust_remote_code)
+    want = resolve_dtype(dtype)
+    if want is None:
+        stored = getattr(cfg, "torch_dtype", None) if str(spec) not in presets() else None
+        want = (resolve_dtype(stored, "stored dtype") if isinstance(stored, str)
+                else stored if isinstance(stored, torch.dtype) else torch.float32)
+    return ModelShape.from_config(cfg, want)
 
 
 def prepare_for_task(policy: Policy, task: Task | None, *, add_task_tokens: bool = False
