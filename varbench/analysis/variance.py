@@ -807,13 +807,16 @@ def table_cells(
     level: float = 0.95,
     topk_k: int = 1,
     seed: int = 0,
+    sketch_k: int | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
 
     The Monte Carlo cells of :func:`estimator_variance` (``exact=False``) or, for the schemes
     that read only rewards, the exact ones (``exact=True``), against the table's own g*. The
     groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
-    coverage, exact against Monte Carlo) is a loop over seeds.
+    coverage, exact against Monte Carlo) is a loop over seeds. ``sketch_k``: the table's
+    sketch bucket count, to widen the Monte Carlo intervals by the sketch's SD as
+    :func:`estimator_variance` does (None: not widened, the truth in the sketch's space).
     """
     check_knob("G", G, minimum=2)
     check_knob("M", M, minimum=3)
@@ -821,7 +824,7 @@ def table_cells(
     data = table.sample(M * G, torch.Generator().manual_seed(seed))
     return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
                  max_len=T, mean_len=float(T), table=table if exact else None,
-                 interval=interval, n_boot=n_boot, level=level, seed=seed)
+                 sketch_k=sketch_k, interval=interval, n_boot=n_boot, level=level, seed=seed)
 
 
 def _gather_by_prompt(mine, n_g, cells, paired, refs):
