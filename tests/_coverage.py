@@ -163,7 +163,7 @@ def _worst_rel_se(cells, paired) -> float:
 
 def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
              schemes: list[str], *, K: int | None = 1024, n_boot: int = 1000,
-             exact: bool = False, adaptive: tuple[float, int] | None = None,
+             exact: bool = False, adaptive: tuple[float, int] | None = None, start: int = 0,
              ) -> dict[tuple[str, str], tuple[int, int, float]]:
     """``{(quantity, stat): (hits, replicates, mean M)}`` of the intervals over ``reps``.
 
@@ -171,7 +171,8 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
     ``estimator_variance`` reports them) against the mean truth. ``exact``: the reward-only
     schemes' cells are ``exact-sketched`` (closed form on the sketch, the sketch's SD as SE).
     ``adaptive = (target, cap)``: M grows from ``M`` in steps of ``M`` up to ``cap`` until
-    the largest relative SE of a Monte Carlo cell or ratio meets ``target``.
+    the largest relative SE of a Monte Carlo cell or ratio meets ``target``. Replicates are
+    seeded ``start .. start + reps - 1`` (a long study runs in chunks).
     """
     from varbench.analysis.variance import _pool
     from varbench.stats.intervals import adaptive_groups
@@ -184,7 +185,7 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [M, M] and [n_boot, M] tensors: threads only add overhead
     try:
-        for rep in range(reps):
+        for rep in range(start, start + reps):
             got = {}
             if adaptive is None:
                 got[M] = _cells(setups, G, M, schemes, rep, K, n_boot, exact)
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.05, help="adaptive: relative SE")
     ap.add_argument("--cap", type=int, default=4096, help="adaptive: largest groups")
     ap.add_argument("--mc-groups", type=int, default=400_000)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--chunk", type=int, default=20, help="replicates between CSV writes")
+    ap.add_argument("--out", required=True, help="CSV of this run (rewritten per chunk)")
     a = ap.parse_args(argv)
     t0 = time.time()
     schemes = a.schemes.split(",")
@@ -262,13 +264,19 @@ def main(argv: list[str] | None = None) -> None:
     if "rloo" in schemes:  # (G/(G-1))^2 on every sample: a zero-width interval, tested exactly
         for t in truths:
             t.pop(("rloo/centered", "variance"), None)
-    cov = coverage(setups, a.G, a.groups, a.reps, truths, schemes, K=a.K, n_boot=a.n_boot,
-                   exact=a.variant == "exact",
-                   adaptive=(a.target, a.cap) if a.variant == "adaptive" else None)
     kurt = sum(s.kurtosis() for s in setups) / len(setups)
-    rows = pd.DataFrame(table_rows(a.preset, a.G, a.groups, cov, variant=a.variant)).assign(
-        K=a.K, kurtosis=kurt, seconds=time.time() - t0)
-    rows.to_csv(a.out, mode="a", header=not os.path.exists(a.out), index=False)
+    total: dict = {}
+    for first in range(0, a.reps, a.chunk):  # the CSV is rewritten after every chunk
+        part = coverage(setups, a.G, a.groups, min(a.chunk, a.reps - first), truths, schemes,
+                        K=a.K, n_boot=a.n_boot, exact=a.variant == "exact", start=first,
+                        adaptive=(a.target, a.cap) if a.variant == "adaptive" else None)
+        for k, (h, n, m) in part.items():
+            h0, n0, m0 = total.get(k, (0, 0, 0.0))
+            total[k] = (h0 + h, n0 + n, (m0 * n0 + m * n) / (n0 + n))
+        rows = pd.DataFrame(table_rows(a.preset, a.G, a.groups, total, variant=a.variant))
+        rows = rows.assign(K=a.K, kurtosis=kurt, seconds=time.time() - t0)
+        rows.to_csv(a.out + ".tmp", index=False)
+        os.replace(a.out + ".tmp", a.out)
     print(rows.to_string(index=False))
 
 
