@@ -191,7 +191,7 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
                 got[M] = _cells(setups, G, M, schemes, rep, K, n_boot, exact)
                 m = M
             else:
-                def rel(m, rep=rep):
+                def rel(m, rep=rep, got=got):
                     got[m] = _cells(setups, G, m, schemes, rep, K, n_boot, exact)
                     return _worst_rel_se(*got[m])
                 m, _, _ = adaptive_groups(rel, start=M, step=M, cap=adaptive[1],

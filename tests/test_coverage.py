@@ -6,10 +6,9 @@ coverage table of docs/science.md (the variance-interval section) at the shipped
 
 from __future__ import annotations
 
+import _coverage as C
 import pytest
 import torch
-
-import _coverage as C
 
 
 @pytest.fixture(scope="module")
