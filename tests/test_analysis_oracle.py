@@ -204,35 +204,10 @@ def test_interval_coverage_fast(table1):
 
 
 def _mc_truth(tab, G, schemes, n_groups, *, chunk=20_000, seed=12_345):
-    """``{(scheme, stat): value}`` over ``n_groups`` groups drawn from ``tab``: chunked sums
-    (no Gram matrix), for the schemes without an exact cell (OTB reads token weights)."""
-    from varbench.analysis.variance import group_advantages, group_estimates
+    """Monte Carlo truth of the schemes without an exact cell (one home: tests/_coverage.py)."""
+    from _coverage import mc_truth
 
-    ref = tab.reference()
-    T = tab.mask.shape[1]
-    gen = torch.Generator().manual_seed(seed)
-    acc = {s: [torch.zeros_like(ref), 0.0, 0.0] for s in schemes}
-    for _ in range(n_groups // chunk):
-        d = tab.sample(chunk * G, gen)
-        grp = {k: v[0].reshape(chunk, G, *v.shape[2:]) for k, v in d.items()}
-        mask = grp["mask"] != 0
-        for s in schemes:
-            adv = group_advantages(s, grp["rewards"].to(grp["logprobs"].dtype), mask,
-                                   grp["logprobs"], grp["sum_pi_sq"], grp["token_sq"])
-            x = group_estimates(grp["vec"], adv, mask.to(grp["logprobs"].dtype),
-                                grp["logprobs"], "seq-mean-token-sum", max_len=T)
-            a = acc[s]
-            a[0] += x.sum(0)
-            a[1] += float((x * x).sum())
-            a[2] += float(((x - ref) ** 2).sum())
-    n = (n_groups // chunk) * chunk
-    out = {}
-    for s, (sm, sq, se2) in acc.items():
-        mean = sm / n
-        out[s, "variance"] = (sq - n * float(mean @ mean)) / (n - 1)
-        out[s, "mse"] = se2 / n
-        out[s, "projection"] = float(mean @ ref) / float(ref @ ref)
-    return out
+    return mc_truth(tab, G, schemes, n_groups, chunk=chunk, seed=seed)
 
 
 def _coverage_all(tab, G, M, reps, truth, schemes, *, interval="studentized", n_boot=1000):

@@ -203,6 +203,7 @@ def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
                                              "opo")] == [True, True] + [False] * 8
     for mod in (variance, variance_report):  # 30 responses: M 4 -> 12 at G = 3
         monkeypatch.setattr(mod, "PROXY_MIN_RESPONSES", 30)
+    monkeypatch.setattr(variance, "PROXY_MIN_GROUPS", 5)  # 15 responses at G = 3: below 30
     pol = build_preset("micro", seed=0)
     kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50,
               exact="never", min_responses="auto")

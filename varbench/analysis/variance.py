@@ -174,6 +174,13 @@ def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_l
     return worst, name
 
 
+PROXY_MIN_GROUPS = 1024
+"""Groups per prompt at every G that ``min_responses="auto"`` requires when a label reads the
+proxy weights: the group count at which their intervals reach nominal coverage on the heavier
+coverage setup (docs/science.md, the coverage table; tests/test_coverage.py). At 4,096 responses
+G = 8 has only 512 groups, and OTB's variance / MSE intervals covered 0.885 / 0.900 there."""
+
+
 def _groups(M: int, G: int, Gs: Sequence[int]) -> int:
     """Groups of size G in the ``M * max(Gs)`` responses of a prompt: every response is used
     at every G (disjoint groups of i.i.d. draws are i.i.d. groups), so smaller G get more."""
@@ -208,6 +215,11 @@ class VarianceSizes:
     """Adaptive M's target (None: M stays at the floor)."""
     details: tuple[str, ...] = ()
     """Why the sizes are what they are (a raised floor, the reference chosen)."""
+
+    @property
+    def groups(self) -> dict[int, int]:
+        """``{G: groups per prompt}`` at the floor (every response is used at every G)."""
+        return {G: _groups(self.M_floor, G, self.Gs) for G in self.Gs}
 
     @property
     def plan(self) -> Plan:
@@ -335,12 +347,18 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
     M_cap = M if c.M_cap is None else c.M_cap
     min_responses = c.min_responses
     details = []
+    Gs = sorted(set(int(g) for g in c.Gs))
     if min_responses == "auto":
         proxy = [s for s in schemes if reads_proxy_weights(s)]
-        min_responses = PROXY_MIN_RESPONSES if proxy else 0
+        # coverage depends on groups, not responses: PROXY_MIN_GROUPS groups at the largest G
+        # (smaller G get more, every response being used at every G), and never under the
+        # historical response floor
+        min_responses = max(PROXY_MIN_RESPONSES, PROXY_MIN_GROUPS * Gs[-1]) if proxy else 0
         if proxy:
-            details.append(f"min_responses auto = {PROXY_MIN_RESPONSES} because {', '.join(proxy)} "
-                           "read(s) the proxy weights (set --min-responses to change it)")
+            details.append(f"min_responses auto = {min_responses} because {', '.join(proxy)} "
+                           f"read(s) the proxy weights: at least {PROXY_MIN_GROUPS} groups at "
+                           f"every G (G = {Gs[-1]}: {min_responses // Gs[-1]}), the floor of "
+                           "nominal coverage (set --min-responses to change it)")
     V, T = int(vocab_size), int(task.max_new_tokens)
     enumerable = task.fixed_length and V**T <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
@@ -352,7 +370,6 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int) -> VarianceSizes:
     own = c.rollouts is None
     use_exact = reference == "exact" or (reference == "auto" and enumerable and own)
     use_table = use_exact and exact == "auto" and V**T * T <= table_limit and own
-    Gs = sorted(set(int(g) for g in c.Gs))
     # the floor: whole rounds of M groups (round 0 stays the historical sample)
     M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
     if M_floor > M:
@@ -658,13 +675,16 @@ def table_cells(
     level: float = 0.95,
     topk_k: int = 1,
     seed: int = 0,
+    sketch_k: int | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
 
     The Monte Carlo cells of :func:`estimator_variance` (``exact=False``) or, for the schemes
     that read only rewards, the exact ones (``exact=True``), against the table's own g*. The
     groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
-    coverage, exact against Monte Carlo) is a loop over seeds.
+    coverage, exact against Monte Carlo) is a loop over seeds. ``sketch_k``: the table's
+    sketch bucket count, to widen the Monte Carlo intervals by the sketch's SD as
+    :func:`estimator_variance` does (None: not widened, the truth in the sketch's space).
     """
     check_knob("G", G, minimum=2)
     check_knob("M", M, minimum=3)
@@ -672,7 +692,7 @@ def table_cells(
     data = table.sample(M * G, torch.Generator().manual_seed(seed))
     return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
                  max_len=T, mean_len=float(T), table=table if exact else None,
-                 interval=interval, n_boot=n_boot, level=level, seed=seed)
+                 sketch_k=sketch_k, interval=interval, n_boot=n_boot, level=level, seed=seed)
 
 
 def _gather_by_prompt(mine, n_g, cells, paired, refs):
