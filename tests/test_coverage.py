@@ -19,7 +19,8 @@ def micro_setups():
 def test_embedding_keeps_every_statistic(micro_setups):
     """The isometric embedding (dimension N * T) gives the flat table's exact cells: variance,
     MSE and projection of every reward-only scheme at G = 2, 4, 8 agree to 1e-9 relative
-    (float64); the sketched table's do not (the sketch moves them), so the check can fail."""
+    (float64); the sketched table's do not (the sketch moves them), so the check can fail;
+    its projection does not move (two reward levels) and its SE is 0."""
     from varbench.analysis.variance import table_cells
 
     s = micro_setups[0]
@@ -34,6 +35,12 @@ def test_embedding_keeps_every_statistic(micro_setups):
             assert torch.allclose(torch.tensor(a[k].values), torch.tensor(b[k].values),
                                   rtol=1e-9, atol=0), (G, k)
         assert (abs(c["variance"].values / a["variance"].values - 1) > 1e-4).any()
+        # two reward levels: E g_hat along g* on any sketch, so the exact-sketched projection
+        # is the flat one and says so (SE 0: the coverage table leaves it out)
+        assert sorted(set(s.flat.rewards.tolist())) == [0.0, 1.0]
+        assert torch.allclose(torch.tensor(c["projection"].values),
+                              torch.tensor(a["projection"].values), rtol=1e-9, atol=0), G
+        assert (c["projection_se"] < 1e-6 * c["projection"].abs()).all(), G
 
 
 def test_coverage_harness_smoke(micro_setups):
@@ -47,7 +54,7 @@ def test_coverage_harness_smoke(micro_setups):
     keys = set(truths[0])
     for setups, t, kw in ((one, truths[:1], {}), (one, truths[:1], {"exact": True}),
                           (micro_setups, truths, {}),
-                          (one, truths[:1], {"adaptive": (0.02, 48)})):
+                          (one, truths[:1], {"adaptive": (0.02, 48, 16)})):
         cov = C.coverage(setups, 4, 16, 2, t, schemes, n_boot=100, **kw)
         assert set(cov) == keys, kw
         assert all(n == 2 for _, n, _ in cov.values()), cov
@@ -60,14 +67,22 @@ def test_coverage_harness_smoke(micro_setups):
 COVERAGE_REPS = 200
 
 
+def _within(cov: dict) -> None:
+    """The within-2-points rule of docs/science.md up to the replicates' own noise: every
+    coverage within 2 points of nominal 0.95 plus two binomial SEs of COVERAGE_REPS replicates
+    (sqrt(.95 * .05 / 200) = 1.5 points)."""
+    se = (0.95 * 0.05 / COVERAGE_REPS) ** 0.5
+    print({k: round(h / n, 3) for k, (h, n, _) in sorted(cov.items())})
+    assert all(abs(h / n - 0.95) <= 0.02 + 2 * se for h, n, _ in cov.values()), cov
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["micro", "tiny"])
 @pytest.mark.parametrize("G", [2, 4, 8])
 def test_coverage_at_the_floor_slow(preset, G):
     """At the shipped floor (variance_plan's groups at this G, K = 1024 CountSketch re-drawn per
     replicate, n_boot = 1000), centered / OTB / OTB-exact variance, MSE, projection and their
-    paired ratios cover the flat truth within 2 points of nominal 0.95 plus two binomial SEs
-    of COVERAGE_REPS replicates (sqrt(.95 * .05 / 200) = 1.5 points)."""
+    paired ratios (widened by the pair's sketch SD) cover the flat truth (:func:`_within`)."""
     from varbench.analysis.variance import variance_plan
     from varbench.tasks import get_task
 
@@ -79,7 +94,32 @@ def test_coverage_at_the_floor_slow(preset, G):
     schemes = ["centered", "otb", "otb_exact"]
     pairs = [("otb", "centered"), ("otb_exact", "centered"), ("otb", "otb_exact")]
     t = [C.add_ratios(C.truth(setups[0], G, schemes), pairs)]
-    cov = C.coverage(setups, G, groups, COVERAGE_REPS, t, schemes)
-    se = (0.95 * 0.05 / COVERAGE_REPS) ** 0.5
-    print({k: round(h / n, 3) for k, (h, n, _) in sorted(cov.items())})
-    assert all(abs(h / n - 0.95) <= 0.02 + 2 * se for h, n, _ in cov.values()), cov
+    _within(C.coverage(setups, G, groups, COVERAGE_REPS, t, schemes))
+
+
+@pytest.mark.slow
+def test_coverage_of_exact_sketched_cells_slow():
+    """Exact-sketched reward-only cells (closed form on the sketch, the sketch's SD as SE) and
+    their ratios (the pair's sketch covariance) on micro at G = 8, 512 sampled groups: variance
+    and MSE and the ratios cover the flat truth (:func:`_within`; the projections are exact on
+    every sketch here, tested in test_embedding_keeps_every_statistic)."""
+    setups = C.build_setups("micro", 1)
+    schemes = ["centered", "rloo", "normalized"]
+    t = C.add_ratios(C.truth(setups[0], 8, schemes), [("rloo", "centered"),
+                                                      ("normalized", "centered")])
+    for k in [("rloo/centered", "variance")] + [(s, "projection") for s in schemes]:
+        t.pop(k)  # (G/(G-1))^2 and the projections: no sketch error, tested exactly
+    _within(C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, exact=True))
+
+
+@pytest.mark.slow
+def test_coverage_of_adaptive_M_slow():
+    """The two-stage adaptive M (a 32-group pilot sets M within [128, 512] at G = 8 for a
+    relative SE of 0.07; fresh groups reported) on micro: centered / OTB variance, MSE,
+    projection and otb / centered ratios cover the flat truth (:func:`_within`)."""
+    setups = C.build_setups("micro", 1)
+    schemes = ["centered", "otb"]
+    t = C.add_ratios(C.truth(setups[0], 8, schemes), [("otb", "centered")])
+    cov = C.coverage(setups, 8, 128, COVERAGE_REPS, [t], schemes, adaptive=(0.07, 512, 32))
+    assert 128 < next(iter(cov.values()))[2] < 512  # M did vary
+    _within(cov)

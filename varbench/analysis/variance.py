@@ -66,6 +66,7 @@ from varbench.analysis.variance_cells import (
     headline_pairs,
 )
 from varbench.analysis.variance_report import (
+    PROXY_MIN_GROUPS,
     PROXY_MIN_RESPONSES,
     headline_vs_centered,
     reads_proxy_weights,
@@ -88,7 +89,7 @@ from varbench.rollout.external import (
     variance_rollouts,
 )
 from varbench.rollout.sampler import sample
-from varbench.stats.intervals import INTERVAL_METHODS, adaptive_groups
+from varbench.stats.intervals import INTERVAL_METHODS, planned_groups
 from varbench.tasks.base import Task
 
 __all__ = ["DEFAULT_SCHEMES", "GRADIENTS", "VarianceConfig", "estimator_variance",
@@ -174,11 +175,10 @@ def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_l
     return worst, name
 
 
-PROXY_MIN_GROUPS = 1024
-"""Groups per prompt at every G that ``min_responses="auto"`` requires when a label reads the
-proxy weights: the group count at which their intervals reach nominal coverage on the heavier
-coverage setup (docs/science.md, the coverage table; tests/test_coverage.py). At 4,096 responses
-G = 8 has only 512 groups, and OTB's variance / MSE intervals covered 0.885 / 0.900 there."""
+PILOT_SEED = 611_953
+"""Offset of the adaptive-M pilot's sampling seed (``seed + 1000 p + PILOT_SEED``, a separate
+generator for a table): its groups decide M and are never reported."""
+
 
 
 def _groups(M: int, G: int, Gs: Sequence[int]) -> int:
@@ -217,6 +217,17 @@ class VarianceSizes:
     """Why the sizes are what they are (a raised floor, the reference chosen)."""
 
     @property
+    def pilot(self) -> int:
+        """Groups of adaptive M's pilot round at the largest G (``M``; 0 when M cannot grow)."""
+        return self.M if self.target_rel_se is not None and self.M_cap > self.M_floor else 0
+
+    @property
+    def max_groups(self) -> int:
+        """Groups per prompt at the largest G that a run can draw: the cap and the pilot with
+        a target, else the floor (a rollouts file must hold that many)."""
+        return self.M_cap + self.pilot if self.target_rel_se is not None else self.M_floor
+
+    @property
     def groups(self) -> dict[int, int]:
         """``{G: groups per prompt}`` at the floor (every response is used at every G)."""
         return {G: _groups(self.M_floor, G, self.Gs) for G in self.Gs}
@@ -233,6 +244,8 @@ class VarianceSizes:
         # batched backward over its M * max(G) responses), the reference's vectors
         extra = self.M * gmax + (ref if self.reference == "sampled" else self.space)
         grows = self.target_rel_se is not None and cap > floor
+        pilot = self.pilot * gmax  # adaptive M's pilot round: sampled, contracted, not reported
+        floor, cap = floor + pilot, cap + pilot
         return Plan("variance", P * floor, P * ref, P * self.space, P * (floor + extra),
                     max_sampled=P * cap if grows else None,
                     max_passes=P * (cap + extra) if grows else None, details=self.details,
@@ -490,7 +503,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     if c.rollouts is not None:
         prompts, ext = variance_rollouts(
             c.rollouts, policy, task, prompts, reward=reward, logprob_tol=c.logprob_tol,
-            groups=M_cap if target_rel_se is not None else M_floor, G=Gs[-1], reserve=reserve,
+            groups=plan_sizes.max_groups, G=Gs[-1], reserve=reserve,
             exact_reference=ref_kind == "exact")
     show = show_progress(progress)
     max_len = task.max_new_tokens
@@ -515,69 +528,74 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                 if not bool((table.probs * table.rewards).ne(0).any()):
                     g_ref, desc = None, "exact (J = 0: every response scores 0)"
                 gen = torch.Generator().manual_seed(p_seed)
+                pilot_gen = torch.Generator().manual_seed(p_seed + PILOT_SEED)
 
-                def draw(m, table=table, gen=gen):
-                    return table.sample(m * Gs[-1], gen)
+                def draw(m, table=table, gen=gen, pilot_gen=pilot_gen, pilot=False):
+                    return table.sample(m * Gs[-1], pilot_gen if pilot else gen)
                 sketch_desc, D = table.sketch, table.n_params
             else:
                 if gradients == "projected":  # the same projections for g* and every cell
                     flat_k = None if sketch_dim is None else proj_k
-                    proj = ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
-                                                k_dense=sketch_dim, seed=sketch_seed)
+
+                    def new_proj(flat_k=flat_k):
+                        return ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
+                                                    k_dense=sketch_dim, seed=sketch_seed)
+                    proj = new_proj()
                 g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
                                                  reward=reward, n_ref=n_ref, vec_kw=vec_kw,
                                                  progress=show, proj=proj, pool=pool)
                 rounds, first = [0], []
 
                 def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, proj=proj,
-                         pool=pool):
-                    # round 0 is the historical sample (seed p_seed); later rounds new seeds
-                    s_ = p_seed + 104729 * rounds[0]
-                    rounds[0] += 1
+                         pool=pool, pilot=False):
+                    # round 0 is the historical sample (seed p_seed); later rounds new seeds;
+                    # the pilot its own (its groups are never reported)
+                    s_ = p_seed + (PILOT_SEED if pilot else 104729 * rounds[0])
+                    rounds[0] += not pilot
                     b = (sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
                          if pool is None else pool.draw(m * Gs[-1]))
                     if proj is not None:  # no per-token vectors: the arrays go to the host
-                        if not first:
+                        if not first and not pilot:
                             first.append((b, None))
                         return _from_batch(b, _token_sq(policy.model, b) if need_tsq else None)
                     tv = token_vectors(policy.model, b, progress=show, **vec_kw)
-                    if not first:
+                    if not first and not pilot:
                         first.append((b, tv))
                     return _from_sample(b, tv)
                 sketch_desc, D = None, n_params
             kw["contraction"] = proj
+            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
+            M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
+            target_p = None
+            if target_rel_se is not None:
+                # the target is for the figures pooled over n_prompts independent prompts
+                # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
+                target_p = target_rel_se * math.sqrt(n_prompts)
+            if target_p is not None and M_cap > M_floor:
+                # two-stage rule: a pilot round of M groups, never reported, decides M; the
+                # reported groups are drawn apart from it, so their intervals keep nominal
+                # coverage (stopping on the sample's own SE did not: docs/science.md)
+                pilot = draw(M, pilot=True)
+                # the same projections, their own cache (the pilot's groups are not data's)
+                pilot_kw = dict(kw, contraction=None if proj is None else new_proj())
+                r0, _ = _headline_rel_se(pilot, Gs, M, ref=g_ref, mean_len=float(
+                    pilot["mask"].sum(-1).double().mean()), **pilot_kw)
+                M_used = planned_groups(r0, pilot=M, step=M, floor=M_floor, cap=M_cap,
+                                        target=target_p)
+                del pilot
             parts = [draw(M)]
-            while len(parts) * M < M_floor:
+            while len(parts) * M < M_used:
                 parts.append(draw(M))
             # the sketch checked per prompt on the first round (sampled groups only)
             seq_norms = (_sequence_norms(policy.model, *first[0], proj) if table is None
                          else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
-            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
-            M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
-            if target_rel_se is not None:
-                # rounds are equal-sized: the mean of their means is the mean over responses
-                mean_len0 = sum(float(x["mask"].sum(-1).double().mean()) for x in parts
-                                ) / len(parts)
-
-                worst_name = [""]
-
-                def rel_se(m, parts=parts, g_ref=g_ref, mean_len0=mean_len0, wn=worst_name):
-                    while sum(x["mask"].shape[1] for x in parts) < m * Gs[-1]:
-                        parts.append(draw(M))
-                    d = _concat_arrays(parts) if len(parts) > 1 else parts[0]
-                    r_, wn[0] = _headline_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
-                    return r_
-
-                # the target is for the figures pooled over n_prompts independent prompts
-                # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
-                M_used, rel, met_ = adaptive_groups(
-                    rel_se, start=M_floor, step=M, cap=M_cap,
-                    target=target_rel_se * math.sqrt(n_prompts))
-                worst = worst_name[0]
-                met = float(met_)
             data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
             parts.clear()  # one copy of the (possibly flat) vectors from here on
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
+            if target_p is not None:  # the reached relative SE of the reported groups
+                rel, worst = _headline_rel_se(data, Gs, M_used, ref=g_ref, mean_len=mean_len,
+                                              **kw)
+                met = float(rel <= target_p)
             if sketch_desc is None and proj is not None:
                 sketch_desc = ("flat (projected, exact)" if sketch_dim is None
                                else f"projected: {proj.description}")
