@@ -425,15 +425,18 @@ def estimator_variance(policy: Policy, task: Task, *, cache_dir: str | None = No
     bootstrap-t intervals over groups (``interval``, ``n_boot``, ``level``;
     :mod:`varbench.stats.intervals`). ``M`` groups per prompt at the largest G; a smaller G
     uses the same responses in ``M * max(Gs) // G`` groups. Adaptive M: with
-    ``target_rel_se``, M grows from ``M`` in steps of ``M`` until every figure the headlines
-    report (projections, paired variance / MSE ratios of OTB-type and rloo vs centered and
-    of a scheme vs its ``_exact`` twin) has a relative SE at most the target, pooled over
-    the prompts (each prompt aims at ``target * sqrt(n_prompts)``), or M reaches ``M_cap``;
-    the M used, the largest relative SE and its figure are in ``reference``, the reached
-    pooled relative SE of every headline in the notes. ``min_responses``: at least this many
-    responses per prompt (M raised to the smallest multiple of ``M`` with ``M * max(Gs) >=
-    min_responses``, above ``M_cap`` if need be); ``"auto"``: ``PROXY_MIN_RESPONSES`` (4096)
-    when a label reads the proxy weights (their intervals undercover with fewer), else 0.
+    ``target_rel_se``, a two-stage rule (:func:`~varbench.stats.intervals.planned_groups`): a
+    pilot round of ``M`` groups, never reported, gives the largest relative SE of the figures
+    the headlines report (projections, paired variance / MSE ratios of OTB-type and rloo vs
+    centered and of a scheme vs its ``_exact`` twin), and the reported sample has the whole
+    rounds of ``M`` that scale it to the target, pooled over the prompts (each prompt aims at
+    ``target * sqrt(n_prompts)``), within [floor, ``M_cap``]; the M used, the reached largest
+    relative SE and its figure are in ``reference``, the reached pooled relative SE of every
+    headline in the notes. ``min_responses``: at least this many responses per prompt (M
+    raised to the smallest multiple of ``M`` with ``M * max(Gs) >= min_responses``, above
+    ``M_cap`` if need be); ``"auto"``: ``max(PROXY_MIN_RESPONSES, PROXY_MIN_GROUPS * max(Gs))``
+    when a label reads the proxy weights (their intervals undercover with fewer groups), else
+    0.
     ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
     which picks the prompts and samples); None for flat vectors (exact contraction, no sketch
     error); ``"auto"``: flat when the model has at most 200k parameters, else 1024. With a
