@@ -114,12 +114,13 @@ def test_coverage_of_exact_sketched_cells_slow():
 
 @pytest.mark.slow
 def test_coverage_of_adaptive_M_slow():
-    """The two-stage adaptive M (a 32-group pilot sets M within [128, 512] at G = 8 for a
-    relative SE of 0.07; fresh groups reported) on micro: centered / OTB variance, MSE,
-    projection and otb / centered ratios cover the flat truth (:func:`_within`)."""
+    """The two-stage adaptive M (a 32-group pilot sets M to 512 or 1024 groups at G = 8 for a
+    relative SE of 0.034; fresh groups reported) on micro: centered / OTB variance, MSE,
+    projection and otb / centered ratios cover the flat truth (:func:`_within`). Below 512
+    groups OTB's own intervals undercover whatever the rule (0.90-0.91 at a mean of 164)."""
     setups = C.build_setups("micro", 1)
     schemes = ["centered", "otb"]
     t = C.add_ratios(C.truth(setups[0], 8, schemes), [("otb", "centered")])
-    cov = C.coverage(setups, 8, 128, COVERAGE_REPS, [t], schemes, adaptive=(0.07, 512, 32))
-    assert 128 < next(iter(cov.values()))[2] < 512  # M did vary
+    cov = C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, adaptive=(0.034, 1024, 32))
+    assert 512 < next(iter(cov.values()))[2] < 1024  # M did vary
     _within(cov)
