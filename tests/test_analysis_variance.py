@@ -167,9 +167,9 @@ def test_reference_records_exact_sequence_norms(micro64, arith_batch):
 
 
 def test_adaptive_M_targets_the_headline_figures(tmp_path):
-    """M grows in steps of M until the headline figures' relative SE meets the target (pooled
-    over prompts) or M reaches the cap; every response is used at every G; the notes state the
-    M used and the reached relative SE of the headlines."""
+    """A pilot round of M groups (never reported) sets M in steps of M from the headline
+    figures' relative SE (pooled over prompts), within [floor, cap]; every response is used at
+    every G; the notes state the M used and the reached relative SE of the reported groups."""
     pol = build_preset("micro", seed=0)
     kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50)
     capped = _run(pol, tmp_path / "a", target_rel_se=1e-6, M_cap=12, **kw)
@@ -203,6 +203,8 @@ def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
                                              "opo")] == [True, True] + [False] * 8
     for mod in (variance, variance_report):  # 30 responses: M 4 -> 12 at G = 3
         monkeypatch.setattr(mod, "PROXY_MIN_RESPONSES", 30)
+    for mod in (variance, variance_report):  # 15 responses at G = 3: below 30
+        monkeypatch.setattr(mod, "PROXY_MIN_GROUPS", 5)
     pol = build_preset("micro", seed=0)
     kw = dict(schemes=["centered", "otb", "otb_exact"], reward="positional", n_boot=50,
               exact="never", min_responses="auto")
@@ -216,7 +218,9 @@ def test_proxy_weighted_labels_get_the_response_floor(tmp_path, monkeypatch):
     off = _run(pol, tmp_path / "b", **{**kw, "min_responses": 0})
     ref0 = off.records["reference"].iloc[0]
     assert (ref0["M_used"], ref0["responses"]) == (4, 12)
-    note = [n for n in off.notes if "rest on fewer than 30 responses" in n]
+    # 12 responses: 6 groups at G = 2 (not below 5), 4 at G = 3 (below): counted per G
+    note = [n for n in off.notes if "rest on fewer than 5 groups at some G (p0: G=3: 4 groups)"
+            in n]
     assert note and "otb (proxy weights)" in note[0] and "otb_exact" not in note[0]
     plain = _run(pol, tmp_path / "c", **{**kw, "schemes": ["centered", "rloo", "otb_exact"]})
     assert plain.records["reference"].iloc[0]["M_used"] == 4  # no proxy label: no floor

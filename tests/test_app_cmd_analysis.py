@@ -155,15 +155,18 @@ def test_variance_notice_is_what_it_samples(tmp_path, monkeypatch, capsys):
 
 
 def test_variance_auto_floor_is_announced():
-    """`variance -M 4` with an OTB-type scheme: 4096 responses per prompt + 1024 reference."""
+    """`variance -M 4` with an OTB-type scheme: PROXY_MIN_GROUPS (1024) groups at G = 8, i.e.
+    8192 responses per prompt (above the 4096-response floor), + 1024 reference."""
     from varbench.analysis.variance import variance_plan
     from varbench.tasks import get_task
 
     sizes = variance_plan(get_task("arith"), vocab_size=30, schemes=["centered", "otb"],
                           Gs=[2, 4, 8], M=4, n_prompts=1, n_ref=1024)
-    assert (sizes.M_floor, sizes.min_responses, sizes.reference) == (512, 4096, "sampled")
-    assert (sizes.plan.sampled, sizes.plan.reference) == (4096, 1024)
-    assert "min_responses auto = 4096" in sizes.plan.text()
+    assert (sizes.M_floor, sizes.min_responses, sizes.reference) == (1024, 8192, "sampled")
+    assert sizes.groups == {2: 4096, 4: 2048, 8: 1024}
+    assert (sizes.plan.sampled, sizes.plan.reference) == (8192, 1024)
+    assert "min_responses auto = 8192" in sizes.plan.text()
+    assert "at least 1024 groups at every G" in sizes.plan.text()
 
 
 def test_proxy_and_cancellation_notices_are_what_they_spend(tmp_path, monkeypatch, capsys):

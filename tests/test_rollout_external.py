@@ -356,23 +356,27 @@ def test_a_suite_case_takes_the_rollouts_key(tmp_path, capsys):
 
 
 def test_variance_adaptive_m_draws_the_files_next_groups(tmp_path, micro64, monkeypatch):
-    """Adaptive M takes further rounds from the file in order: a file holding the in-process
-    run's rounds (seeds p_seed + 104729 r) then its reference gives the same cells."""
+    """Adaptive M takes its pilot round, then further rounds, from the file in order: a file
+    holding the in-process run's pilot (seed p_seed + PILOT_SEED), its rounds (seeds p_seed +
+    104729 r) then its reference gives the same cells."""
+    from varbench.analysis.variance import PILOT_SEED
+
     task = get_task("sort", n=2)  # partial credit at random init: nonzero estimates
     kw = {**VAR, "M_cap": 6, "target_rel_se": 1e-9, "n_prompts": 1, "reward": "positional"}
     want = estimator_variance(micro64, task, **kw)
     assert (want.records["reference"]["M_used"] == 6).all()  # it grew to the cap
     prompt = task.prompts(1, seed=0)[0]
     rows = []
-    for n, s in ((12, 0), (12, 104729), (8, 7919)):
+    for n, s in ((12, PILOT_SEED), (12, 0), (12, 104729), (8, 7919)):
         rows += rows_of(sample(micro64, task, [prompt], n, seed=s, reward="positional"),
                         micro64, style="ids")
     path = write(tmp_path / "a.jsonl", rows)
     no_sampling(monkeypatch, "variance")
     got = estimator_variance(micro64, task, rollouts=str(path), **kw)
     assert_same_numbers(want.records["cells"], got.records["cells"])
-    with pytest.raises(UsageError, match=r"has 32 responses; variance \(7 groups of G=4 \+ "
-                                         r"n_ref=8\) needs 36"):
+    # the cap's 7 groups and the pilot's 3
+    with pytest.raises(UsageError, match=r"has 44 responses; variance \(10 groups of G=4 \+ "
+                                         r"n_ref=8\) needs 48"):
         estimator_variance(micro64, task, rollouts=str(path), **{**kw, "M_cap": 7})
 
 

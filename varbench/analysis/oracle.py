@@ -262,7 +262,8 @@ def exact_moments(
     summed over the reward configurations n (multinomial counts). Returns None when the
     coefficients vary over a response's tokens (not of this form) or when there are more than
     ``max_configs`` configurations. Keys: variance, mse, projection, bias2, signal_norm2,
-    frac_all_agree, frac_zero, mean_coef_norm (all float).
+    frac_all_agree, frac_zero, mean_coef_norm (all float), and ``mean``: E[g_hat] [K] (host
+    float64; the sketch error of an exact-sketched projection is about it).
     """
     R, p = table.rewards, table.probs
     dev = R.device
@@ -313,4 +314,5 @@ def exact_moments(
         "signal_norm2": sig,
         "frac_all_agree": agree,
         "frac_zero": zero,
+        "mean": mean.cpu(),
     }

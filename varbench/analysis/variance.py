@@ -66,6 +66,7 @@ from varbench.analysis.variance_cells import (
     headline_pairs,
 )
 from varbench.analysis.variance_report import (
+    PROXY_MIN_GROUPS,
     PROXY_MIN_RESPONSES,
     headline_vs_centered,
     reads_proxy_weights,
@@ -89,7 +90,7 @@ from varbench.rollout.external import (
     variance_rollouts,
 )
 from varbench.rollout.sampler import sample
-from varbench.stats.intervals import INTERVAL_METHODS, adaptive_groups
+from varbench.stats.intervals import INTERVAL_METHODS, planned_groups
 from varbench.tasks.base import Task
 
 __all__ = ["DEFAULT_SCHEMES", "GRADIENTS", "VarianceConfig", "estimator_variance",
@@ -175,6 +176,12 @@ def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_l
     return worst, name
 
 
+PILOT_SEED = 611_953
+"""Offset of the adaptive-M pilot's sampling seed (``seed + 1000 p + PILOT_SEED``, a separate
+generator for a table): its groups decide M and are never reported."""
+
+
+
 def _groups(M: int, G: int, Gs: Sequence[int]) -> int:
     """Groups of size G in the ``M * max(Gs)`` responses of a prompt: every response is used
     at every G (disjoint groups of i.i.d. draws are i.i.d. groups), so smaller G get more."""
@@ -221,6 +228,22 @@ class VarianceSizes:
     """The path's chunk plan (None: no model shape given to :func:`sizes`)."""
 
     @property
+    def pilot(self) -> int:
+        """Groups of adaptive M's pilot round at the largest G (``M``; 0 when M cannot grow)."""
+        return self.M if self.target_rel_se is not None and self.M_cap > self.M_floor else 0
+
+    @property
+    def max_groups(self) -> int:
+        """Groups per prompt at the largest G that a run can draw: the cap and the pilot with
+        a target, else the floor (a rollouts file must hold that many)."""
+        return self.M_cap + self.pilot if self.target_rel_se is not None else self.M_floor
+
+    @property
+    def groups(self) -> dict[int, int]:
+        """``{G: groups per prompt}`` at the floor (every response is used at every G)."""
+        return {G: _groups(self.M_floor, G, self.Gs) for G in self.Gs}
+
+    @property
     def plan(self) -> Plan:
         """Responses and passes of the call (all prompts): see :mod:`varbench.analysis.plan`."""
         gmax, P = self.Gs[-1], self.n_prompts
@@ -248,6 +271,8 @@ class VarianceSizes:
                "and response" if self.path == "projected" else
                "vectors: one batched backward of its T cotangents per response, shared by "
                "every coefficient set")
+        pilot = self.pilot * gmax  # adaptive M's pilot round: sampled, contracted, not reported
+        floor, cap = floor + pilot, cap + pilot
         return Plan("variance", P * floor, P * ref, P * self.space, P * (floor * per + extra),
                     max_sampled=P * cap if grows else None,
                     max_passes=P * (cap * per + extra) if grows else None,
@@ -370,12 +395,18 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int, *,
     M_cap = M if c.M_cap is None else c.M_cap
     min_responses = c.min_responses
     details = []
+    Gs = sorted(set(int(g) for g in c.Gs))
     if min_responses == "auto":
         proxy = [s for s in schemes if reads_proxy_weights(s)]
-        min_responses = PROXY_MIN_RESPONSES if proxy else 0
+        # coverage depends on groups, not responses: PROXY_MIN_GROUPS groups at the largest G
+        # (smaller G get more, every response being used at every G), and never under the
+        # historical response floor
+        min_responses = max(PROXY_MIN_RESPONSES, PROXY_MIN_GROUPS * Gs[-1]) if proxy else 0
         if proxy:
-            details.append(f"min_responses auto = {PROXY_MIN_RESPONSES} because {', '.join(proxy)} "
-                           "read(s) the proxy weights (set --min-responses to change it)")
+            details.append(f"min_responses auto = {min_responses} because {', '.join(proxy)} "
+                           f"read(s) the proxy weights: at least {PROXY_MIN_GROUPS} groups at "
+                           f"every G (G = {Gs[-1]}: {min_responses // Gs[-1]}), the floor of "
+                           "nominal coverage (set --min-responses to change it)")
     V, T = int(vocab_size), int(task.max_new_tokens)
     enumerable = task.fixed_length and V**T <= _EXACT_LIMIT
     if reference == "exact" and not enumerable:
@@ -387,7 +418,6 @@ def sizes(task: Task, config: VarianceConfig, vocab_size: int, *,
     own = c.rollouts is None
     use_exact = reference == "exact" or (reference == "auto" and enumerable and own)
     use_table = use_exact and exact == "auto" and V**T * T <= table_limit and own
-    Gs = sorted(set(int(g) for g in c.Gs))
     # the floor: whole rounds of M groups (round 0 stays the historical sample)
     M_floor = M * max(1, -(-min_responses // (M * Gs[-1])))
     if M_floor > M:
@@ -438,15 +468,18 @@ def estimator_variance(policy: Policy, task: Task, *, cache_dir: str | None = No
     bootstrap-t intervals over groups (``interval``, ``n_boot``, ``level``;
     :mod:`varbench.stats.intervals`). ``M`` groups per prompt at the largest G; a smaller G
     uses the same responses in ``M * max(Gs) // G`` groups. Adaptive M: with
-    ``target_rel_se``, M grows from ``M`` in steps of ``M`` until every figure the headlines
-    report (projections, paired variance / MSE ratios of OTB-type and rloo vs centered and
-    of a scheme vs its ``_exact`` twin) has a relative SE at most the target, pooled over
-    the prompts (each prompt aims at ``target * sqrt(n_prompts)``), or M reaches ``M_cap``;
-    the M used, the largest relative SE and its figure are in ``reference``, the reached
-    pooled relative SE of every headline in the notes. ``min_responses``: at least this many
-    responses per prompt (M raised to the smallest multiple of ``M`` with ``M * max(Gs) >=
-    min_responses``, above ``M_cap`` if need be); ``"auto"``: ``PROXY_MIN_RESPONSES`` (4096)
-    when a label reads the proxy weights (their intervals undercover with fewer), else 0.
+    ``target_rel_se``, a two-stage rule (:func:`~varbench.stats.intervals.planned_groups`): a
+    pilot round of ``M`` groups, never reported, gives the largest relative SE of the figures
+    the headlines report (projections, paired variance / MSE ratios of OTB-type and rloo vs
+    centered and of a scheme vs its ``_exact`` twin), and the reported sample has the whole
+    rounds of ``M`` that scale it to the target, pooled over the prompts (each prompt aims at
+    ``target * sqrt(n_prompts)``), within [floor, ``M_cap``]; the M used, the reached largest
+    relative SE and its figure are in ``reference``, the reached pooled relative SE of every
+    headline in the notes. ``min_responses``: at least this many responses per prompt (M
+    raised to the smallest multiple of ``M`` with ``M * max(Gs) >= min_responses``, above
+    ``M_cap`` if need be); ``"auto"``: ``max(PROXY_MIN_RESPONSES, PROXY_MIN_GROUPS * max(Gs))``
+    when a label reads the proxy weights (their intervals undercover with fewer groups), else
+    0.
     ``sketch_dim``: K of the CountSketch seeded by ``sketch_seed`` (independent of ``seed``,
     which picks the prompts and samples); None for flat vectors (exact contraction, no sketch
     error); ``"auto"``: flat when the model has at most 200k parameters, else 1024. With a
@@ -516,7 +549,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
     if c.rollouts is not None:
         prompts, ext = variance_rollouts(
             c.rollouts, policy, task, prompts, reward=reward, logprob_tol=c.logprob_tol,
-            groups=M_cap if target_rel_se is not None else M_floor, G=Gs[-1], reserve=reserve,
+            groups=plan_sizes.max_groups, G=Gs[-1], reserve=reserve,
             exact_reference=ref_kind == "exact")
     show = show_progress(progress)
     max_len = task.max_new_tokens
@@ -541,69 +574,74 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                 if not bool((table.probs * table.rewards).ne(0).any()):
                     g_ref, desc = None, "exact (J = 0: every response scores 0)"
                 gen = torch.Generator().manual_seed(p_seed)
+                pilot_gen = torch.Generator().manual_seed(p_seed + PILOT_SEED)
 
-                def draw(m, table=table, gen=gen):
-                    return table.sample(m * Gs[-1], gen)
+                def draw(m, table=table, gen=gen, pilot_gen=pilot_gen, pilot=False):
+                    return table.sample(m * Gs[-1], pilot_gen if pilot else gen)
                 sketch_desc, D = table.sketch, table.n_params
             else:
                 if gradients == "projected":  # the same projections for g* and every cell
                     flat_k = None if sketch_dim is None else proj_k
-                    proj = ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
-                                                k_dense=sketch_dim, seed=sketch_seed)
+
+                    def new_proj(flat_k=flat_k):
+                        return ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
+                                                    k_dense=sketch_dim, seed=sketch_seed)
+                    proj = new_proj()
                 g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
                                                  reward=reward, n_ref=n_ref, vec_kw=vec_kw,
                                                  progress=show, proj=proj, pool=pool)
                 rounds, first = [0], []
 
                 def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, proj=proj,
-                         pool=pool):
-                    # round 0 is the historical sample (seed p_seed); later rounds new seeds
-                    s_ = p_seed + 104729 * rounds[0]
-                    rounds[0] += 1
+                         pool=pool, pilot=False):
+                    # round 0 is the historical sample (seed p_seed); later rounds new seeds;
+                    # the pilot its own (its groups are never reported)
+                    s_ = p_seed + (PILOT_SEED if pilot else 104729 * rounds[0])
+                    rounds[0] += not pilot
                     b = (sample(policy, task, [prompt], m * Gs[-1], seed=s_, reward=reward)
                          if pool is None else pool.draw(m * Gs[-1]))
                     if proj is not None:  # no per-token vectors: the arrays go to the host
-                        if not first:
+                        if not first and not pilot:
                             first.append((b, None))
                         return _from_batch(b, _token_sq(policy.model, b) if need_tsq else None)
                     tv = token_vectors(policy.model, b, progress=show, **vec_kw)
-                    if not first:
+                    if not first and not pilot:
                         first.append((b, tv))
                     return _from_sample(b, tv)
                 sketch_desc, D = None, n_params
             kw["contraction"] = proj
+            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
+            M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
+            target_p = None
+            if target_rel_se is not None:
+                # the target is for the figures pooled over n_prompts independent prompts
+                # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
+                target_p = target_rel_se * math.sqrt(n_prompts)
+            if target_p is not None and M_cap > M_floor:
+                # two-stage rule: a pilot round of M groups, never reported, decides M; the
+                # reported groups are drawn apart from it, so their intervals keep nominal
+                # coverage (stopping on the sample's own SE did not: docs/science.md)
+                pilot = draw(M, pilot=True)
+                # the same projections, their own cache (the pilot's groups are not data's)
+                pilot_kw = dict(kw, contraction=None if proj is None else new_proj())
+                r0, _ = _headline_rel_se(pilot, Gs, M, ref=g_ref, mean_len=float(
+                    pilot["mask"].sum(-1).double().mean()), **pilot_kw)
+                M_used = planned_groups(r0, pilot=M, step=M, floor=M_floor, cap=M_cap,
+                                        target=target_p)
+                del pilot
             parts = [draw(M)]
-            while len(parts) * M < M_floor:
+            while len(parts) * M < M_used:
                 parts.append(draw(M))
             # the sketch checked per prompt on the first round (sampled groups only)
             seq_norms = (_sequence_norms(policy.model, *first[0], proj) if table is None
                          else {"seq_sq_exact": float("nan"), "seq_sq_sketched": float("nan")})
-            # target_met: 1.0 / 0.0, NaN without a target (floats survive the cell cache)
-            M_used, rel, met, worst = M_floor, float("nan"), float("nan"), ""
-            if target_rel_se is not None:
-                # rounds are equal-sized: the mean of their means is the mean over responses
-                mean_len0 = sum(float(x["mask"].sum(-1).double().mean()) for x in parts
-                                ) / len(parts)
-
-                worst_name = [""]
-
-                def rel_se(m, parts=parts, g_ref=g_ref, mean_len0=mean_len0, wn=worst_name):
-                    while sum(x["mask"].shape[1] for x in parts) < m * Gs[-1]:
-                        parts.append(draw(M))
-                    d = _concat_arrays(parts) if len(parts) > 1 else parts[0]
-                    r_, wn[0] = _headline_rel_se(d, Gs, m, ref=g_ref, mean_len=mean_len0, **kw)
-                    return r_
-
-                # the target is for the figures pooled over n_prompts independent prompts
-                # (SE ~ 1/sqrt(n_prompts) of a prompt's): each prompt aims at target*sqrt(n)
-                M_used, rel, met_ = adaptive_groups(
-                    rel_se, start=M_floor, step=M, cap=M_cap,
-                    target=target_rel_se * math.sqrt(n_prompts))
-                worst = worst_name[0]
-                met = float(met_)
             data = _concat_arrays(parts) if len(parts) > 1 else parts[0]
             parts.clear()  # one copy of the (possibly flat) vectors from here on
             mean_len = float(data["mask"][0, : M_used * Gs[-1]].sum(-1).double().mean())
+            if target_p is not None:  # the reached relative SE of the reported groups
+                rel, worst = _headline_rel_se(data, Gs, M_used, ref=g_ref, mean_len=mean_len,
+                                              **kw)
+                met = float(rel <= target_p)
             if sketch_desc is None and proj is not None:
                 sketch_desc = ("flat (projected, exact)" if sketch_dim is None
                                else f"projected: {proj.description}")
@@ -701,13 +739,16 @@ def table_cells(
     level: float = 0.95,
     topk_k: int = 1,
     seed: int = 0,
+    sketch_k: int | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
 
     The Monte Carlo cells of :func:`estimator_variance` (``exact=False``) or, for the schemes
     that read only rewards, the exact ones (``exact=True``), against the table's own g*. The
     groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
-    coverage, exact against Monte Carlo) is a loop over seeds.
+    coverage, exact against Monte Carlo) is a loop over seeds. ``sketch_k``: the table's
+    sketch bucket count, to widen the Monte Carlo intervals by the sketch's SD as
+    :func:`estimator_variance` does (None: not widened, the truth in the sketch's space).
     """
     check_knob("G", G, minimum=2)
     check_knob("M", M, minimum=3)
@@ -715,7 +756,7 @@ def table_cells(
     data = table.sample(M * G, torch.Generator().manual_seed(seed))
     return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
                  max_len=T, mean_len=float(T), table=table if exact else None,
-                 interval=interval, n_boot=n_boot, level=level, seed=seed)
+                 sketch_k=sketch_k, interval=interval, n_boot=n_boot, level=level, seed=seed)
 
 
 def _gather_by_prompt(mine, n_g, cells, paired, refs):

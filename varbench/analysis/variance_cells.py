@@ -42,7 +42,9 @@ from varbench.stats.intervals import (
     gram_matrix,
     group_intervals,
     paired_ratio_interval,
+    sketch_pair_sd,
     sketch_sd,
+    widen,
 )
 from varbench.stats.noise_scale import noise_scale_interval
 
@@ -67,11 +69,21 @@ class VectorContraction:
             out.append(combine(v, coef).to(torch.float64).cpu())
         return out
 
-    def error_sd(self, e: torch.Tensor, r: torch.Tensor, gram=None) -> dict[str, float]:
-        """The CountSketch's SD of variance, MSE and projection (0 for flat vectors)."""
+    def error_sd(self, e: torch.Tensor, r: torch.Tensor, gram=None,
+                 mean=None) -> dict[str, float]:
+        """The CountSketch's SD of variance, MSE and projection (0 for flat vectors;
+        ``mean``: an exact cell's E g_hat)."""
         if not self.sketch_k:
             return dict.fromkeys(INTERVAL_STATS, 0.0)
-        return sketch_sd(e, r, self.sketch_k, gram=gram)
+        return sketch_sd(e, r, self.sketch_k, gram=gram, mean=mean)
+
+    def pair_error_sd(self, e, eb, r, gram=None, gram_b=None) -> dict[str, dict[str, float]]:
+        """``{stat: {log_ratio, diff}}``: the CountSketch's SD of two schemes' log ratio and
+        difference of variance and MSE on one sketch draw
+        (:func:`~varbench.stats.intervals.sketch_pair_sd`; 0 for flat vectors)."""
+        if not self.sketch_k:
+            return dict.fromkeys(("variance", "mse"), {"log_ratio": 0.0, "diff": 0.0})
+        return sketch_pair_sd(e, eb, r, self.sketch_k, gram_a=gram, gram_b=gram_b)
 
 
 class ProjectedContraction:
@@ -139,9 +151,24 @@ class ProjectedContraction:
                 self.cache[key] = new[j] if old is None else torch.cat([old[:m0], new[j]])
         return [self.cache[key][: coef.shape[0]] for key, coef in sets]
 
-    def error_sd(self, e: torch.Tensor, r: torch.Tensor, gram=None) -> dict[str, float]:
-        """The projection's SD estimate of variance, MSE and projection (:func:`projection_sd`)."""
+    def error_sd(self, e: torch.Tensor, r: torch.Tensor, gram=None,
+                 mean=None) -> dict[str, float]:
+        """The projection's SD estimate of variance, MSE and projection (:func:`projection_sd`;
+        ``mean`` unused: no exact cells on this path)."""
         return projection_sd(e, r, self.blocks or [])
+
+    def pair_error_sd(self, e, eb, r, gram=None, gram_b=None) -> dict[str, dict[str, float]]:
+        """``{stat: {log_ratio, diff}}``: SD bounds of two schemes' log ratio and difference of
+        variance and MSE, ``sd_a/a + sd_b/b`` and ``sd_a + sd_b``, true whatever the two
+        errors' correlation (the projection's covariance of two schemes is not modelled)."""
+        sa, sb = self.error_sd(e, r, gram), self.error_sd(eb, r, gram_b)
+        va, vb = variance_stats(e, r), variance_stats(eb, r)
+        out = {}
+        for k in ("variance", "mse"):
+            a, b = va[k][0], vb[k][0]
+            rel = sa[k] / a + sb[k] / b if a > 0 and b > 0 else float("nan")
+            out[k] = {"log_ratio": rel, "diff": sa[k] + sb[k]}
+        return out
 
 
 def group_advantages(label, rewards, mask, logprobs, sum_pi_sq, token_sq, *, k=1):
@@ -258,16 +285,6 @@ def _exact_cell(table, label, mode, G, ref, *, topk_k, max_len):
         return None  # the scheme needs token statistics: Monte Carlo
 
 
-def _widen(st: dict[str, float], sd: float, z: float) -> dict[str, float]:
-    """Add a sketch standard deviation in quadrature to an SE and to both sides of a CI."""
-    if sd == 0 or not math.isfinite(sd):
-        return st
-    v = st["value"]
-    return {"value": v, "se": math.hypot(st["se"], sd),
-            "ci_low": v - math.hypot(v - st["ci_low"], z * sd),
-            "ci_high": v + math.hypot(st["ci_high"] - v, z * sd)}
-
-
 def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=None,
           sketch_k=None, interval="studentized", n_boot=1000, level=0.95, seed=0,
           intervals=True, contraction=None):
@@ -333,13 +350,14 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             if ex is not None:
                 # an exact contraction of sketched vectors is exact for the sketch, not for the
                 # gradients: its one draw's error (read from the sampled groups) is its SE
-                _set_exact(row, ex, contraction.error_sd(e, r, gram) if table_k else None, z)
+                _set_exact(row, ex, contraction.error_sd(e, r, gram, mean=ex["mean"])
+                           if table_k else None, z)
             elif r is not None and intervals:
                 iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
                                      method=interval, gram=gram)
                 sd = contraction.error_sd(e, r, gram)
                 for k in INTERVAL_STATS:
-                    w = _widen(iv[k], sd[k], z)
+                    w = widen(iv[k], sd[k], z)
                     row[f"{k}_se"], row[f"{k}_ci_low"], row[f"{k}_ci_high"] = (
                         w["se"], w["ci_low"], w["ci_high"])
                     row[f"{k}_sketch_sd"] = sd[k]
@@ -356,12 +374,17 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     for label, base in headline_pairs(labels):
         for mode in modes:
             (e, r, ex, gram), (eb, _, exb, gram_b) = est[label, mode], est[base, mode]
+            # one sketch draw under both schemes: the SDs of their ratios and differences
+            psds = (contraction.pair_error_sd(e, eb, r, gram, gram_b)
+                    if r is not None and (intervals or ex is not None) else None)
             for stat in ("variance", "mse"):
                 if stat == "mse" and r is None:
                     continue
                 row = {"scheme": label, "baseline": base, "G": G, "mode": mode, "stat": stat}
+                psd = None if psds is None else psds[stat]
                 if ex is not None and exb is not None:
-                    row.update(_exact_ratio(ex, exb, stat, z), method=exact_label)
+                    row.update(_exact_ratio(ex, exb, stat, z, psd if table_k else None),
+                               method=exact_label)
                 else:
                     c = paired_compare(e, eb, r, stat=stat)
                     row.update(ratio=c["ratio"], ratio_se=c["ratio_se"], diff=c["diff"],
@@ -371,7 +394,12 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                         pi = paired_ratio_interval(e, eb, r, stat=stat, level=level,
                                                    n_boot=n_boot, seed=seed, method=interval,
                                                    gram_a=gram, gram_b=gram_b)
-                        row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"])
+                        pi = widen(pi, psd["log_ratio"], z, log=True)
+                        row.update(ratio_ci_low=pi["ci_low"], ratio_ci_high=pi["ci_high"],
+                                   ratio_se=math.hypot(c["ratio_se"], c["ratio"]
+                                                       * psd["log_ratio"]),
+                                   diff_se=math.hypot(c["diff_se"], psd["diff"]),
+                                   ratio_sketch_sd=psd["log_ratio"])
                         few = min(distinct_estimates(e), distinct_estimates(eb))
                         row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS
                                                      or pi["ci_low"] == pi["ci_high"])
@@ -379,16 +407,17 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     return pd.DataFrame(rows), pd.DataFrame(paired)
 
 
-def _exact_ratio(row: dict, base: dict, stat: str, z: float) -> dict[str, float]:
+def _exact_ratio(row: dict, base: dict, stat: str, z: float,
+                 sd: dict[str, float] | None) -> dict[str, float]:
     """Ratio and difference of two exact cells' ``stat``; with sketched vectors (both cells
-    share one sketch draw) an SE from their sketch SEs that holds whatever the two errors'
-    correlation: ``sd(log a - log b) <= sd_a / a + sd_b / b`` (first order)."""
+    share one sketch draw) ``sd``: the SDs of the log ratio and the difference over the sketch
+    (``pair_error_sd`` of the cells' sampled groups), as SEs and ``-/+ z sd`` intervals."""
     a, b = row[stat], base[stat]
-    sa, sb = row[f"{stat}_se"], base[f"{stat}_se"]
     ratio = a / b if b else float("nan")
-    rel = sa / a + sb / b if a > 0 and b > 0 else (0.0 if sa == sb == 0 else float("nan"))
-    return {"ratio": ratio, "ratio_se": abs(ratio) * rel, "diff": a - b, "diff_se": sa + sb,
-            "ratio_ci_low": ratio * math.exp(-z * rel), "ratio_ci_high": ratio * math.exp(z * rel)}
+    rel, dsd = (0.0, 0.0) if sd is None else (sd["log_ratio"], sd["diff"])
+    return {"ratio": ratio, "ratio_se": abs(ratio) * rel, "diff": a - b, "diff_se": dsd,
+            "ratio_ci_low": ratio * math.exp(-z * rel), "ratio_ci_high": ratio * math.exp(z * rel),
+            "ratio_sketch_sd": rel}
 
 
 def _set_exact(row: dict, ex: dict[str, float], sketch: dict[str, float] | None = None,

@@ -33,6 +33,14 @@ replicates), the 95% intervals of otb's variance, MSE and otb / otb_exact varian
 4096."""
 
 
+PROXY_MIN_GROUPS = 1024
+"""Groups per prompt at every G that ``min_responses="auto"`` requires when a label reads the
+proxy weights (``max(PROXY_MIN_RESPONSES, PROXY_MIN_GROUPS * max G)`` responses): the group
+count at which their intervals reach nominal coverage on the heavier coverage setup
+(docs/science.md, the coverage table; tests/test_coverage.py). At 4,096 responses G = 8 has only
+512 groups, and OTB's variance / MSE intervals covered 0.885 / 0.900 there."""
+
+
 MIN_DISTINCT_GROUPS = 3
 """Fewest distinct group estimates a Monte Carlo interval is computed from without being
 flagged degenerate (the analysis's own minimum M): a bootstrap over fewer distinct values (e.g.
@@ -160,16 +168,24 @@ def variance_headlines(
         notes.append(f"Groups per prompt (every response is used at every G): {used}.")
     proxy = [s for s in sorted(set(cells["scheme"]) if len(cells) else ()) if
              reads_proxy_weights(s)]
-    if proxy and len(ref) and "responses" in ref:
-        few = [f"p{int(r.prompt)}: {int(r.responses)}" for r in ref.itertuples()
-               if r.responses < PROXY_MIN_RESPONSES]
+    if proxy and len(ref) and "responses" in ref and len(cells):
+        # every response is used at every G: a prompt's groups at G are its responses // G
+        Gs = sorted({int(g) for g in cells["G"]})
+        few = []
+        for r in ref.itertuples():
+            low = [f"G={G}: {int(r.responses) // G}" for G in Gs
+                   if int(r.responses) // G < PROXY_MIN_GROUPS]
+            if low:
+                few.append(f"p{int(r.prompt)}: {', '.join(low)}")
         if few:
             notes.append(
                 f"The intervals of {', '.join(proxy)} (proxy weights) rest on fewer than "
-                f"{PROXY_MIN_RESPONSES} responses per prompt ({'; '.join(few)}): their variance, "
+                f"{PROXY_MIN_GROUPS} groups at some G ({'; '.join(few)} groups): their variance, "
                 "MSE and proxy-cost intervals are too narrow there (measured coverage of a "
-                "nominal 95%: 0.90 with 512 responses, 0.92-0.93 with 2048, 0.94-0.95 with "
-                f"4096). min_responses='auto' samples {PROXY_MIN_RESPONSES}.")
+                "nominal 95%: 0.885 / 0.900 with 512 groups at G = 8 on the heavier setup; "
+                "docs/science.md). min_responses='auto' samples max("
+                f"{PROXY_MIN_RESPONSES}, {PROXY_MIN_GROUPS} * max G) responses per prompt: at "
+                f"least {PROXY_MIN_GROUPS} groups at every G.")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "

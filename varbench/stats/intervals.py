@@ -18,8 +18,8 @@ Supported statistics: ``variance`` (trace of the covariance), ``mse`` (mean ||g_
 ``projection`` (mean g_m . g* / ||g*||^2), and paired ratios of variance or MSE between two
 schemes evaluated on the same groups (``paired_ratio_interval``).
 
-``adaptive_groups`` decides how many groups a Monte Carlo cell needs: the smallest M (in steps)
-at which every tracked relative SE meets the target, capped.
+``planned_groups`` decides how many groups a Monte Carlo cell needs from a pilot's relative SE
+(a two-stage rule: the reported groups are drawn apart from the pilot), capped.
 """
 
 from __future__ import annotations
@@ -218,52 +218,171 @@ def paired_ratio_interval(
     return {"value": th, "se": se, "ci_low": lo, "ci_high": hi}
 
 
+def _rows(x: torch.Tensor, ref: torch.Tensor, stat: str) -> tuple[torch.Tensor, float]:
+    """The rows a of ``stat = sum_m w ||a_m||^2`` and their weight w: the centred estimates
+    with 1/(M-1) (variance) or the errors about g* with 1/M (MSE)."""
+    M = x.shape[0]
+    if stat == "variance":
+        return x - x.mean(0), 1.0 / (M - 1)
+    return x - ref, 1.0 / M
+
+
+def _rows_gram(h: torch.Tensor, xa: torch.Tensor, xb: torch.Tensor, ref: torch.Tensor,
+               stat: str) -> torch.Tensor:
+    """``A B^T`` of two sets' :func:`_rows` read from ``h = X_a X_b^T`` (a Gram matrix when
+    a = b): centring costs O(M^2), not O(M^2 K)."""
+    if stat == "variance":
+        return h - h.mean(1, keepdim=True) - h.mean(0, keepdim=True) + h.mean()
+    return h - (xa @ ref)[:, None] - (xb @ ref)[None, :] + float(ref @ ref)
+
+
+def _quad_cov(a: torch.Tensor, wa: float, b: torch.Tensor, wb: float, K: int,
+              ab: torch.Tensor) -> float:
+    """Covariance over the CountSketch of ``sum_m wa ||S a_m||^2`` and ``sum_n wb ||S b_n||^2``
+    from the sketched rows and their cross Gram ``ab = A B^T``.
+
+    For fixed D-space rows it is ``(2/K) (F - Delta)`` (CountSketch's ``Cov[<Sx, Sy>, <Sz,
+    Sw>] = (<x,z><y,w> + <x,w><y,z> - 2 sum_i x_i y_i z_i w_i) / K``), with ``F = sum_{m,n}
+    wa wb <a_m, b_n>^2`` and the fourth-moment term ``Delta = sum_i c_{a,i} c_{b,i}``, ``c_{a,i}
+    = sum_m wa a_{m,i}^2``. Their sketched analogues (with ``QQ = Q_a Q_b``, ``P = sum_k
+    c_{a,k} c_{b,k}`` over buckets) have expectations, over S,
+
+        E[QQ^] = QQ + (2/K) F - (2/K) Delta
+        E[F^]  = QQ/K + (1 + 1/K) F - (2/K) Delta
+        E[P^]  = QQ/K + (2/K) F + (1 - 3/K) Delta
+
+    solved for (QQ, F, Delta): unbiased plug-ins, Delta kept in [0, F]. K <= 3 leaves the
+    system singular: Delta = 0 there, an upper bound."""
+    f = wa * wb * float((ab * ab).sum())
+    ca, cb = wa * (a * a).sum(0), wb * (b * b).sum(0)
+    qq = float(ca.sum()) * float(cb.sum())
+    if K <= 3:
+        return 2 * f / K
+    A = torch.tensor([[1, 2 / K, -2 / K], [1 / K, 1 + 1 / K, -2 / K], [1 / K, 2 / K, 1 - 3 / K]],
+                     dtype=torch.float64, device="cpu")
+    rhs = torch.tensor([qq, f, float(ca @ cb)], dtype=torch.float64, device="cpu")
+    _, F, d = (float(v) for v in torch.linalg.solve(A, rhs))
+    F = max(F, 0.0)
+    return 2 * (F - min(max(d, 0.0), F)) / K
+
+
 def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int, *,
-              gram: torch.Tensor | None = None) -> dict[str, float]:
+              gram: torch.Tensor | None = None,
+              mean: torch.Tensor | None = None) -> dict[str, float]:
     """Standard deviation, over the random CountSketch, of variance, MSE and projection.
 
-    For a CountSketch S with K buckets and fixed x, y: ``Var[<Sx, Sy>] <= (||x||^2 ||y||^2 +
-    <x, y>^2) / K`` (``varbench.grads.vectors.CountSketch``). The variance is ``tr C`` of the
-    covariance C = sum_m u_m u_m^T / (M-1) (u centred), whose sketch has variance
-    ``<= 2 ||C||_F^2 / K``; ``||C||_F^2`` is read from the (sketched) centred Gram matrix.
-    Likewise the MSE with the second moment about g*, and the projection with
-    ``(||g_bar||^2 ||g*||^2 + (g_bar . g*)^2) / K`` over ``||g*||^4``. These are plug-in upper
-    bounds (they drop the negative fourth-moment term): added in quadrature to an SE they make
-    intervals conservative, never optimistic, about the sketch.
+    The variance is ``sum_m ||S u_m||^2 / (M-1)`` (u centred), the MSE ``sum_m ||S e_m||^2 / M``
+    (e = x - g*): a sketched quadratic whose variance is ``(2/K) (||C||_F^2 - sum_i C_ii^2)``
+    (:func:`_quad_cov`, C the D-space second moment), ``||C||_F^2`` read from the sketched
+    Gram matrix and the fourth-moment term ``sum_i C_ii^2`` from its per-bucket analogue. The
+    projection ``<S g_bar, S g*> / ||S g*||^2`` has both sides sketched by one S; to first
+    order its error is ``<S y, S g*> / ||g*||^2`` with ``y = g_bar - p g*`` (the part of g_bar
+    off g*), so ``Var = (||y||^2 ||g*||^2 - 2 sum_i y_i^2 g*_i^2) / (K ||g*||^4)``: near 0 when
+    g_bar is along g*, as the reference's own sketch error cancels. All plug-ins from the
+    sketched vectors, the sample taken as fixed (float64; tested against sketch draws).
+    ``mean``: the exact ``E g_hat`` (an exact cell's projection is at it, not at the sample's
+    g_bar: y is then exact, 0 where E g_hat is along g*, as for reward-only schemes with two
+    reward levels).
     """
     x = estimates.detach().to(torch.float64)
     ref = reference.detach().to(torch.float64).reshape(-1)
     M = x.shape[0]
     _check_gram(gram, M)
     G = gram_matrix(x) if gram is None else gram.to(torch.float64)
-    # both Gram matrices from X X^T: centred (u = x - x_bar) and about g* (e = x - g*)
-    r = G.sum(1) / M  # x_m . x_bar
-    s = float(r.sum()) / M  # ||x_bar||^2
-    cu = (G - r[:, None] - r[None, :] + s) / (M - 1)
-    xg = x @ ref
+    out = {}
+    for stat in ("variance", "mse"):
+        a, w = _rows(x, ref, stat)
+        out[stat] = _quad_cov(a, w, a, w, K, _rows_gram(G, x, x, ref, stat)) ** 0.5
     gg = float(ref @ ref)
-    ce = (G - xg[:, None] - xg[None, :] + gg) / M
-    gbar_ref = float(xg.mean())
-    # g* = 0 (every reference response scored the same): the projection is undefined
-    proj = (((s * gg + gbar_ref ** 2) / K) ** 0.5 / gg if gg > 0 else float("nan"))
-    return {"variance": float(2 * (cu * cu).sum() / K) ** 0.5,
-            "mse": float(2 * (ce * ce).sum() / K) ** 0.5, "projection": proj}
+    if gg > 0:
+        gbar = x.mean(0) if mean is None else mean.detach().to(torch.float64).reshape(-1)
+        y = gbar - float(gbar @ ref) / gg * ref
+        # the sketched y = S g_bar - p S g* is S y less its own error along S g*, so
+        # E[||y||^2 ||g*||^2] = (1 - 1/K) ||y||^2 ||g*||^2 and E[sum_k y_k^2 g*_k^2] =
+        # (1 - 3/K) Delta + ||y||^2 ||g*||^2 / K (first order; <y, g*> = 0): solved for both
+        yg = float(y @ y) * gg / (1 - 1 / K)
+        d = 0.0 if K <= 3 else min(max(
+            (float((y * y) @ (ref * ref)) - yg / K) / (1 - 3 / K), 0.0), yg / 2)
+        out["projection"] = max(yg - 2 * d, 0.0) ** 0.5 / (K ** 0.5 * gg)
+    else:  # g* = 0 (every reference response scored the same): the projection is undefined
+        out["projection"] = float("nan")
+    return out
 
 
-def adaptive_groups(rel_se: Callable[[int], float], *, start: int, step: int, cap: int,
-                    target: float) -> tuple[int, float, bool]:
-    """Grow M from ``start`` by ``step`` until ``rel_se(M) <= target`` or M reaches ``cap``.
+def sketch_pair_sd(estimates_a: torch.Tensor, estimates_b: torch.Tensor,
+                   reference: torch.Tensor, K: int, *, stats: tuple[str, ...] = ("variance", "mse"),
+                   gram_a: torch.Tensor | None = None,
+                   gram_b: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
+    """``{stat: {log_ratio, diff}}``: SDs over the CountSketch of ``log(stat_a / stat_b)`` and
+    ``stat_a - stat_b`` for two schemes' estimates on the SAME groups and ONE sketch draw:
+    ``Var(log a - log b) = V_a/a^2 + V_b/b^2 - 2 C_ab/(a b)`` (first order) with the covariance
+    ``C_ab`` of the two errors (:func:`_quad_cov` of their cross Gram matrix, one O(M^2 K)
+    product for every stat). The two errors are strongly positively correlated (one S), so
+    this is much smaller than ``sd_a/a + sd_b/b``."""
+    for st in stats:
+        check_choice("stat", st, ("variance", "mse"))
+    xa = estimates_a.detach().to(torch.float64)
+    xb = estimates_b.detach().to(torch.float64)
+    ref = reference.detach().to(torch.float64).reshape(-1)
+    if xa.shape != xb.shape:
+        raise UsageError(f"paired schemes need the same groups: {list(xa.shape)} vs "
+                         f"{list(xb.shape)}")
+    M = xa.shape[0]
+    _check_gram(gram_a, M, "gram_a")
+    _check_gram(gram_b, M, "gram_b")
+    ga = gram_matrix(xa) if gram_a is None else gram_a.to(torch.float64)
+    gb = gram_matrix(xb) if gram_b is None else gram_b.to(torch.float64)
+    h = xa @ xb.T
+    out = {}
+    for stat in stats:
+        a, wa = _rows(xa, ref, stat)
+        b, wb = _rows(xb, ref, stat)
+        aa, bb = _rows_gram(ga, xa, xa, ref, stat), _rows_gram(gb, xb, xb, ref, stat)
+        va, vb = _quad_cov(a, wa, a, wa, K, aa), _quad_cov(b, wb, b, wb, K, bb)
+        cab = _quad_cov(a, wa, b, wb, K, _rows_gram(h, xa, xb, ref, stat))
+        qa, qb = wa * float(aa.diagonal().sum()), wb * float(bb.diagonal().sum())
+        diff = max(va + vb - 2 * cab, 0.0) ** 0.5
+        rel = (max(va / qa**2 + vb / qb**2 - 2 * cab / (qa * qb), 0.0) ** 0.5
+               if qa > 0 and qb > 0 else float("nan"))
+        out[stat] = {"log_ratio": rel, "diff": diff}
+    return out
 
-    ``rel_se(M)`` evaluates the largest tracked relative SE with the first M groups (the caller
-    samples more as needed). Returns ``(M, rel_se, met)``. Caveat: stopping on an estimated SE
-    favours samples whose SE happens to be small; ``start`` should not be tiny (>= 32).
-    """
-    if start < 3 or step < 1 or cap < start:
-        raise UsageError(f"adaptive M needs 3 <= start <= cap and step >= 1; got start={start}, "
-                         f"step={step}, cap={cap}")
-    M = start
-    r = rel_se(M)
-    while r > target and M < cap:
-        M = min(cap, M + step)
-        r = rel_se(M)
-    return M, r, r <= target
+
+def widen(st: dict[str, float], sd: float, z: float, *, log: bool = False) -> dict[str, float]:
+    """Add a sketch standard deviation in quadrature to an SE and to both sides of an interval
+    ``{value, se, ci_low, ci_high}``; ``log``: ``sd`` is of ``log value`` and the sides are
+    widened on the log scale (a ratio's interval stays positive)."""
+    if sd == 0 or not math.isfinite(sd):
+        return st
+    v = st["value"]
+    if not log:
+        return {**st, "se": math.hypot(st["se"], sd),
+                "ci_low": v - math.hypot(v - st["ci_low"], z * sd),
+                "ci_high": v + math.hypot(st["ci_high"] - v, z * sd)}
+    if not v > 0 or not st["ci_low"] > 0:
+        return {**st, "se": math.hypot(st["se"], v * sd)}
+    lo, hi = math.log(st["ci_low"] / v), math.log(st["ci_high"] / v)
+    return {**st, "se": math.hypot(st["se"], v * sd),
+            "ci_low": v * math.exp(-math.hypot(lo, z * sd)),
+            "ci_high": v * math.exp(math.hypot(hi, z * sd))}
+
+
+def planned_groups(pilot_rel_se: float, *, pilot: int, step: int, floor: int, cap: int,
+                   target: float) -> int:
+    """Groups of the reported sample by a two-stage (Stein) rule: the largest tracked relative
+    SE of a pilot of ``pilot`` groups, scaled as ``1/sqrt(M)``, meets ``target`` at
+    ``pilot (rel / target)^2`` groups; rounded up to whole steps, within [floor, cap].
+
+    The reported intervals then rest on groups drawn apart from the pilot, so M does not depend
+    on their own SE: growing M until the sample's own SE met the target favoured samples whose
+    SE happened to be small (0.91-0.92 coverage, docs/science.md). An unknown pilot SE (NaN):
+    the cap."""
+    if pilot < 3 or step < 1 or cap < floor or floor < 1:
+        raise UsageError(f"the two-stage M needs pilot >= 3, step >= 1 and 1 <= floor <= cap; "
+                         f"got pilot={pilot}, step={step}, floor={floor}, cap={cap}")
+    if not target > 0:
+        raise UsageError(f"target={target!r} is not valid; expected a relative SE > 0")
+    if not math.isfinite(pilot_rel_se):
+        return cap
+    need = pilot * (pilot_rel_se / target) ** 2
+    return int(min(cap, max(floor, step * math.ceil(need / step))))
