@@ -9,11 +9,11 @@ Carlo like the quickstart's, pooled over the prompts through ``_pool``).
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import _coverage as C
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 REPS = 200
