@@ -369,11 +369,12 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                 # 1.0 / 0.0 (a float: pooled over prompts, > 0 when any prompt's is)
                 row["degenerate_ci"] = float(row["distinct_groups"] < MIN_DISTINCT_GROUPS or any(
                     row[f"{k}_ci_high"] == row[f"{k}_ci_low"] for k in INTERVAL_STATS))
-            est[label, mode] = (e, r, None if ex is None else row, gram)
+            est[label, mode] = (e, r, None if ex is None else row, gram,
+                                row["distinct_groups"])
             rows.append(row)
     for label, base in headline_pairs(labels):
         for mode in modes:
-            (e, r, ex, gram), (eb, _, exb, gram_b) = est[label, mode], est[base, mode]
+            (e, r, ex, gram, nd), (eb, _, exb, gram_b, nd_b) = est[label, mode], est[base, mode]
             # one sketch draw under both schemes: the SDs of their ratios and differences
             psds = (contraction.pair_error_sd(e, eb, r, gram, gram_b)
                     if r is not None and (intervals or ex is not None) else None)
@@ -400,7 +401,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                                                        * psd["log_ratio"]),
                                    diff_se=math.hypot(c["diff_se"], psd["diff"]),
                                    ratio_sketch_sd=psd["log_ratio"])
-                        few = min(distinct_estimates(e), distinct_estimates(eb))
+                        # the cells' distinct counts (torch.unique of [M, K]: once per set)
+                        few = min(nd, nd_b)
                         row["degenerate_ci"] = float(few < MIN_DISTINCT_GROUPS
                                                      or pi["ci_low"] == pi["ci_high"])
                 paired.append(row)
