@@ -69,7 +69,7 @@ from varbench.analysis.cancellation import ppo_logps
 from varbench.analysis.oracle import enumerate_distribution, response_table
 from varbench.analysis.proxy import token_records
 from varbench.analysis.trie import shared_steps
-from varbench.analysis.variance import table_cells
+from varbench.analysis.variance_cells import table_cells
 from varbench.estimators.coefficients import sample_weights
 from varbench.estimators.loss import policy_loss
 from varbench.estimators.registry import advantages

@@ -72,7 +72,7 @@ def truth(setup: Setup, G: int, schemes: list[str], *, mc_groups: int = 400_000,
           seed: int = 12_345) -> dict[tuple[str, str], float]:
     """``{(scheme, stat): value}``: closed forms where the scheme reads rewards only, else a
     flat Monte Carlo of ``mc_groups`` groups (in the embedding: the flat inner products)."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     out: dict[tuple[str, str], float] = {}
     ex, _ = table_cells(setup.embedded, G, 8, schemes=schemes, exact=True)
@@ -162,7 +162,7 @@ def _pilot_rel_se(tabs, G, pilot, schemes, rep) -> float:
 
 def _cells(tabs, G, M, schemes, rep, n_boot, exact):
     """One replicate's (cells, paired) of every prompt's (sketched) table."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     cells, paired = [], []
     for p, tab in enumerate(tabs):

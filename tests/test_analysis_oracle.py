@@ -104,7 +104,7 @@ def _sketched(table, K=64):
 def test_exact_moments_known_answers(table1):
     """centered's projection is (G-1)/G, rloo's 1; rloo/centered variance = (G/(G-1))^2; the
     all-agree share is sum_k q_k^G."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     q = float((table1.probs * table1.rewards).sum())
     for G in (2, 4):
@@ -131,7 +131,7 @@ def test_exact_cells_of_a_sketch_say_their_error(table1):
     binomial SEs of 40 draws: 0.95 - 2 * 0.034 = 0.88 -> 36 / 40)."""
     from dataclasses import replace
 
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
     from varbench.grads.vectors import CountSketch
 
     schemes = ["centered", "rloo", "normalized", "topk"]
@@ -174,7 +174,7 @@ def test_exact_cells_of_a_sketch_say_their_error(table1):
 def test_exact_cells_equal_a_large_monte_carlo(table1):
     """Exact variance, MSE and projection of every reward-only scheme lie within 4 SE of a
     Monte Carlo over 3,000 groups drawn from the same table (sketched to K = 64)."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     tab = _sketched(table1)
     schemes = ["centered", "rloo", "normalized", "topk"]
@@ -196,7 +196,7 @@ def test_interval_coverage_fast(table1):
     variance and MSE ratios: coverage >= 0.85 for each (nominal 0.95; 60 replicates have a
     binomial SE of ~3 points; on the slow test's setup a normal interval with the same SE
     covered 0.86-0.90 over 1,000 replicates). The slow test measures within 2 points."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     tab = _sketched(table1)
     ex, _ = table_cells(tab, 4, 8, schemes=["centered"], exact=True)
@@ -219,7 +219,7 @@ def _mc_truth(tab, G, schemes, n_groups, *, chunk=20_000, seed=12_345):
 
 def _coverage_all(tab, G, M, reps, truth, schemes, *, interval="studentized", n_boot=1000):
     """Coverage of every cell interval and every paired ratio interval vs centered."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     hits: dict[tuple[str, str], list[bool]] = {}
     threads = torch.get_num_threads()
@@ -275,7 +275,7 @@ def test_interval_coverage_slow():
     measured SHORTFALL (>= 0.88). Truth: exact cells for the reward-only schemes, a
     400,000-group Monte Carlo from the same table for OTB (relative SE ~0.3%, against
     interval half-widths of 30-40%)."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     tab = _coverage_setup()
     exact = ["centered", "rloo", "normalized"]

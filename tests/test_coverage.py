@@ -21,7 +21,7 @@ def test_embedding_keeps_every_statistic(micro_setups):
     MSE and projection of every reward-only scheme at G = 2, 4, 8 agree to 1e-9 relative
     (float64); the sketched table's do not (the sketch moves them), so the check can fail;
     its projection does not move (two reward levels) and its SE is 0."""
-    from varbench.analysis.variance import table_cells
+    from varbench.analysis.variance_cells import table_cells
 
     s = micro_setups[0]
     assert s.embedded.vec.shape[-1] < s.flat.vec.shape[-1]

@@ -51,7 +51,7 @@ from varbench._util.imports import is_reference
 from varbench._util.progress import show_progress
 from varbench.analysis._common import CellCache, concat, placement_of
 from varbench.analysis.kinds import AnalysisKind, one_task, register_analysis
-from varbench.analysis.oracle import ResponseTable, enumerate_distribution, response_table
+from varbench.analysis.oracle import enumerate_distribution, response_table
 from varbench.analysis.plan import Plan, gradient_path, path_memory
 from varbench.analysis.variance_cells import (
     GRADIENTS,
@@ -64,6 +64,7 @@ from varbench.analysis.variance_cells import (
     group_coefficients,
     group_estimates,
     headline_pairs,
+    table_cells,
 )
 from varbench.analysis.variance_report import (
     PROXY_MIN_GROUPS,
@@ -724,39 +725,6 @@ def _token_sq(model, batch) -> torch.Tensor:
     tok = token_grad_norms(model, flat.input_ids, flat.response_mask, flat.attention_mask,
                            progress=False).token_sq
     return batch.to_groups(tok)
-
-
-def table_cells(
-    table: ResponseTable,
-    G: int,
-    M: int,
-    *,
-    schemes: Sequence[str] = ("centered", "otb"),
-    modes: Sequence[str] = ("seq-mean-token-sum",),
-    exact: bool = False,
-    interval: str = "studentized",
-    n_boot: int = 1000,
-    level: float = 0.95,
-    topk_k: int = 1,
-    seed: int = 0,
-    sketch_k: int | None = None,
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
-
-    The Monte Carlo cells of :func:`estimator_variance` (``exact=False``) or, for the schemes
-    that read only rewards, the exact ones (``exact=True``), against the table's own g*. The
-    groups are drawn with ``torch.Generator().manual_seed(seed)``: a replicate study (interval
-    coverage, exact against Monte Carlo) is a loop over seeds. ``sketch_k``: the table's
-    sketch bucket count, to widen the Monte Carlo intervals by the sketch's SD as
-    :func:`estimator_variance` does (None: not widened, the truth in the sketch's space).
-    """
-    check_knob("G", G, minimum=2)
-    check_knob("M", M, minimum=3)
-    T = table.mask.shape[1]
-    data = table.sample(M * G, torch.Generator().manual_seed(seed))
-    return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
-                 max_len=T, mean_len=float(T), table=table if exact else None,
-                 sketch_k=sketch_k, interval=interval, n_boot=n_boot, level=level, seed=seed)
 
 
 def _gather_by_prompt(mine, n_g, cells, paired, refs):

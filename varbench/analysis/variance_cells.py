@@ -23,8 +23,9 @@ from typing import Any
 import pandas as pd
 import torch
 
+from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError
-from varbench.analysis.oracle import exact_moments
+from varbench.analysis.oracle import ResponseTable, exact_moments
 from varbench.analysis.variance_report import MIN_DISTINCT_GROUPS, distinct_estimates
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
@@ -456,3 +457,36 @@ def headline_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     pairs = [(lab, "centered") for lab in labels if lab != "centered" and "centered" in labels]
     return pairs + [(lab, exact_label(lab)) for lab in labels if exact_label(lab) in labels]
 
+
+def table_cells(
+    table: ResponseTable,
+    G: int,
+    M: int,
+    *,
+    schemes: Sequence[str] = ("centered", "otb"),
+    modes: Sequence[str] = ("seq-mean-token-sum",),
+    exact: bool = False,
+    interval: str = "studentized",
+    n_boot: int = 1000,
+    level: float = 0.95,
+    topk_k: int = 1,
+    seed: int = 0,
+    sketch_k: int | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(cells, paired)`` of M groups of G drawn from an enumerated ``table`` (one prompt).
+
+    The Monte Carlo cells of :func:`~varbench.analysis.variance.estimator_variance`
+    (``exact=False``) or, for the schemes that read only rewards, the exact ones
+    (``exact=True``), against the table's own g*. The groups are drawn with
+    ``torch.Generator().manual_seed(seed)``: a replicate study (interval coverage, exact
+    against Monte Carlo) is a loop over seeds. ``sketch_k``: the table's sketch bucket count,
+    to widen the Monte Carlo intervals by the sketch's SD as the analysis does (None: not
+    widened, the truth in the sketch's space).
+    """
+    check_knob("G", G, minimum=2)
+    check_knob("M", M, minimum=3)
+    T = table.mask.shape[1]
+    data = table.sample(M * G, torch.Generator().manual_seed(seed))
+    return _cell(data, G, M, list(schemes), list(modes), table.reference(), topk_k=topk_k,
+                 max_len=T, mean_len=float(T), table=table if exact else None,
+                 sketch_k=sketch_k, interval=interval, n_boot=n_boot, level=level, seed=seed)
