@@ -49,6 +49,8 @@ def test_every_suite_case_kind_takes_device():
 def _fake_cuda(monkeypatch, available: bool = True) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if available else 0)
+    if available:  # the cost plan asks the device's free memory before loading (80 GB GPU)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
 
 
 def test_resolver_default_follows_cuda_availability(monkeypatch):
