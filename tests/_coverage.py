@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pilot", type=int, default=64, help="adaptive: pilot groups")
     ap.add_argument("--mc-groups", type=int, default=400_000)
     ap.add_argument("--chunk", type=int, default=20, help="replicates between CSV writes")
+    ap.add_argument("--start", type=int, default=0,
+                    help="first replicate seed (a study extended with new seeds)")
     ap.add_argument("--out", required=True, help="CSV of this run (rewritten per chunk)")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     total: dict = {}
     for first in range(0, a.reps, a.chunk):  # the CSV is rewritten after every chunk
         part = coverage(setups, a.G, a.groups, min(a.chunk, a.reps - first), truths, schemes,
-                        K=a.K, n_boot=a.n_boot, exact=a.variant == "exact", start=first,
+                        K=a.K, n_boot=a.n_boot, exact=a.variant == "exact",
+                        start=a.start + first,
                         adaptive=((a.target, a.cap, a.pilot) if a.variant == "adaptive"
                                   else None))
         for k, (h, n, m) in part.items():

@@ -125,7 +125,8 @@ def test_exact_moments_known_answers(table1):
 def test_exact_cells_of_a_sketch_say_their_error(table1):
     """A table small enough to contract flat (D = its parameter count) against the same table
     count-sketched to K = 64 under 40 sketch seeds: flat cells are ``exact`` with SE 0; sketched
-    ones ``exact-sketched``, their SE the sketch's (> 0; read from 64 sampled groups) and their
+    ones ``exact-sketched``, their SE the sketch's (> 0; variance / MSE and the ratios from the
+    cells' exact quadratic forms, whose traces are the cells' values) and their
     95% intervals covering the flat value in >= 36 of 40 draws for variance, MSE and
     projection of every reward-only scheme and for the paired ratios (nominal minus two
     binomial SEs of 40 draws: 0.95 - 2 * 0.034 = 0.88 -> 36 / 40)."""
@@ -146,8 +147,19 @@ def test_exact_cells_of_a_sketch_say_their_error(table1):
         S = CountSketch([table1.vec.shape[-1]], 64, seed=100 + seed)
         tab = replace(table1, vec=S.apply(table1.vec.double()), sketch=S.description)
         assert tab.sketch_k == 64
-        # the sketch SDs are plug-ins read from the cells' sampled groups: 64 of them
         sk, spair = table_cells(tab, G, 64, schemes=schemes, exact=True)
+        if seed < 2:  # the forms behind the SDs are the cells' own moments (traces, 1e-9)
+            from varbench.analysis.oracle import exact_moments, exact_rows
+            from varbench.analysis.variance_cells import _coef_fn
+
+            ref = tab.reference()
+            rows = exact_rows(tab, ref)
+            for sch in schemes:
+                ex = exact_moments(tab, _coef_fn(sch, "seq-mean-token-sum", topk_k=1,
+                                                 max_len=tab.mask.shape[1]), G, ref)
+                for k in ("variance", "mse"):
+                    assert ex["forms"][k].trace(rows @ rows.T) == pytest.approx(ex[k],
+                                                                                rel=1e-9)
         assert set(sk["method"]) == {"exact-sketched"} and set(spair["method"]) == {
             "exact-sketched"}
         for r in sk.itertuples():

@@ -99,8 +99,9 @@ def test_coverage_at_the_floor_slow(preset, G):
 
 @pytest.mark.slow
 def test_coverage_of_exact_sketched_cells_slow():
-    """Exact-sketched reward-only cells (closed form on the sketch, the sketch's SD as SE) and
-    their ratios (the pair's sketch covariance) on micro at G = 8, 512 sampled groups: variance
+    """Exact-sketched reward-only cells (closed form on the sketch, the sketch's SD from the
+    cells' exact quadratic forms as SE) and their ratios (the SD of the pair's difference form)
+    on micro at G = 8, 512 sampled groups (the cells do not read them): variance
     and MSE and the ratios cover the flat truth (:func:`_within`; the projections are exact on
     every sketch here, tested in test_embedding_keeps_every_statistic)."""
     setups = C.build_setups("micro", 1)

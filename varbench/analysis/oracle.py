@@ -28,6 +28,7 @@ from varbench.models.logits import sum_pi_sq, token_logprobs
 from varbench.models.presets import Policy
 from varbench.rollout.batch import RolloutBatch
 from varbench.rollout.sampler import encode_prompts
+from varbench.stats.intervals import QuadForm
 from varbench.tasks.base import Prompt, Task
 
 
@@ -263,7 +264,13 @@ def exact_moments(
     coefficients vary over a response's tokens (not of this form) or when there are more than
     ``max_configs`` configurations. Keys: variance, mse, projection, bias2, signal_norm2,
     frac_all_agree, frac_zero, mean_coef_norm (all float), and ``mean``: E[g_hat] [K] (host
-    float64; the sketch error of an exact-sketched projection is about it).
+    float64; the sketch error of an exact-sketched projection is about it). ``forms``:
+    ``{variance, mse}`` :class:`~varbench.stats.intervals.QuadForm` of Cov(g_hat) and
+    E[(g_hat - g*)(g_hat - g*)^T] on the rows ``exact_rows(table, reference)`` (``[s_1 ..
+    s_N, g*]``): with ``mu = L s`` (``L_kj = [k_j = k] p_j / q_k``),
+    ``Cov = sum_j p_j Gamma_{k_j} / q_{k_j} s_j s_j^T + mu^T (B - diag Gamma - b b^T) mu``,
+    ``b = E beta``, ``B = E beta beta^T``, ``Gamma = E gamma`` (an exact-sketched cell's sketch
+    SD is read from them, :func:`~varbench.stats.intervals.exact_sketch_sd`).
     """
     R, p = table.rewards, table.probs
     dev = R.device
@@ -301,6 +308,22 @@ def exact_moments(
                    + gamma @ (m2 - gram.diagonal()))).sum()
     ref = reference.to(dev).double().reshape(-1)
     gg_t = ref @ ref
+    # the quadratic forms on the rows [s_1 .. s_N, g*] (host float64: the SD is host code)
+    Pb = P @ beta
+    Bm = (beta * P[:, None]).T @ beta
+    Gam = P @ gamma
+    N = s.shape[0]
+    L = torch.zeros(N + 1, c, dtype=torch.float64, device=dev)
+    L[torch.arange(N, device=dev), cls] = p.double() / q[cls].clamp(min=1e-300)
+    w = torch.cat([p.double() * Gam[cls] / q[cls].clamp(min=1e-300),
+                   torch.zeros(1, dtype=torch.float64, device=dev)])
+    Cv = Bm - torch.diag(Gam) - torch.outer(Pb, Pb)
+    d = L @ Pb  # E g_hat - g* = sum_j d_j s_j - g*
+    d[N] = -1.0
+    Cm = torch.zeros(c + 1, c + 1, dtype=torch.float64, device=dev)
+    Cm[:c, :c], Cm[c, c] = Cv, 1.0
+    forms = {"variance": QuadForm(w.cpu(), L.cpu(), Cv.cpu()),
+             "mse": QuadForm(w.cpu(), torch.cat([L, d[:, None]], 1).cpu(), Cm.cpu())}
     # one host read of every statistic (same float64 arithmetic as one read each)
     gg, var, mse, proj, bias2, sig, agree, zero = torch.stack([
         gg_t, second - mean @ mean, second - 2 * (mean @ ref) + gg_t, mean @ ref,
@@ -315,4 +338,12 @@ def exact_moments(
         "frac_all_agree": agree,
         "frac_zero": zero,
         "mean": mean.cpu(),
+        "forms": forms,
     }
+
+
+def exact_rows(table: ResponseTable, reference: torch.Tensor) -> torch.Tensor:
+    """``[N + 1, K]`` host float64 rows of :func:`exact_moments`' ``forms``: each response's
+    ``s = sum_t v_t`` and the reference g*."""
+    s = (table.vec.double() * table.mask[..., None].double()).sum(1)
+    return torch.cat([s, reference.to(s.device).double().reshape(1, -1)]).cpu()

@@ -25,7 +25,7 @@ import torch
 
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError
-from varbench.analysis.oracle import ResponseTable, exact_moments
+from varbench.analysis.oracle import ResponseTable, exact_moments, exact_rows
 from varbench.analysis.variance_report import MIN_DISTINCT_GROUPS, distinct_estimates
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
@@ -40,6 +40,8 @@ from varbench.stats.estimates import (
 )
 from varbench.stats.intervals import (
     INTERVAL_STATS,
+    exact_pair_sd,
+    exact_sketch_sd,
     gram_matrix,
     group_intervals,
     paired_ratio_interval,
@@ -320,6 +322,8 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
     exact_label = "exact" if table_k is None else "exact-sketched"
     rows, paired, est = [], [], {}
     nonzero, sets = {}, []
+    exact_rows_of: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per mode: rows, Gram
+    forms: dict[tuple[str, str], dict] = {}
     for label in labels:
         adv = group_advantages(label, rewards, mask, logp, spsq, tsq, k=topk_k)
         nonzero[label] = ((adv != 0) & mask).any(-1).double().mean()
@@ -350,9 +354,19 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
             gram = gram_matrix(e) if r is not None and (intervals or ex is not None) else None
             if ex is not None:
                 # an exact contraction of sketched vectors is exact for the sketch, not for the
-                # gradients: its one draw's error (read from the sampled groups) is its SE
-                _set_exact(row, ex, contraction.error_sd(e, r, gram, mean=ex["mean"])
-                           if table_k else None, z)
+                # gradients: its one draw's error is its SE, read from the cell's exact forms
+                # (the projection's about E g_hat); not from the sampled groups, whose
+                # sum ||a_m||^4 / M excess made the ratios' intervals too wide
+                sd = None
+                if table_k:
+                    if mode not in exact_rows_of:
+                        xr = exact_rows(table, r)
+                        exact_rows_of[mode] = (xr, xr @ xr.T)
+                    sd = {**contraction.error_sd(e, r, gram, mean=ex["mean"]),
+                          **exact_sketch_sd(ex["forms"], exact_rows_of[mode][0], table_k,
+                                            gram=exact_rows_of[mode][1])}
+                    forms[label, mode] = ex["forms"]
+                _set_exact(row, ex, sd, z)
             elif r is not None and intervals:
                 iv = group_intervals(e, r, level=level, n_boot=n_boot, seed=seed,
                                      method=interval, gram=gram)
@@ -377,8 +391,13 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
         for mode in modes:
             (e, r, ex, gram, nd), (eb, _, exb, gram_b, nd_b) = est[label, mode], est[base, mode]
             # one sketch draw under both schemes: the SDs of their ratios and differences
-            psds = (contraction.pair_error_sd(e, eb, r, gram, gram_b)
-                    if r is not None and (intervals or ex is not None) else None)
+            if (label, mode) in forms and (base, mode) in forms:  # two exact-sketched cells
+                xr, H = exact_rows_of[mode]
+                psds = exact_pair_sd(forms[label, mode], forms[base, mode], xr, table_k,
+                                     gram=H)
+            else:
+                psds = (contraction.pair_error_sd(e, eb, r, gram, gram_b)
+                        if r is not None and (intervals or ex is not None) else None)
             for stat in ("variance", "mse"):
                 if stat == "mse" and r is None:
                     continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -258,9 +259,15 @@ def _quad_cov(a: torch.Tensor, wa: float, b: torch.Tensor, wb: float, K: int,
     qq = float(ca.sum()) * float(cb.sum())
     if K <= 3:
         return 2 * f / K
+    return _unbiased_cov(qq, f, float(ca @ cb), K)
+
+
+def _unbiased_cov(qq: float, f: float, p: float, K: int) -> float:
+    """``(2/K) (F - Delta)`` from the sketched ``QQ^``, ``F^`` and ``P^`` of
+    :func:`_quad_cov` (its 3 x 3 system solved; Delta kept in [0, F]; K > 3)."""
     A = torch.tensor([[1, 2 / K, -2 / K], [1 / K, 1 + 1 / K, -2 / K], [1 / K, 2 / K, 1 - 3 / K]],
                      dtype=torch.float64, device="cpu")
-    rhs = torch.tensor([qq, f, float(ca @ cb)], dtype=torch.float64, device="cpu")
+    rhs = torch.tensor([qq, f, p], dtype=torch.float64, device="cpu")
     _, F, d = (float(v) for v in torch.linalg.solve(A, rhs))
     F = max(F, 0.0)
     return 2 * (F - min(max(d, 0.0), F)) / K
@@ -306,6 +313,84 @@ def sketch_sd(estimates: torch.Tensor, reference: torch.Tensor, K: int, *,
         out["projection"] = max(yg - 2 * d, 0.0) ** 0.5 / (K ** 0.5 * gg)
     else:  # g* = 0 (every reference response scored the same): the projection is undefined
         out["projection"] = float("nan")
+    return out
+
+
+@dataclass(frozen=True)
+class QuadForm:
+    """A D-space matrix known through sketched rows: ``A = V^T (diag(w) + U C U^T) V`` for rows
+    ``V [R, K]`` (shared by every form of one table: the sketched ``S v_j``), ``w [R]``, ``U
+    [R, c]``, ``C [c, c]`` symmetric (float64, host). An exact cell's covariance of ``g_hat``
+    (its variance ``tr A``) or second moment about g* (its MSE) is one
+    (:func:`~varbench.analysis.oracle.exact_moments`' ``forms``); signed weights are fine."""
+
+    w: torch.Tensor
+    U: torch.Tensor
+    C: torch.Tensor
+
+    def combine(self, a: float, other: QuadForm, b: float) -> QuadForm:
+        """The form of ``a A + b B`` (the same rows)."""
+        c1, c2 = self.C.shape[0], other.C.shape[0]
+        C = torch.zeros(c1 + c2, c1 + c2, dtype=torch.float64, device="cpu")
+        C[:c1, :c1], C[c1:, c1:] = a * self.C, b * other.C
+        return QuadForm(a * self.w + b * other.w, torch.cat([self.U, other.U], 1), C)
+
+    def trace(self, gram: torch.Tensor) -> float:
+        """``tr A`` from the rows' Gram matrix ``V V^T`` (the exact sketched value)."""
+        return float(self.w @ gram.diagonal() + (self.C * (self.U.T @ gram @ self.U)).sum())
+
+
+def form_sketch_var(form: QuadForm, rows: torch.Tensor, K: int, *,
+                    gram: torch.Tensor | None = None) -> float:
+    """Variance over the CountSketch of ``tr(S A S^T)`` for a fixed D-space ``A`` seen through
+    its sketched form (:class:`QuadForm`), ``(2/K) (||A||_F^2 - sum_i A_ii^2)``, by the
+    unbiased plug-ins of :func:`_quad_cov` (``QQ^ = (tr A_S)^2``, ``F^ = ||A_S||_F^2``, ``P^ =
+    sum_k (A_S)_kk^2``, A_S the sketched matrix). From the whole form, not a sample of it: an
+    exact cell's sketch SD without the sampling noise and the ``sum_m ||a_m||^4 / M`` excess
+    of a plug-in over M sampled groups (which made exact-sketched ratios' intervals 1.2-2x
+    too wide: docs/science.md, coverage). ``rows`` ``[R, K]``; ``gram`` its ``V V^T`` if
+    formed. Cost O(R^2 (K + c)); A_S itself (K x K) is never formed."""
+    V = rows.detach().to(torch.float64)
+    H = V @ V.T if gram is None else gram.to(torch.float64)
+    w, U, C = form.w, form.U, form.C
+    Y = H @ U  # [R, c]
+    Z = U.T @ Y  # U^T H U
+    tr = float(w @ H.diagonal() + (C * Z).sum())
+    # ||V^T W V||_F^2 = tr(W H W H), W = diag(w) + U C U^T, term by term (no R x R product)
+    CZ = C @ Z
+    f = float(w @ (H * H) @ w + 2 * (C * (Y.T @ (w[:, None] * Y))).sum() + (CZ * CZ.T).sum())
+    Q = U.T @ V  # [c, K]
+    diag = w @ (V * V) + ((C @ Q) * Q).sum(0)  # (A_S)_kk
+    if K <= 3:
+        return max(2 * f / K, 0.0)
+    return _unbiased_cov(tr * tr, f, float(diag @ diag), K)
+
+
+def exact_sketch_sd(forms: dict[str, QuadForm], rows: torch.Tensor, K: int, *,
+                    gram: torch.Tensor | None = None) -> dict[str, float]:
+    """``{stat: sd}``: the CountSketch's SD of exact cells' ``tr(S A S^T)`` per stat (variance,
+    MSE) from their forms (:func:`form_sketch_var`)."""
+    H = gram if gram is not None else rows.double() @ rows.double().T
+    return {k: form_sketch_var(f, rows, K, gram=H) ** 0.5 for k, f in forms.items()}
+
+
+def exact_pair_sd(forms_a: dict[str, QuadForm], forms_b: dict[str, QuadForm],
+                  rows: torch.Tensor, K: int, *,
+                  gram: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
+    """``{stat: {log_ratio, diff}}``: SDs over ONE CountSketch draw of two exact cells'
+    ``log(a / b)`` (first order: ``tr(S (A/a - B/b) S^T)``) and ``a - b``, each the variance of
+    one difference form (:func:`form_sketch_var`), not ``V_a + V_b - 2 C_ab``: the two errors
+    are nearly equal (one S), their difference 1e-2 of either, so a difference of separately
+    clamped terms would be mostly rounding and clamp."""
+    H = gram if gram is not None else rows.double() @ rows.double().T
+    out = {}
+    for k in forms_a:
+        fa, fb = forms_a[k], forms_b[k]
+        a, b = fa.trace(H), fb.trace(H)
+        rel = (form_sketch_var(fa.combine(1 / a, fb, -1 / b), rows, K, gram=H) ** 0.5
+               if a > 0 and b > 0 else float("nan"))
+        out[k] = {"log_ratio": rel,
+                  "diff": form_sketch_var(fa.combine(1.0, fb, -1.0), rows, K, gram=H) ** 0.5}
     return out
 
 
