@@ -21,7 +21,7 @@ from _fixtures_arch import ARCHS, build
 from _fixtures_grads import batch
 
 from varbench.grads import exact_float64
-from varbench.grads.projected import projection_sd, response_sketches
+from varbench.grads.projected import projection_sd, response_sketches, score_sd
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,3 +78,22 @@ def test_projection_sd_covers_on_every_architecture():
         pooled += z
     assert all(v >= 0.89 for v in cov.values()), cov
     assert _coverage(pooled) >= 0.935, (_coverage(pooled), cov)
+
+
+def test_score_sd_limits():
+    """score_sd is sqrt(sum v) for Gaussian-shaped blocks (nu_b = 2 q_b^2 / v_b = 2e6: within
+    0.5%), larger for skewed ones: a single nu = 16 block (Q ~ chi2_16 / 16, truth 1) has the
+    truth outside Q -/+ 2 sd in 2.35% of 2000 draws (seed 0), between 0.5% and the nominal
+    2 Phi(-2) = 4.6% (one block is the most skewed case: the normal misses of the half-width
+    equation over-cover it; pooled blocks sit near nominal, test above); the plug-in sqrt(v)
+    misses 10.35%; finite with no root (nu = 0.5), 0 without random blocks."""
+    assert score_sd([1.0] * 4, [1e-6] * 4) == pytest.approx(2e-3, rel=5e-3)
+    torch.manual_seed(0)
+    q = torch.distributions.Chi2(16.0).sample((2000,)).double() / 16  # truth 1
+    h = torch.tensor([score_sd([float(v)], [2 * float(v) ** 2 / 16]) for v in q])
+    miss = float(((q - 1).abs() > 2 * h).double().mean())
+    assert 0.005 <= miss <= 0.0455, miss
+    plug = float(((q - 1).abs() > 2 * (2 / 16) ** 0.5 * q).double().mean())
+    assert plug >= 0.07, plug
+    assert score_sd([1.0], [4.0]) < float("inf")
+    assert score_sd([], []) == 0.0

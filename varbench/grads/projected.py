@@ -544,7 +544,12 @@ def score_sd(q: list[float], v: list[float], z: float = 2.0) -> float:
         return 0.0
     tail = float(special.ndtr(-z))
     nu = 2 * qa * qa / va
-    cap = float((qa * (nu / stats.chi2.ppf(tail, nu) - 1)).sum())
+    with np.errstate(all="ignore"):
+        ratio = nu / stats.chi2.ppf(tail, nu)
+    # a near-Gaussian block (huge nu): the normal approximation of the same quantile
+    big = ~np.isfinite(ratio) | (nu > 1e7)
+    ratio[big] = 1 / np.clip(1 - z * np.sqrt(2 / nu[big]), 1e-12, None)
+    cap = float((qa * (ratio - 1)).sum())
 
     def miss(h: float) -> float:
         up = float((va * (1 + h * va / (V * qa)) ** 2).sum())
