@@ -54,6 +54,7 @@ from varbench.analysis.variance_cells import (
 from varbench.grads.chunking import MEMORY_FRACTION
 from varbench.grads.group import group_gradients
 from varbench.grads.projected import batch_sketches, projection_sd
+from varbench.grads.seqnorms import sequence_rows
 from varbench.grads.vectors import combine, token_vectors
 from varbench.models import memplan
 from varbench.models.forward import forward_logits
@@ -280,8 +281,8 @@ def sweep(model, args) -> None:
     T = args.sweep_T
     print(f"\nsweep over responses at T = {T} (groups of G = {args.G}, 2 sets; new path rows "
           f"per chunk: {args.rows or 'memory plan'}):")
-    print(f"{'resp':>5} {'path':<6} {'wall s':>8} {'cpu s':>8} {'wall/use':>9} {'cpu/use':>8} "
-          f"{'peak MiB':>9}")
+    print(f"{'resp':>5} {'path':<6} {'chunk':>5} {'wall s':>8} {'cpu s':>8} {'wall/use':>9} "
+          f"{'cpu/use':>8} {'peak MiB':>9}")
     peaks: dict[str, dict[int, int]] = {"new": {}, "today": {}}
     for n in sorted(args.sweep):
         batch = rollouts(n // args.G, args.G, T, args.vocab, seed=T + n)
@@ -293,11 +294,14 @@ def sweep(model, args) -> None:
         if "today" in args.paths and n <= args.sweep_today_max:
             fns["today"] = lambda b=batch, c=coeffs: combine(
                 token_vectors(model, b, sketch_dim=args.sketch_dim, sketch_seed=0), c)
+        flat = batch.flat()
+        chunk = sequence_rows(model, n, flat.input_ids.shape[1], "cpu", args.rows)
         for path, fn in fns.items():
             _, w, c, peak = measured(fn)
             peaks[path][n] = peak
             uses = n * S
-            print(f"{n:>5} {path:<6} {w:>8.2f} {c:>8.2f} {w / uses / unit_w:>9.2f} "
+            print(f"{n:>5} {path:<6} {chunk if path == 'new' else '-':>5} {w:>8.2f} {c:>8.2f} "
+                  f"{w / uses / unit_w:>9.2f} "
                   f"{c / uses / unit_c:>8.2f} {peak / 2**20:>9.1f}")
     for path, pk in peaks.items():
         if len(pk) >= 2:
