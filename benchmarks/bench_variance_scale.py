@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_variance_scale.py [--T 128 512] [--groups 3 [3]] [-G 2]
         [--hidden 256] [--layers 2] [--vocab 32768] [--sketch-dim 1024] [--k1 16 --k2 16]
-        [--today-T 128]
+        [--today-T 128] [--sweep 4 8 16 32 [--sweep-T 128] [--sweep-today-max 8]]
+        [--rows N] [--sweep-only]
 
 Side by side in one process on a Qwen2-shaped model (tied head, GQA; random weights, random
 response tokens: timing and memory depend on shapes, not on what the tokens say), for two
@@ -53,6 +54,7 @@ from varbench.analysis.variance_cells import (
 from varbench.grads.chunking import MEMORY_FRACTION
 from varbench.grads.group import group_gradients
 from varbench.grads.projected import batch_sketches, projection_sd
+from varbench.grads.seqnorms import sequence_rows
 from varbench.grads.vectors import combine, token_vectors
 from varbench.models import memplan
 from varbench.models.forward import forward_logits
@@ -271,6 +273,55 @@ def print_table(rows: list[dict]) -> None:
         print(line)
 
 
+def sweep(model, args) -> None:
+    """Peak memory (and wall / CPU per response-use) of one cell against the number of
+    responses at one T: the new path at every count (chunks of ``--rows`` rows, default the
+    memory plan's), today's where the count is at most ``--sweep-today-max``; then the ratio of
+    the largest count's peak to the smallest's (target: flat, i.e. ~1)."""
+    T = args.sweep_T
+    print(f"\nsweep over responses at T = {T} (groups of G = {args.G}, 2 sets; new path rows "
+          f"per chunk: {args.rows or 'memory plan'}):")
+    print(f"{'resp':>5} {'path':<6} {'chunk':>5} {'wall s':>8} {'cpu s':>8} {'wall/use':>9} "
+          f"{'cpu/use':>8} {'peak MiB':>9}")
+    peaks: dict[str, dict[int, int]] = {"new": {}, "today": {}}
+    chunks: dict[int, int] = {}
+    for n in sorted(args.sweep):
+        batch = rollouts(n // args.G, args.G, T, args.vocab, seed=T + n)
+        coeffs = coefficient_sets(batch)
+        S = coeffs.shape[0]
+        unit_w, unit_c = fwd_bwd_unit(model, batch)
+        fns = {"new": lambda b=batch, c=coeffs: batch_sketches(
+            model, b, c, k1=args.k1, k2=args.k2, seed=0, k_dense=args.k_dense, rows=args.rows)}
+        if "today" in args.paths and n <= args.sweep_today_max:
+            fns["today"] = lambda b=batch, c=coeffs: combine(
+                token_vectors(model, b, sketch_dim=args.sketch_dim, sketch_seed=0), c)
+        flat = batch.flat()
+        chunk = sequence_rows(model, n, flat.input_ids.shape[1], "cpu", args.rows)
+        chunks[n] = chunk
+        for path, fn in fns.items():
+            _, w, c, peak = measured(fn)
+            peaks[path][n] = peak
+            uses = n * S
+            print(f"{n:>5} {path:<6} {chunk if path == 'new' else '-':>5} {w:>8.2f} {c:>8.2f} "
+                  f"{w / uses / unit_w:>9.2f} "
+                  f"{c / uses / unit_c:>8.2f} {peak / 2**20:>9.1f}")
+    for path, pk in peaks.items():
+        if len(pk) >= 2:
+            lo, hi = min(pk), max(pk)
+            print(f"  {path}: peak at {hi} responses / peak at {lo} = "
+                  f"{pk[hi] / max(pk[lo], 1):.2f} ({hi // lo}x the responses)")
+        elif pk:
+            print(f"  {path}: one count only ({', '.join(map(str, pk))}; --sweep-today-max)")
+    # the new path holds one chunk: below the plan's chunk the chunk is every response, so
+    # the flat claim is read among the counts that share the largest chunk
+    same = sorted(n for n in peaks["new"] if chunks[n] == max(chunks.values()))
+    if len(same) >= 2:
+        pk = peaks["new"]
+        print(f"  new at the same chunk ({chunks[same[0]]} rows): peak at {same[-1]} / peak at "
+              f"{same[0]} = {pk[same[-1]] / max(pk[same[0]], 1):.2f} "
+              f"({same[-1] // same[0]}x the responses)")
+
+
 # --- paper model --------------------------------------------------------------------------
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -344,6 +395,15 @@ def main() -> None:
     ap.add_argument("--today-T", type=int, nargs="+", default=None,
                     help="the T at which today's path runs (default: every T)")
     ap.add_argument("--paper-only", action="store_true")
+    ap.add_argument("--sweep", type=int, nargs="+", default=None,
+                    help="also sweep the number of responses (e.g. 4 8 16 32) at --sweep-T")
+    ap.add_argument("--sweep-T", type=int, default=128)
+    ap.add_argument("--sweep-today-max", type=int, default=8,
+                    help="today's path in the sweep only up to this many responses")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="skip the side-by-side cells (the sweep and the paper model only)")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="new path: responses per chunk (default: the memory plan's)")
     ap.add_argument("--analysis", action="store_true",
                     help="also run both paths through the analysis' cell code")
     ap.add_argument("--paper-sets", type=int, default=2, help="coefficient sets in the model")
@@ -366,10 +426,15 @@ def main() -> None:
               f"D = {D / 1e6:.1f}M, threads {args.threads}, today K = {args.sketch_dim}, new "
               f"k1 x k2 = {args.k1} x {args.k2} (+ dense K = {args.k_dense}); "
               f"groups per T {groups} x {args.G} responses, sets: {', '.join(SETS)}")
-        rows = []
-        for T in args.T:
-            rows += cell(model, T, groups[T], args)
-        print_table(rows)
+        if not args.sweep_only:
+            rows = []
+            for T in args.T:
+                rows += cell(model, T, groups[T], args)
+            print_table(rows)
+        if args.sweep:
+            if any(n < args.G or n % args.G for n in args.sweep):
+                ap.error(f"--sweep counts must be multiples of -G {args.G}, got {args.sweep}")
+            sweep(model, args)
         if args.analysis:
             print("\nthrough the analysis' cells (varbench.analysis.variance_cells):")
             for T in args.T:

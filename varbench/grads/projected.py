@@ -29,8 +29,9 @@ Unbiasedness and variance (docs/science.md, "Coefficient-first projected sketche
 ``Var = (tr(Z^2) + ||W||^2)/k1 + (tr(Z^2) + ||Z||^2)/k2 + (||Z||^2 + ||W||^2 + <a,b>^2 +
 ||a||^2 ||b||^2)/(k1 k2)`` with ``Z = a^T b`` and ``W = a b^T`` (:func:`block_pair_variance`);
 blocks are drawn independently so their variances add. :func:`projection_sd` is the error that
-goes into intervals (as :func:`varbench.stats.intervals.sketch_sd` is for the CountSketch),
-estimated from the spread of the sketches' rows and columns (iid draws: :func:`kron_sum_var`).
+goes into intervals (as :func:`varbench.stats.intervals.sketch_sd` is for the CountSketch):
+each block's variance estimated without bias from the Gram of its sketch rows and columns
+(:func:`kron_pair_var`), turned into a symmetric sd evaluated at the truth (:func:`score_sd`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from scipy import special, stats
 
 from varbench._util.checks import UsageError, check_positive_int, check_shape
 from varbench.grads._inputs import check_inputs, eval_mode, prepare_model
@@ -473,65 +476,145 @@ def block_pair_variance(a: torch.Tensor, b: torch.Tensor, k1: float, k2: float) 
             + (z2 + w2 + s * s + a.pow(2).sum() * b.pow(2).sum()) * u * v)
 
 
-def kron_sum_var(F: torch.Tensor, blk: Block) -> float:
-    """Unbiased estimate of the variance over the projection of ``F.sum()``, ``F [k1, k2]`` a
-    sum over groups of products of one Kronecker block's sketch entries (e.g. ``u_m[i, j]^2``).
+def _gram_offdiag(H: torch.Tensor) -> float:
+    """``sum_{i != j} (H_ij^2 + H_ij H_ji) / (k - 1)`` of a ``[k, k]`` Gram of sketch rows."""
+    d = float(H.diagonal().pow(2).sum())
+    return (float(H.pow(2).sum()) - d + float((H * H.T).sum()) - d) / (H.shape[0] - 1)
 
-    Entry ``(i, j)`` of a sketch ``P_1^T G P_2`` depends on column i of ``P_1`` and column j of
-    ``P_2`` alone (iid columns), so ``F`` is a separately exchangeable array
-    ``f(p_i, q_j)``: with the two-way ANOVA mean squares of rows, columns and interaction,
-    ``Var(F.sum()) = k1 k2 (MS_rows + MS_cols - MS_int)`` (each mean square's expectation is
-    that of the crossed random-effects model: Hoeffding's decomposition of f), clamped at 0.
-    An exact side (identity) is not random: one side random leaves ``k_random s^2`` of that
-    side's sums."""
-    a, b = blk.k1, blk.k2
-    F = F.reshape(a, b).to(torch.float64)
-    rows_random, cols_random = blk.k1 < blk.rows and a > 1, blk.k2 < blk.cols and b > 1
+
+def _pure_pairs(N: torch.Tensor) -> float:
+    """Unbiased ``tr(B^2) + ||B||^2`` from ``N [ka, kb, kb]`` (``N_i = sum_m w X^a_m[i]^T
+    X^b_m[i]`` per sketch row i): the products over distinct rows and distinct columns."""
+    ka, kb = N.shape[0], N.shape[1]
+    S = N.sum(0)
+    pairs = S * S - (N * N).sum(0) + S * S.T - (N * N.transpose(1, 2)).sum(0)
+    off = 1 - torch.eye(kb, dtype=N.dtype, device=N.device)
+    return float((pairs * off).sum()) * ka * kb / ((ka - 1) * (kb - 1))
+
+
+def kron_pair_var(xa: torch.Tensor, xb: torch.Tensor, w: float, blk: Block) -> float:
+    """Unbiased estimate, over the Gaussian projection, of ``Var Q`` for ``Q = w sum_m
+    <xa_m, xb_m>``, ``xa, xb [M, k1, k2]`` the sketches ``P_1^T a_m P_2``, ``P_1^T b_m P_2`` of
+    one Kronecker block (docs/science.md, "Coefficient-first projected sketches").
+
+    Given ``P_2``, ``Q = sum_i p_i^T C p_i`` over the iid ``N(0, I/k1)`` columns of ``P_1``
+    (``C = w sum_m a_m P_2 P_2^T b_m^T``), so ``Var(Q | P_2) = (tr C^2 + ||C||^2) / k1``, which
+    the off-diagonal entries of the rows' Gram ``H = P_1^T C P_1`` estimate (``k1 (k1 - 1)``
+    pairs, :func:`_gram_offdiag`). ``Var E(Q | P_2) = (tr B^2 + ||B||^2) / k2`` for ``B = w
+    sum_m a_m^T b_m``, estimated from products over distinct rows and columns
+    (:func:`_pure_pairs`). The same with the sides swapped is a second unbiased estimate; the
+    two are averaged. An exact side (identity) is not random: its term is 0. Clamped at 0; a
+    random side of one column (no pair) falls back to the block's Cauchy-Schwarz bound."""
+    k1, k2 = blk.k1, blk.k2
+    xa = xa.reshape(-1, k1, k2).to(torch.float64)
+    xb = xb.reshape(-1, k1, k2).to(torch.float64)
+    rows_random, cols_random = blk.k1 < blk.rows, blk.k2 < blk.cols
+    if (rows_random and k1 < 2) or (cols_random and k2 < 2):
+        return blk.norm_var_factor() * w * w * float(xa.pow(2).sum()) * float(xb.pow(2).sum())
+    v = 0.0
     if rows_random and cols_random:
-        r, c, m = F.mean(1, keepdim=True), F.mean(0, keepdim=True), F.mean()
-        ms_rows = b * float((r - m).pow(2).sum()) / (a - 1)
-        ms_cols = a * float((c - m).pow(2).sum()) / (b - 1)
-        ms_int = float((F - r - c + m).pow(2).sum()) / ((a - 1) * (b - 1))
-        return max(0.0, a * b * (ms_rows + ms_cols - ms_int))
-    if rows_random:
-        return a * float(F.sum(1).var())
-    if cols_random:
-        return b * float(F.sum(0).var())
-    return 0.0
+        v = (_gram_offdiag(w * torch.einsum("mij,mkj->ik", xa, xb))
+             + _pure_pairs(w * torch.einsum("mij,mik->ijk", xa, xb)) / k2
+             + _gram_offdiag(w * torch.einsum("mji,mjk->ik", xa, xb))
+             + _pure_pairs(w * torch.einsum("mji,mki->ijk", xa, xb)) / k1) / 2
+    elif rows_random:
+        v = _gram_offdiag(w * torch.einsum("mij,mkj->ik", xa, xb))
+    elif cols_random:
+        v = _gram_offdiag(w * torch.einsum("mji,mjk->ik", xa, xb))
+    return max(0.0, v)
+
+
+def score_sd(q: list[float], v: list[float], z: float = 2.0) -> float:
+    """The symmetric standard deviation of a positive sketched statistic ``sum_b q_b`` whose
+    independent random blocks b carry estimated variances ``v_b``, each ``~ theta_b^2``.
+
+    The error's variance is that at the truth, not at the estimate: with the blocks of a
+    deviation ``d`` of the total moving in proportion to their variances (the most likely split
+    of ``d`` for independent Gaussian blocks), ``V(d) = sum_b v_b (1 + d v_b / (V q_b))^2``,
+    ``V = sum_b v_b``. The half-width h is the one whose two one-sided misses
+    ``Phi(-h / sqrt V(h)) + Phi(-h / sqrt V(-h))`` add up to ``2 Phi(-z)``; at most every block
+    at its own one-sided chi-square bound ``q_b nu_b / chi2_{nu_b}(Phi(-z))``, ``nu_b = 2
+    q_b^2 / v_b`` (V(h) grows like h^2, so the equation may have no root). Returns ``h / z``
+    (``sqrt V`` when the blocks' shapes are Gaussian, i.e. every ``nu_b`` large)."""
+    qa, va = np.asarray(q, dtype=np.float64), np.asarray(v, dtype=np.float64)
+    keep = (va > 0) & (qa > 0)
+    qa, va = qa[keep], va[keep]
+    V = float(va.sum())
+    if V <= 0:
+        return 0.0
+    tail = float(special.ndtr(-z))
+    nu = 2 * qa * qa / va
+    with np.errstate(all="ignore"):
+        ratio = nu / stats.chi2.ppf(tail, nu)
+    # a near-Gaussian block (huge nu): the normal approximation of the same quantile
+    big = ~np.isfinite(ratio) | (nu > 1e7)
+    ratio[big] = 1 / np.clip(1 - z * np.sqrt(2 / nu[big]), 1e-12, None)
+    cap = float((qa * (ratio - 1)).sum())
+
+    def miss(h: float) -> float:
+        up = float((va * (1 + h * va / (V * qa)) ** 2).sum())
+        lo = float((va * np.clip(1 - h * va / (V * qa), 0, None) ** 2).sum())
+        return float(special.ndtr(-h / up ** 0.5)) + (
+            float(special.ndtr(-h / lo ** 0.5)) if lo > 0 else 0.0)
+
+    if miss(cap) > 2 * tail:
+        return cap / z
+    a, b = 0.0, cap
+    for _ in range(60):
+        m = (a + b) / 2
+        a, b = (m, b) if miss(m) > 2 * tail else (a, m)
+    return b / z
+
+
+def projection_blocks(estimates: torch.Tensor, reference: torch.Tensor,
+                      blocks: list[Block]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per random block, ``(q_b, v_b)`` of the variance (``tr`` of the covariance of
+    ``estimates [M, K]``), the MSE about ``reference [K]`` and the unnormalised projection
+    ``<g_bar, g*>``: the block's share of the statistic and its variance over the projection
+    (:func:`kron_pair_var`; the CountSketch block its plug-in bound ``(2/K) q_b^2``, the
+    projection's ``(2/K) ||g_bar||^2 ||g*||^2``). Exact blocks carry no error and are left out.
+    The reference is taken as fixed, as :func:`varbench.stats.intervals.sketch_sd` does."""
+    x = estimates.detach().to(torch.float64)
+    ref = reference.detach().to(torch.float64).reshape(-1)
+    M = x.shape[0]
+    parts = {"variance": (x - x.mean(0), None, 1.0 / (M - 1)), "mse": (x - ref, None, 1.0 / M),
+             "projection": (x.mean(0)[None], ref[None], 1.0)}
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in parts}
+    for blk in blocks:
+        sl = slice(blk.start, blk.stop)
+        if blk.kind == "exact" or (blk.kind == "kron" and blk.k1 >= blk.rows
+                                   and blk.k2 >= blk.cols):
+            continue
+        for k, (a, b, w) in parts.items():
+            xa = a[:, sl]
+            xb = xa if b is None else b[:, sl]
+            q = w * float((xa * xb).sum())
+            if blk.kind == "kron":
+                v = kron_pair_var(xa, xb, w, blk)
+            else:
+                v = blk.norm_var_factor() * w * w * float(xa.pow(2).sum()) * float(
+                    xb.pow(2).sum())
+            out[k][0].append(q)
+            out[k][1].append(v)
+    return out
 
 
 def projection_sd(estimates: torch.Tensor, reference: torch.Tensor,
-                  blocks: list[Block]) -> dict[str, float]:
+                  blocks: list[Block], *, z: float = 2.0) -> dict[str, float]:
     """The projection's standard deviation of the variance (``tr`` of the covariance of
     ``estimates [M, K]``), the MSE about ``reference [K]`` and the projection
     ``<g_bar, g*> / ||g*||^2`` (the analogue of :func:`varbench.stats.intervals.sketch_sd` for
     these sketches), estimated from the sketches themselves.
 
-    Per Kronecker block the statistic is ``F.sum()`` for ``F[i, j]`` the groups' sum of
-    squared (variance, MSE) or multiplied (projection) sketch entries; its variance over the
-    projection is estimated from ``F``'s rows, columns and their interaction
-    (:func:`kron_sum_var`: the rows and the columns of a sketch are iid draws). The
-    CountSketch block keeps its plug-in bound ``(2/K) (sum_m w_m ||u_m||^2)^2``
-    (:meth:`Block.norm_var_factor`, Cauchy-Schwarz over the summands); blocks are independent,
-    so variances add. The reference is taken as fixed, as sketch_sd does."""
-    x = estimates.detach().to(torch.float64)
+    Per random block the statistic's variance over the projection is estimated without bias
+    from the Gram of the sketch's rows and columns (:func:`projection_blocks`). Variance and
+    MSE are positive quadratic forms whose error sd grows with their true value, and the
+    estimate falls with the statistic (plugging it in undercovers where the sketch came out
+    low), so their sd is :func:`score_sd` (``value -/+ z sd`` covers at ``2 Phi(z) - 1``); the
+    projection (a bilinear form) keeps ``sqrt(sum v_b) / ||g*||^2``."""
+    parts = projection_blocks(estimates, reference, blocks)
     ref = reference.detach().to(torch.float64).reshape(-1)
-    M = x.shape[0]
-    u = x - x.mean(0)
-    e = x - ref
-    gbar = x.mean(0)
-    var = mse = proj = 0.0
-    for blk in blocks:
-        sl = slice(blk.start, blk.stop)
-        if blk.kind == "kron":
-            var += kron_sum_var(u[:, sl].pow(2).sum(0) / (M - 1), blk)
-            mse += kron_sum_var(e[:, sl].pow(2).sum(0) / M, blk)
-            proj += kron_sum_var(gbar[sl] * ref[sl], blk)
-            continue
-        c = blk.norm_var_factor()
-        var += c * float(u[:, sl].pow(2).sum() / (M - 1)) ** 2
-        mse += c * float(e[:, sl].pow(2).sum() / M) ** 2
-        proj += c * float(gbar[sl].pow(2).sum()) * float(ref[sl].pow(2).sum())
     gg = float(ref @ ref)
-    return {"variance": var ** 0.5, "mse": mse ** 0.5,
-            "projection": proj ** 0.5 / gg if gg > 0 else float("nan")}
+    proj = sum(parts["projection"][1]) ** 0.5
+    return {"variance": score_sd(*parts["variance"], z=z), "mse": score_sd(*parts["mse"], z=z),
+            "projection": proj / gg if gg > 0 else float("nan")}
