@@ -229,22 +229,32 @@ def _vector_chunks(model, T: int, C: int, block: int | None) -> None:
 
 
 def vectors_base(shape: memplan.ModelShape, numels: list[int], L: int, C: int) -> int:
-    """Planned bytes of token_vectors beside its block of per-token gradients: the chunk's
-    plan (path vectors, chunk ``C``) and the count sketch's state (streamed at full size)."""
+    """What token_vectors reserves beside its block of per-token gradients (its share-out,
+    ``varbench.grads.chunking.auto_block_bytes``): the chunk's plan (path vectors, chunk
+    ``C``) and the count sketch's state (streamed at full size)."""
     chunk = memplan.plan(shape, "vectors", 1, L, None, default=C).peak_bytes
     return chunk + CountSketch.state_bytes(sum(numels))
 
 
-def vectors_planned(shape: memplan.ModelShape, numels: list[int], L: int, C: int,
-                    block: int) -> int:
-    """Planned peak of token_vectors at chunk ``C`` with ``block`` bytes per harness pass,
-    as token_vectors shares its budget out (``varbench.grads.chunking.auto_block_bytes``):
-    :func:`vectors_base` and :data:`BLOCK_COPIES` copies of the largest block of per-token
-    gradients ``[C, numel]`` (float32; float64 for a float64 model) ``param_blocks`` cuts."""
+def vectors_planned(shape: memplan.ModelShape, numels: list[int], tied: int | None, L: int,
+                    C: int, block: int) -> tuple[int, int]:
+    """``(planned peak, reserved)`` of token_vectors at chunk ``C`` with ``block`` bytes per
+    harness pass: the largest over the passes (the blocks ``param_blocks`` cuts) of its chunk
+    phase (the vectors plan with the previous chunk's block, ``materialised``) and its block
+    phase (``memplan.vector_block_bytes``; ``tied``: the index of a tied weight), beside the
+    sketch's state; ``reserved`` is what token_vectors'
+    share-out sets aside, :func:`vectors_base` and :data:`BLOCK_COPIES` copies of the block."""
     item = 8 if shape.elsize == 8 else 4
-    largest = max(c * sum(numels[i] for i in idx) * item
-                  for idx, c in param_blocks(numels, C, block, item))
-    return vectors_base(shape, numels, L, C) + BLOCK_COPIES * largest
+    blocks = param_blocks(numels, C, block, item)
+    held = CountSketch.state_bytes(sum(numels))
+    # each pass: its chunk phase (the previous chunk's block alive) or its block phase
+    passes = max(max(memplan.plan(shape, "vectors", 1, L, None, default=c,
+                                  materialised=sum(numels[i] for i in idx)).peak_bytes,
+                     memplan.vector_block_bytes(shape, L, c, sum(numels[i] for i in idx),
+                                                numels[tied] if tied in idx else 0))
+                 for idx, c in blocks)
+    largest = max(c * sum(numels[i] for i in idx) * item for idx, c in blocks)
+    return held + passes, vectors_base(shape, numels, L, C) + BLOCK_COPIES * largest
 
 
 def _small_model(config, dtype):
@@ -286,21 +296,27 @@ CHUNKS = {"token_norms": 4, "sequence_norms": 1, "vectors": 4, "train_logprobs":
           "sampling": 1, "logits": 512}  # the traced chunk of each path (its units)
 
 
-def planned_peak(config, dtype, path: str, L: int, chunk: int) -> tuple[int, int | None]:
-    """``(planned peak, vectors' block bytes or None)`` of the traced chunk of ``path``: one
-    row (sampling: all L positions sampled, as the trace's prefill holds them); vectors: the
-    block an 140 GB GPU's budget leaves beside the chunk (token_vectors' share-out,
-    :func:`vectors_planned`)."""
+def planned_peak(config, dtype, path: str, L: int, chunk: int
+                 ) -> tuple[int, int | None, int | None]:
+    """``(planned peak, vectors' block bytes, vectors' reserve)`` of the traced chunk of
+    ``path``: one row (sampling: all L positions sampled, as the trace's prefill holds them);
+    vectors: at the block a 140 GB GPU's budget leaves beside the chunk (token_vectors'
+    share-out), with what that share-out reserves (:func:`vectors_planned`)."""
     shape = memplan.ModelShape.from_config(config, dtype)
     if path != "vectors":
-        return memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes, None
+        peak = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
+        return peak, None, None
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = AutoModelForCausalLM.from_config(with_layers(config, config.num_hidden_layers),
                                                  dtype=dtype)
-        numels = [p.numel() for _, p in select_params(model, None)]
+        chosen = [p for _, p in select_params(model, None)]
+        emb = model.get_input_embeddings().weight
+        tied = next((i for i, p in enumerate(chosen) if p is emb), None) if shape.tied else None
+        numels = [p.numel() for p in chosen]
     budget = int(memplan.MEMORY_FRACTION * (GPUS["140GB"] - shape.model_bytes))
     block = max(1, (budget - vectors_base(shape, numels, L, chunk)) // BLOCK_COPIES)
-    return vectors_planned(shape, numels, L, chunk, block), block
+    planned, reserved = vectors_planned(shape, numels, tied, L, chunk, block)
+    return planned, block, reserved
 
 
 def main() -> None:
@@ -323,13 +339,18 @@ def main() -> None:
     print(f"{'shape':14s} {'path':15s} {'chunk':>5s} {'planned':>8s} {'traced':>8s} "
           f"{'ratio':>6s} {'80GB':>10s} {'140GB':>10s}")
     refused: list[str] = []
+    reserves: list[str] = []
     for name in args.shapes:
         full = SHAPES[name]()
         for path in args.paths:
             B = args.B
             chunk = CHUNKS[path]
             L = args.T
-            planned, block = planned_peak(full, dtype, path, L, chunk)
+            planned, block, reserved = planned_peak(full, dtype, path, L, chunk)
+            if reserved is not None:
+                reserves.append(f"{name} vectors: token_vectors reserves "
+                                f"{reserved / 2**30:.2f} GiB (chunk plan + sketch + "
+                                f"{BLOCK_COPIES} x the {block / 2**30:.2f} GiB block)")
             if args.layers and path in ("token_norms", "train_logprobs"):
                 traced = extrapolated(full, dtype, path, L, chunk, args.layers)
             else:
@@ -350,6 +371,8 @@ def main() -> None:
                   f"{picks[1]:>10s}", flush=True)
     for line in refused:  # what does not fit, and why
         print("no fit:", line)
+    for line in reserves:  # the share-out beside the predicted peak
+        print(line)
 
 
 if __name__ == "__main__":

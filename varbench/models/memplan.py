@@ -196,7 +196,9 @@ def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
     # activations
     graph = L * V * low + L * n * (h * (9 * e + low) + 4 * e * shape.intermediate)
     state = n * sum(_ghost_state(a, L, i, o) for i, o in shape.linears())
-    if path == "vectors":  # the harness of token_vectors: no ghost state, no tied term
+    if path == "vectors":  # the harness of token_vectors: no ghost state, no tied term; the
+        # previous chunk's block of ``materialised`` elements per cotangent (its flat result
+        # and its cast) is alive while the next chunk's backward runs
         return [(logits + graph, 3 * a * L * V + mods + (e + cast) * materialised)]
     if shape.tied:
         state += a * V * h  # its running prefix (and its next value while it is replaced)
@@ -266,6 +268,19 @@ def _sequence_phases(shape: ModelShape, B: int, L: int) -> list[tuple[int, int]]
             formed = max(formed, max(1, min(B, FORMED_ELEMENTS // (o * k))) * o * k)
     norms = (out + 2 * a * formed, L * (kept + V * (2 * e + cast + cap // 2)))
     return [logprobs, check, norms]
+
+
+def vector_block_bytes(shape: ModelShape, L: int, C: int, numel: int, tied: int = 0) -> int:
+    """Peak bytes of one harness pass of ``token_vectors`` once its block of per-token
+    gradients exists (traced on fake full-size models, benchmarks/plan_scale.py): ``C``
+    cotangents of ``numel`` parameter elements, autograd's batched result and its flat copy
+    (``2e`` per element) and their cast to the statistics' dtype (``a [e != a]``), the
+    ``tied`` elements of a tied weight its two parts before their sum (``2e`` more), beside
+    the chunk's logits ``[L, V]``. (The vocabulary's backward before it is the path's chunk
+    phase, :func:`unit_bytes`; the peak of a pass is the larger of the two.)"""
+    e, a = shape.elsize, shape.acc
+    cast = a if e != a else 0
+    return C * (numel * (2 * e + cast) + tied * 2 * e) + L * shape.vocab * e
 
 
 def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -> int:
@@ -556,4 +571,5 @@ class LiveBytes(TorchDispatchMode):
 __all__ = ["DEFER_ELEMENTS", "HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS",
            "LiveBytes", "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes",
            "free_device_bytes", "gib", "logit_rows", "logits_fixed", "logits_unit", "plan",
-           "plan_before_load", "plan_from_config", "probe_bytes", "unit_bytes"]
+           "plan_before_load", "plan_from_config", "probe_bytes", "unit_bytes",
+           "vector_block_bytes"]
