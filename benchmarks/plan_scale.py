@@ -42,14 +42,18 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 import varbench.grads.exact as exact
-from varbench.grads import token_grad_norms
+from varbench.grads import sequence_grad_norms, token_grad_norms, token_vectors
+from varbench.grads.chunking import BLOCK_COPIES
 from varbench.grads.ghost import ModuleForm, ModulePlan, plan_modules
 from varbench.grads.params import select_params
+from varbench.grads.seqnorms import SequenceRoute, sequence_routes
+from varbench.grads.vectors import CountSketch, param_blocks
 from varbench.models import logits as logits_mod
 from varbench.models import memplan
 from varbench.models.forward import forward_logits
 from varbench.models.head import OutputHead
 from varbench.models.logits import head_logprobs, head_stats
+from varbench.rollout.batch import RolloutBatch
 from varbench.rollout.kvcache import grow_cache
 
 SHAPES = {
@@ -83,10 +87,12 @@ def with_layers(config, n: int):
     return cfg
 
 
-def trace(config, dtype, path: str, T: int, chunk: int) -> int:
-    """Traced peak bytes (beyond the parameters) of one chunk of ``path`` on fake tensors."""
+def trace(config, dtype, path: str, T: int, chunk: int, block: int | None = None) -> int:
+    """Traced peak bytes (beyond the parameters) of one chunk of ``path`` on fake tensors
+    (``block``: vectors' bytes of per-token gradients per harness pass)."""
     # the harness's routes, decided on a small real model before anything is traced
-    routes = small_routes(config, dtype) if path == "token_norms" else {}
+    routes = (small_routes(config, dtype) if path == "token_norms" else
+              small_sequence_routes(config, dtype) if path == "sequence_norms" else {})
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         ids = torch.zeros(1, T, dtype=torch.long)
@@ -117,6 +123,10 @@ def trace(config, dtype, path: str, T: int, chunk: int) -> int:
                     head_stats(h, _head(model), torch.zeros(chunk, dtype=torch.long), chunk=chunk)
             elif path == "token_norms":
                 _token_chunk(model, routes, T, chunk)
+            elif path == "sequence_norms":
+                _sequence_rows(model, routes, T, chunk)
+            elif path == "vectors":
+                _vector_chunks(model, T, chunk, block)
         return lv.peak
 
 
@@ -155,14 +165,7 @@ def small_routes(config, dtype) -> dict[str, ModuleForm | None]:
     """Every parameter's ghost route (its form, None: materialised) as
     ``ghost.plan_modules`` decides it on a small real model of ``config``'s architecture
     (the routes are structural; the inspection reads values, which fake tensors lack)."""
-    d = config.to_dict()
-    heads = d["num_attention_heads"]
-    d.update(hidden_size=16 * heads, intermediate_size=32 * heads, vocab_size=512,
-             head_dim=16)
-    cfg = config.__class__(**d)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model = _small_model(config, dtype)
     ids = torch.randint(0, 512, (1, 16))
     chosen = select_params(model, None)
 
@@ -173,6 +176,97 @@ def small_routes(config, dtype) -> dict[str, ModuleForm | None]:
     routes: dict[str, ModuleForm | None] = {n: None for n, _ in plan.rest}
     routes.update({n: f for _, n, f in plan.ghost})
     return routes
+
+
+def small_sequence_routes(config, dtype) -> dict[str, SequenceRoute]:
+    """Every module's route of ``sequence_grad_norms`` as ``seqnorms.sequence_routes``
+    decides and checks it on a small real model of ``config``'s architecture (the routes are
+    structural; the checks read values, which fake tensors lack)."""
+    model = _small_model(config, dtype)
+    ids = torch.randint(0, 512, (1, 16))
+    rm = torch.ones(1, 16)
+    rm[0, 0] = 0
+    return sequence_routes(model, ids, rm, torch.ones_like(ids))
+
+
+def _sequence_rows(model, routes: dict[str, SequenceRoute], T: int, rows: int) -> None:
+    """``rows`` rows of T positions (all but the first a response) through the real
+    ``sequence_grad_norms`` with the small model's ``routes`` (one chunk of ``rows``)."""
+    with unset_fake_temporarily():
+        ids = torch.zeros(rows, T, dtype=torch.long)
+        rm = torch.ones(rows, T)
+        rm[:, 0] = 0
+        am = torch.ones(rows, T, dtype=torch.long)
+    with HostReads():
+        sequence_grad_norms(model, ids, rm, am, rows=rows, routes=routes)
+
+
+def _vector_batch(T: int, C: int) -> RolloutBatch:
+    """One row of T positions whose last 2 C are its response (a real batch: the harness
+    plans its chunks from the mask)."""
+    with unset_fake_temporarily():
+        Lp, R = T - 2 * C, 2 * C
+        mask = torch.ones(1, 1, R)
+        z = torch.zeros(1, 1, R)
+        return RolloutBatch(prompt_ids=torch.ones(1, Lp, dtype=torch.long),
+                            prompt_mask=torch.ones(1, Lp, dtype=torch.long),
+                            tokens=torch.ones(1, 1, R, dtype=torch.long), mask=mask,
+                            env_mask=z.clone(), logprobs=z, sum_pi_sq=z.clone(),
+                            entropy=z.clone(), rewards=torch.zeros(1, 1),
+                            lengths=torch.full((1, 1), R))
+
+
+SKETCH_DIM = 4096  # the count sketch's K in the vectors trace (a variance analysis's order)
+
+
+def _vector_chunks(model, T: int, C: int, block: int | None) -> None:
+    """Two chunks of the real ``token_vectors`` (chunk_size C, count-sketched to
+    :data:`SKETCH_DIM`, ``block`` bytes of per-token gradients per harness pass) over the
+    last 2 C tokens of one row."""
+    with HostReads():
+        token_vectors(model, _vector_batch(T, C), sketch_dim=SKETCH_DIM, chunk_size=C,
+                      block_bytes=block, pack=False)
+
+
+def vectors_base(shape: memplan.ModelShape, numels: list[int], L: int, C: int) -> int:
+    """What token_vectors reserves beside its block of per-token gradients (its share-out,
+    ``varbench.grads.chunking.auto_block_bytes``): the chunk's plan (path vectors, chunk
+    ``C``) and the count sketch's state (streamed at full size)."""
+    chunk = memplan.plan(shape, "vectors", 1, L, None, default=C).peak_bytes
+    return chunk + CountSketch.state_bytes(sum(numels))
+
+
+def vectors_planned(shape: memplan.ModelShape, numels: list[int], tied: int | None, L: int,
+                    C: int, block: int) -> tuple[int, int]:
+    """``(planned peak, reserved)`` of token_vectors at chunk ``C`` with ``block`` bytes per
+    harness pass: the largest over the passes (the blocks ``param_blocks`` cuts) of its chunk
+    phase (the vectors plan with the previous chunk's block, ``materialised``) and its block
+    phase (``memplan.vector_block_bytes``; ``tied``: the index of a tied weight), beside the
+    sketch's state; ``reserved`` is what token_vectors'
+    share-out sets aside, :func:`vectors_base` and :data:`BLOCK_COPIES` copies of the block."""
+    item = 8 if shape.elsize == 8 else 4
+    blocks = param_blocks(numels, C, block, item)
+    held = CountSketch.state_bytes(sum(numels))
+    # each pass: its chunk phase (the previous chunk's block alive) or its block phase
+    passes = max(max(memplan.plan(shape, "vectors", 1, L, None, default=c,
+                                  materialised=sum(numels[i] for i in idx)).peak_bytes,
+                     memplan.vector_block_bytes(shape, L, c, sum(numels[i] for i in idx),
+                                                numels[tied] if tied in idx else 0))
+                 for idx, c in blocks)
+    largest = max(c * sum(numels[i] for i in idx) * item for idx, c in blocks)
+    return held + passes, vectors_base(shape, numels, L, C) + BLOCK_COPIES * largest
+
+
+def _small_model(config, dtype):
+    """A small real model of ``config``'s architecture (hidden 16 per head, V = 512)."""
+    d = config.to_dict()
+    heads = d["num_attention_heads"]
+    d.update(hidden_size=16 * heads, intermediate_size=32 * heads, vocab_size=512,
+             head_dim=16)
+    cfg = config.__class__(**d)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 def _token_chunk(model, routes: dict[str, ModuleForm | None], T: int, C: int) -> None:
@@ -198,6 +292,33 @@ def _token_chunk(model, routes: dict[str, ModuleForm | None], T: int, C: int) ->
         token_grad_norms(model, ids, rm, am, chunk_size=C, progress=False)
 
 
+CHUNKS = {"token_norms": 4, "sequence_norms": 1, "vectors": 4, "train_logprobs": 1,
+          "sampling": 1, "logits": 512}  # the traced chunk of each path (its units)
+
+
+def planned_peak(config, dtype, path: str, L: int, chunk: int
+                 ) -> tuple[int, int | None, int | None]:
+    """``(planned peak, vectors' block bytes, vectors' reserve)`` of the traced chunk of
+    ``path``: one row (sampling: all L positions sampled, as the trace's prefill holds them);
+    vectors: at the block a 140 GB GPU's budget leaves beside the chunk (token_vectors'
+    share-out), with what that share-out reserves (:func:`vectors_planned`)."""
+    shape = memplan.ModelShape.from_config(config, dtype)
+    if path != "vectors":
+        peak = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
+        return peak, None, None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = AutoModelForCausalLM.from_config(with_layers(config, config.num_hidden_layers),
+                                                 dtype=dtype)
+        chosen = [p for _, p in select_params(model, None)]
+        emb = model.get_input_embeddings().weight
+        tied = next((i for i, p in enumerate(chosen) if p is emb), None) if shape.tied else None
+        numels = [p.numel() for p in chosen]
+    budget = int(memplan.MEMORY_FRACTION * (GPUS["140GB"] - shape.model_bytes))
+    block = max(1, (budget - vectors_base(shape, numels, L, chunk)) // BLOCK_COPIES)
+    planned, reserved = vectors_planned(shape, numels, tied, L, chunk, block)
+    return planned, block, reserved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=1024, help="positions (prompt + response)")
@@ -208,8 +329,7 @@ def main() -> None:
                          "faster with depth takes over); 0 (default): the model's depth")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
-    ap.add_argument("--paths", nargs="*",
-                    default=["token_norms", "train_logprobs", "sampling", "logits"])
+    ap.add_argument("--paths", nargs="*", default=list(CHUNKS), choices=list(CHUNKS))
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     how = (f"traced on {args.layers} and {2 * args.layers} layers, extrapolated to the "
@@ -219,21 +339,23 @@ def main() -> None:
     print(f"{'shape':14s} {'path':15s} {'chunk':>5s} {'planned':>8s} {'traced':>8s} "
           f"{'ratio':>6s} {'80GB':>10s} {'140GB':>10s}")
     refused: list[str] = []
+    reserves: list[str] = []
     for name in args.shapes:
         full = SHAPES[name]()
-        shape = memplan.ModelShape.from_config(full, dtype)
         for path in args.paths:
             B = args.B
-            chunk = {"token_norms": 4, "train_logprobs": 1, "sampling": 1,
-                     "logits": 512}[path]
+            chunk = CHUNKS[path]
             L = args.T
+            planned, block, reserved = planned_peak(full, dtype, path, L, chunk)
+            if reserved is not None:
+                reserves.append(f"{name} vectors: token_vectors reserves "
+                                f"{reserved / 2**30:.2f} GiB (chunk plan + sketch + "
+                                f"{BLOCK_COPIES} x the {block / 2**30:.2f} GiB block)")
             if args.layers and path in ("token_norms", "train_logprobs"):
                 traced = extrapolated(full, dtype, path, L, chunk, args.layers)
             else:
-                traced = trace(with_layers(full, full.num_hidden_layers), dtype, path, L, chunk)
-            # the traced chunk is one row: the plan of one row (sampling: all L positions
-            # sampled, as the trace's prefill holds them)
-            planned = memplan.plan(shape, path, 1, L, None, default=chunk, response=L).peak_bytes
+                traced = trace(with_layers(full, full.num_hidden_layers), dtype, path, L, chunk,
+                               block)
             picks = []
             for gpu_name, gpu in GPUS.items():
                 q = memplan.plan_from_config(full, dtype, path, B, L, gpu, response=L)
@@ -249,6 +371,8 @@ def main() -> None:
                   f"{picks[1]:>10s}", flush=True)
     for line in refused:  # what does not fit, and why
         print("no fit:", line)
+    for line in reserves:  # the share-out beside the predicted peak
+        print(line)
 
 
 if __name__ == "__main__":

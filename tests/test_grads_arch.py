@@ -38,7 +38,7 @@ from varbench.grads import (
 from varbench.grads.exact import token_chunks
 from varbench.grads.params import group_index
 from varbench.grads.precision import verify_copy
-from varbench.grads.seqnorms import sequence_grad_norms
+from varbench.grads.seqnorms import sequence_grad_norms, sequence_routes
 from varbench.grads.sketch import GaussianProbes, jvp_token_probes
 from varbench.models import build_tokenizer
 from varbench.models.forward import forward_logits
@@ -158,6 +158,13 @@ def test_sequence_grad_norms_match_brute_force(name, padding):
                                       rows=1)
     _close(one, want, RTOL_64)
     assert routes == methods
+    # the routes decided on another model of the architecture (other weights, 6 positions)
+    # and given: no value is read to decide them, the numbers and methods are the same
+    other = exact_float64(build(name, seed=7))
+    given = sequence_routes(other, ids[:1, :6], rm[:1, :6], am[:1, :6])
+    got2, methods2 = sequence_grad_norms(m64, ids, rm, am, coefficients=c, with_methods=True,
+                                         routes=given)
+    assert torch.equal(got2, got) and methods2 == methods
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -51,9 +51,8 @@ def inputs():
 def _fake_free(monkeypatch, shape, rows: int) -> int:
     """Fake the device's free bytes (the model loaded) so that the plan allows ``rows`` rows;
     returns the budget (``MEMORY_FRACTION`` of it)."""
-    unit = memplan.unit_bytes(shape, "sequence_norms", L)
-    fixed = memplan.fixed_bytes(shape, "sequence_norms", B, L)
-    free = int(2 * (fixed + rows * unit) / memplan.HEADROOM) + 2
+    phases = memplan.plan(shape, "sequence_norms", B, L, None).phases  # the largest decides
+    free = int(2 * max(f + rows * u for f, u in phases) / memplan.HEADROOM) + 2
     monkeypatch.setattr(memplan, "free_device_bytes", lambda device: free)
     p = sequence_plan(shape, B, L, free)
     assert p.chunk == rows

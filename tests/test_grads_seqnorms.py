@@ -115,3 +115,31 @@ def test_row_chunks_equal_one_batch_and_the_budget_picks_them(monkeypatch, paddi
                                rtol=RTOL, atol=0)
     with pytest.raises(ValueError, match="rows"):
         sequence_grad_norms(model, ids, rm, am, rows=0)
+
+
+def test_given_routes_keep_the_guards():
+    """Given routes (seqnorms.sequence_routes) skip only the forms' recognition: the numbers
+    are those decided on the values; a module without a route, a route of the wrong kind for
+    its module and a wrong form (its self-check fails) raise, naming the module."""
+    import dataclasses
+
+    from varbench._util.checks import UsageError
+    from varbench.grads.seqnorms import SequenceRoute, sequence_routes
+
+    model = exact_float64(tiny_llama(tied=True))
+    ids, rm, am = batch("left", B=3)
+    routes = sequence_routes(model, ids, rm, am)
+    assert routes["lm_head"].kind == "factor" and routes["model.norm"].kind == "rms"
+    assert torch.equal(sequence_grad_norms(model, ids, rm, am, routes=routes),
+                       sequence_grad_norms(model, ids, rm, am))
+    with pytest.raises(UsageError, match="no entry for module 'model.norm'"):
+        sequence_grad_norms(model, ids, rm, am,
+                            routes={k: v for k, v in routes.items() if k != "model.norm"})
+    with pytest.raises(UsageError, match="'factor' given for 'model.norm'"):
+        sequence_grad_norms(model, ids, rm, am, routes={**routes, "model.norm": routes["lm_head"]})
+    with pytest.raises(UsageError, match="route 'vjp' .* given for 'lm_head'"):
+        sequence_grad_norms(model, ids, rm, am, routes={**routes, "lm_head": SequenceRoute("vjp")})
+    emb = routes["model.embed_tokens"]
+    wrong = dataclasses.replace(emb, forms=(dataclasses.replace(emb.forms[0], scale=3.0),))
+    with pytest.raises(RuntimeError, match="self-check failed for Embedding"):
+        sequence_grad_norms(model, ids, rm, am, routes={**routes, "model.embed_tokens": wrong})

@@ -191,3 +191,35 @@ def test_plan_before_load_refuses_a_model_larger_than_the_device(monkeypatch):
     assert all(p.fits and p.chunk >= 1 for p in plans)
     monkeypatch.setattr(memplan, "free_device_bytes", lambda device: None)
     assert all(p.budget is None for p in memplan.plan_before_load(cfg, "float32", "cpu", 2, 64))
+
+
+def _plan_scale():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plan_scale
+
+    return plan_scale
+
+
+@pytest.mark.parametrize("path", ["sequence_norms", "vectors"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen2-tied", "qwen2-untied", "gemma2-tied"])
+def test_plan_scale_rows_of_sequence_norms_and_vectors_within_15_percent(arch, dtype, path):
+    """benchmarks/plan_scale.py's sequence_norms and vectors rows at a scaled-down shape
+    (hidden 128, 3 layers, V = 4096, 128 positions; Qwen2 tied and untied, Gemma-2 with its
+    four norms a layer and soft-capped logits): the real sequence_grad_norms (routes decided
+    on a small real model, given) and token_vectors (block from a 140 GB budget) traced on
+    fake tensors, and the plan within 15% of the trace either way."""
+    from transformers import Gemma2Config
+
+    ps = _plan_scale()
+    kw = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=512, vocab_size=4096,
+              tie_word_embeddings=arch.endswith("-tied"))
+    cfg = Gemma2Config(head_dim=32, **kw) if arch.startswith("gemma2") else Qwen2Config(**kw)
+    chunk, L = ps.CHUNKS[path], 128
+    planned, block, _ = ps.planned_peak(cfg, dtype, path, L, chunk)
+    traced = ps.trace(ps.with_layers(cfg, 3), dtype, path, L, chunk, block)
+    assert traced > 0 and abs(planned / traced - 1) <= 0.15, (planned, traced)

@@ -398,11 +398,13 @@ class CallRecorder:
             h.remove()
 
 
-def checked_form(module, call, n_rows: int) -> ModuleForm:
-    """:func:`module_form` of one recorded call, its rows-per-position check (``n_rows``
-    factored rows expected: B*t), and the first-call :func:`self_check`."""
+def checked_form(module, call, n_rows: int, form: ModuleForm | None = None) -> ModuleForm:
+    """:func:`module_form` of one recorded call (or the given ``form``: the decision taken
+    elsewhere), its rows-per-position check (``n_rows`` factored rows expected: B*t), and the
+    first-call :func:`self_check`."""
     args, kwargs, out = call
-    form = module_form(module, args, kwargs, out)
+    if form is None:
+        form = module_form(module, args, kwargs, out)
     if form.kind is None:
         return form
     a = factored_inputs(module, form, args, kwargs)

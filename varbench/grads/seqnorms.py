@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call, vjp, vmap
 
-from varbench._util.checks import UsageError, check_positive_int, check_shape
+from varbench._util.checks import UsageError, check_choice, check_positive_int, check_shape
 from varbench.grads._inputs import eval_mode, prepare
 from varbench.grads.ghost import (
     _QUIET,
@@ -68,6 +68,24 @@ class _Factor:
 class _ParamWork:
     factors: list[_Factor] = field(default_factory=list)
     dense: list[torch.Tensor] = field(default_factory=list)  # [B, numel] per-sequence grads
+
+
+ROUTE_KINDS = ("factor", "rms", "copies", "vjp", "slow")
+
+
+@dataclass(frozen=True)
+class SequenceRoute:
+    """How :func:`sequence_grad_norms` computes one module's chosen parameters: ``kind``
+    'factor' (``forms``: the :class:`ModuleForm` of each of its calls), 'rms' (``rms``: its
+    :func:`varbench.models.arch.rms_norm_form`), 'copies' (one backward over per-sequence
+    parameter copies), 'vjp' (a vmapped vjp of its forward) or 'slow' (one backward per
+    sequence; ``reason`` says why). Decided from the values of a forward
+    (:func:`sequence_routes`); a given route skips those value checks."""
+
+    kind: str
+    forms: tuple[ModuleForm, ...] = ()
+    rms: tuple[str, float] | None = None
+    reason: str = ""
 
 
 def _l_gram(f: _Factor, g: _Factor) -> torch.Tensor:
@@ -149,11 +167,12 @@ def _generic_grads(module, call, D: torch.Tensor, names: list[str]) -> list[torc
     return list(vmap(one)(x, D.to(x.dtype)))
 
 
-def _per_sequence_params(module, call, local: list[str], B: int):
+def _per_sequence_params(module, call, local: list[str], B: int, *, check: bool = True):
     """Re-run ``module`` on its detached input with each parameter in ``local`` replaced by a
     per-sequence copy ``[B, 1.., *shape]`` (broadcast over positions). Returns (output, copies)
     when that reproduces the recorded output (an elementwise-affine module: RMS norms), else
-    None (the module needs the vmapped vjp)."""
+    None (the module needs the vmapped vjp). ``check=False`` (a given route): the shapes are
+    checked, the values are not."""
     x = call[0][0].detach()
     out = call[2]
     own = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
@@ -175,6 +194,8 @@ def _per_sequence_params(module, call, local: list[str], B: int):
         _QUIET.pop()
     if not isinstance(y, torch.Tensor) or y.shape != out.shape:
         return None
+    if not check:
+        return y, [copies[n] for n in local]
     tol = 1e-6 if y.dtype in (torch.float32, torch.float64) else 1e-2
     if not bool(((y.detach() - out.detach()).abs() <= tol * (1 + out.detach().abs())).all()):
         return None
@@ -191,14 +212,26 @@ def _rms_form(module: torch.nn.Module):
     return _RMS[module]
 
 
-def _generic_all(generic, B: int):
+def _generic_all(generic, B: int, hows: dict[int, SequenceRoute] | None = None,
+                 decided: dict[int, SequenceRoute] | None = None):
     """Per-sequence gradients ``[B, numel]`` of every generic module call: ONE small backward
     over per-sequence parameter copies for elementwise-affine modules, a vmapped vjp of the
-    module's own forward for the others. Yields ``(module, names, grads)``."""
+    module's own forward for the others. Yields ``(module, names, grads)``. ``hows``: module
+    id -> its given route (kind 'rms', 'copies' or 'vjp'; the value probes are skipped);
+    ``decided``: filled with the route each module took."""
     fast, ys, cots, leaves = [], [], [], []
     for m, call, D, local in generic:
-        form = _rms_form(m)
+        given = None if hows is None else hows.get(id(m))
+        if given is None:
+            form = _rms_form(m)
+        else:
+            form = given.rms if given.kind == "rms" else None
+            if given.kind == "rms" and (form is None or local != ["weight"]):
+                raise UsageError(f"route 'rms' given for {type(m).__name__} without its form "
+                                 f"or for parameters {local} (it covers a lone weight)")
         if form is not None and local == ["weight"]:
+            if decided is not None:
+                decided[id(m)] = SequenceRoute("rms", rms=form)
             # y = (w or 1 + w) * x_hat: the weight's per-sequence gradient is sum_t D * x_hat
             x = call[0][0].detach()
             acc = acc_dtype(D.dtype)
@@ -207,7 +240,14 @@ def _generic_all(generic, B: int):
             g = (D.to(acc) * x_hat).reshape(B, -1, x.shape[-1]).sum(1)
             yield m, local, [g]
             continue
-        got = _per_sequence_params(m, call, local, B)
+        got = None
+        if given is None or given.kind == "copies":
+            got = _per_sequence_params(m, call, local, B, check=given is None)
+            if got is None and given is not None:
+                raise UsageError(f"route 'copies' given for {type(m).__name__}, whose forward "
+                                 "does not take per-sequence parameter copies")
+        if decided is not None:
+            decided[id(m)] = SequenceRoute("vjp" if got is None else "copies")
         if got is None:
             yield m, local, _generic_grads(m, call, D, local)
             continue
@@ -262,6 +302,7 @@ def sequence_grad_norms(
     accumulate: torch.dtype | None = None,
     with_methods: bool = False,
     rows: int | None = None,
+    routes: dict[str, SequenceRoute] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, str]]:
     """Exact ``||sum_t c_{b,t} grad log p_{b,t}||^2`` per sequence: ``[B]``, one backward per
     chunk of ``rows`` sequences.
@@ -277,7 +318,10 @@ def sequence_grad_norms(
     module output of a chunk at once plus ``rows t^2`` per Gram. ``rows`` (default
     :func:`sequence_rows`: from the free device memory on CUDA, a fixed byte budget on the CPU)
     bounds the sequences per forward+backward; the norms are per sequence, so chunks change
-    nothing but rounding.
+    nothing but rounding. ``routes`` (module name -> :class:`SequenceRoute`, from
+    :func:`sequence_routes` of this model or its architecture): take these routes instead of
+    deciding them on each chunk's values (skips the form self-checks: for tracing memory on
+    tensors without values, benchmarks/plan_scale.py); default: decided and checked.
     """
     model, input_ids, response_mask, attention_mask = prepare(
         model, input_ids, response_mask, attention_mask, dtype, device
@@ -298,7 +342,8 @@ def sequence_grad_norms(
     totals, methods = [], {}
     for s in range(0, B, n):
         mask = None if attention_mask is None else attention_mask[s:s + n]
-        total, route = _norms_block(model, input_ids[s:s + n], mask, c[s:s + n], chosen, acc)
+        total, route = _norms_block(model, input_ids[s:s + n], mask, c[s:s + n], chosen, acc,
+                                    routes)
         totals.append(total)
         for name, how in route.items():  # a slower route in any chunk is the route
             if methods.get(name, "").startswith("per-sequence"):
@@ -308,6 +353,27 @@ def sequence_grad_norms(
     if with_methods:
         return total, methods
     return total
+
+
+def sequence_routes(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    params: ParamFilter = None,
+) -> dict[str, SequenceRoute]:
+    """The route of every module owning a chosen parameter (module name -> route), as
+    :func:`sequence_grad_norms` decides and checks it on the values of the first sequence's
+    forward (the routes are structural: the same on any model of the architecture)."""
+    model, input_ids, response_mask, attention_mask = prepare(
+        model, input_ids[:1], response_mask[:1],
+        None if attention_mask is None else attention_mask[:1], None, None)
+    acc = acc_dtype(next(model.parameters()).dtype)
+    decided: dict[str, SequenceRoute] = {}
+    _norms_block(model, input_ids, attention_mask, response_mask.to(acc),
+                 select_params(model, params), acc, None, decided)
+    return decided
 
 
 SEQUENCE_CPU_BYTES = 1 << 30
@@ -342,51 +408,99 @@ def sequence_rows(model: torch.nn.Module, B: int, L: int, device: torch.device |
     return p.chunk
 
 
-def _norms_block(model, input_ids, attention_mask, c, chosen, acc
+def _route_calls(owners, rec, chosen_name, names, B: int, L: int,
+                 routes: dict[str, SequenceRoute] | None, decided: dict[int, SequenceRoute]):
+    """Every owner module's route from its recorded calls: ``(plan, route, hows)`` with
+    ``plan`` the ``(module, call, form | "generic", own params)`` entries, ``route`` each
+    parameter's method string and ``hows`` the given routes of generic modules. Without
+    ``routes`` the forms are checked on the calls' values (:func:`checked_form`,
+    :func:`_check_rows`) and ``decided`` is filled; given ``routes`` (module name -> route)
+    the recognition of the forms (:func:`module_form`, reading values) is skipped; the
+    guards run (module type, number of calls, rows count, the forms' self-checks)."""
+    route: dict[int, str] = {}
+    plan = []
+    hows: dict[int, SequenceRoute] = {}
+    for m in owners:
+        calls = rec.calls[id(m)]
+        own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in chosen_name]
+        if not calls:
+            continue
+        given = None
+        if routes is not None:
+            given = routes.get(names[id(m)])
+            if given is None:
+                raise UsageError(f"routes has no entry for module {names[id(m)]!r} "
+                                 f"({type(m).__name__}); pass sequence_routes(...) of this model")
+            check_choice("route kind", given.kind, list(ROUTE_KINDS))
+        if given is not None and given.kind == "slow":
+            for _, p in own:
+                route[id(p)] = f"per-sequence backward: {given.reason}"
+            continue
+        if is_factorable_type(m):
+            if given is not None and (given.kind != "factor" or len(given.forms) != len(calls)):
+                raise UsageError(f"route {given.kind!r} with {len(given.forms)} forms given for "
+                                 f"{names[id(m)]!r}, a {type(m).__name__} called "
+                                 f"{len(calls)} times: expected 'factor' with one form a call")
+            # a given form skips the recognition (which reads values) but not the guards: the
+            # rows count, the first-call self-check and the rows-order check still run
+            forms = [checked_form(m, call, B * L, None if given is None else given.forms[i])
+                     for i, call in enumerate(calls)]
+            if all(f.kind is not None for f in forms):
+                for f, call in zip(forms, calls, strict=True):
+                    _check_rows(m, f, call, B, B * L)
+                    plan.append((m, call, f, own))
+                for _, p in own:
+                    route.setdefault(id(p), f"ghost ({forms[0].kind})")
+                decided[id(m)] = SequenceRoute("factor", forms=tuple(forms))
+                continue
+            reason = next(f.reason for f in forms if f.kind is None)
+            for _, p in own:
+                route[id(p)] = f"per-sequence backward: {reason}"
+            decided[id(m)] = SequenceRoute("slow", reason=reason)
+            continue
+        if given is not None and given.kind == "factor":
+            raise UsageError(f"route 'factor' given for {names[id(m)]!r}, a "
+                             f"{type(m).__name__} (not a Linear, Conv1D or Embedding)")
+        if all(_generic_ok(m, call, B) for call in calls):
+            for call in calls:
+                plan.append((m, call, "generic", own))
+            for _, p in own:
+                route.setdefault(id(p), "per-module vjp")
+            if given is not None:
+                hows[id(m)] = given
+            continue
+        if given is not None:
+            raise UsageError(f"route {given.kind!r} given for {names[id(m)]!r}, whose calls "
+                             "are not position-separable (one tensor in, one out, batch first)")
+        reason = (f"{type(m).__name__} is not a recognised or position-separable module")
+        for _, p in own:
+            route[id(p)] = f"per-sequence backward: {reason}"
+        decided[id(m)] = SequenceRoute("slow", reason=reason)
+    return plan, route, hows
+
+
+def _norms_block(model, input_ids, attention_mask, c, chosen, acc,
+                 routes: dict[str, SequenceRoute] | None = None,
+                 decided: dict[str, SequenceRoute] | None = None
                  ) -> tuple[torch.Tensor, dict[str, str]]:
-    """``[b]`` norms of one chunk of sequences and each chosen parameter's route."""
+    """``[b]`` norms of one chunk of sequences and each chosen parameter's route: decided on
+    the chunk's forward (``decided``, when given, gets each module's) or taken from
+    ``routes`` (module name -> route, :func:`_route_calls`)."""
     dev = input_ids.device
     B, L = input_ids.shape
     chosen_name = {id(p): n for n, p in chosen}
+    names = {id(m): n for n, m in model.named_modules()}
     owners = [m for m in model.modules()
               if any(id(p) in chosen_name for p in m.parameters(recurse=False))]
     rec = CallRecorder(owners)
+    took: dict[int, SequenceRoute] = {}
     try:
         with eval_mode(model), torch.enable_grad():
             logits = forward_logits(model, input_ids, attention_mask).logits
             check_finite_logits(model, logits, "sequence_grad_norms' forward")
             lp = token_logprobs(upcast(logits), input_ids)
             # route every chosen parameter from what its modules' calls computed
-            route: dict[int, str] = {}
-            plan = []  # (module, call, "factor" form | "generic", [param names])
-            for m in owners:
-                calls = rec.calls[id(m)]
-                own = [(n, p) for n, p in m.named_parameters(recurse=False)
-                       if id(p) in chosen_name]
-                if not calls:
-                    continue
-                if is_factorable_type(m):
-                    forms = [checked_form(m, call, B * L) for call in calls]
-                    if all(f.kind is not None for f in forms):
-                        for f, call in zip(forms, calls, strict=True):
-                            _check_rows(m, f, call, B, B * L)
-                            plan.append((m, call, f, own))
-                        for _, p in own:
-                            route.setdefault(id(p), f"ghost ({forms[0].kind})")
-                        continue
-                    reason = next(f.reason for f in forms if f.kind is None)
-                    for _, p in own:
-                        route[id(p)] = f"per-sequence backward: {reason}"
-                    continue
-                if all(_generic_ok(m, call, B) for call in calls):
-                    for call in calls:
-                        plan.append((m, call, "generic", own))
-                    for _, p in own:
-                        route.setdefault(id(p), "per-module vjp")
-                    continue
-                for _, p in own:
-                    route[id(p)] = (f"per-sequence backward: {type(m).__name__} is not a "
-                                    "recognised or position-separable module")
+            plan, route, hows = _route_calls(owners, rec, chosen_name, names, B, L, routes, took)
             # a parameter reached through both factored and generic calls: slow route
             kinds: dict[int, set] = {}
             for _, _, f, own in plan:
@@ -426,7 +540,7 @@ def _norms_block(model, input_ids, attention_mask, c, chosen, acc
                 if b is not None and f.kind != "embedding" and id(b) in chosen_name:
                     db = D.reshape(B, -1, D.shape[-1]).to(acc).sum(1)
                     work.setdefault(id(b), _ParamWork()).dense.append(db)
-            for m, local, grads in _generic_all(generic, B):
+            for m, local, grads in _generic_all(generic, B, hows if routes else None, took):
                 for k, g in zip(local, grads, strict=True):
                     work.setdefault(id(getattr(m, k)), _ParamWork()).dense.append(g.to(acc))
             total = torch.zeros(B, dtype=acc, device=dev)
@@ -436,6 +550,8 @@ def _norms_block(model, input_ids, attention_mask, c, chosen, acc
                 total += _slow_norms(lp, c, slow, acc)
     finally:
         rec.remove()
+    if decided is not None:
+        decided.update({names[i]: r for i, r in took.items()})
     return total, {n: route.get(id(p), "unused") for n, p in chosen}
 
 

@@ -102,6 +102,16 @@ class CountSketch:
     APPLY_ELEMENTS = 1 << 24
 
     @classmethod
+    def state_bytes(cls, n_params: int, chunk: int | None = None) -> int:
+        """Bytes a sketch of ``n_params`` coordinates holds on its device while applied:
+        stored (``12 n_params <= STORE_BYTES``), a bucket and a sign per coordinate; streamed,
+        one chunk's draw (``chunk`` coordinates, default ``CHUNK``) and one application's
+        product (``APPLY_ELEMENTS``)."""
+        if 12 * n_params <= cls.STORE_BYTES:
+            return 12 * n_params
+        return 12 * (cls.CHUNK if chunk is None else chunk) + 4 * cls.APPLY_ELEMENTS
+
+    @classmethod
     def default_chunk(cls, device: str | torch.device) -> int:
         """Coordinates per streamed chunk on ``device`` (CPU: ``CHUNK``; else ``ACCEL_CHUNK``)."""
         return cls.CHUNK if torch.device(device).type == "cpu" else cls.ACCEL_CHUNK
@@ -464,8 +474,8 @@ def token_vectors(
     chunk_size = cplan.chunk
     # beside the block: the sketch's hash (stored: a bucket and a sign per coordinate; streamed:
     # one chunk's draw and one application's product)
-    held = 0 if sk is None else (12 * sk.n_params if sk.buckets is not None else
-                                 12 * sk.chunk + 4 * CountSketch.APPLY_ELEMENTS)
+    held = 0 if sk is None else (12 * sk.n_params if not sk.streamed else
+                                 CountSketch.state_bytes(sk.n_params, sk.chunk))
     block_bytes = auto_block_bytes(dev, block_bytes=block_bytes, memory_fraction=memory_fraction,
                                    chunk_plan=cplan if measured else None, held=held)
     if measured and (dev.type == "cuda" if pack is None else pack):

@@ -65,6 +65,8 @@ class ModelShape:
     tied: bool
     elsize: int  # bytes per parameter element
     n_params: int
+    norms: int = 2  # RMS norms per layer (4: Gemma-2/3's sandwich norms)
+    softcap: bool = False  # the logits are soft-capped (Gemma-2: tanh(z / c) c, kept)
 
     @property
     def kv_dim(self) -> int:
@@ -113,10 +115,12 @@ class ModelShape:
         V = int(cfg.vocab_size)
         tied = bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings",
                                                                    False)))
-        per_layer = (h * heads * hd * 2 + h * kvh * hd * 2 + 3 * h * inter + 2 * h)
+        norms = 4 if str(getattr(cfg, "model_type", "")).startswith(("gemma2", "gemma3")) else 2
+        per_layer = (h * heads * hd * 2 + h * kvh * hd * 2 + 3 * h * inter + norms * h)
         n = V * h * (1 if tied else 2) + layers * per_layer + h
         return cls(h, layers, heads, kvh, hd, inter, V, tied,
-                   torch.empty((), dtype=dtype, device="meta").element_size(), n)
+                   torch.empty((), dtype=dtype, device="meta").element_size(), n, norms,
+                   bool(getattr(cfg, "final_logit_softcapping", None)))
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelShape:
@@ -132,7 +136,7 @@ class ModelShape:
         tied = _tied(model)
         return cls(got.hidden, got.layers, got.heads, got.kv_heads, got.head_dim,
                    got.intermediate, got.vocab, got.tied if tied is None else tied,
-                   got.elsize, n)
+                   got.elsize, n, got.norms, got.softcap)
 
 
 def _tied(model: torch.nn.Module) -> bool | None:
@@ -192,7 +196,9 @@ def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
     # activations
     graph = L * V * low + L * n * (h * (9 * e + low) + 4 * e * shape.intermediate)
     state = n * sum(_ghost_state(a, L, i, o) for i, o in shape.linears())
-    if path == "vectors":  # the harness of token_vectors: no ghost state, no tied term
+    if path == "vectors":  # the harness of token_vectors: no ghost state, no tied term; the
+        # previous chunk's block of ``materialised`` elements per cotangent (its flat result
+        # and its cast) is alive while the next chunk's backward runs
         return [(logits + graph, 3 * a * L * V + mods + (e + cast) * materialised)]
     if shape.tied:
         state += a * V * h  # its running prefix (and its next value while it is replaced)
@@ -216,6 +222,67 @@ def _token_phases(shape: ModelShape, path: str, L: int, materialised: int
     return phases
 
 
+FORMED_ELEMENTS = 1 << 24  # seqnorms._self_norm forms [rows, out, in] per-sequence
+# gradients of at most this many elements at once (one row's, when one is larger)
+
+
+def _sequence_phases(shape: ModelShape, B: int, L: int) -> list[tuple[int, int]]:
+    """``(fixed, unit)`` bytes of each phase of one chunk of ``sequence_grad_norms`` (a unit:
+    one row of ``L`` positions; traced with the real function on fake full-size models,
+    benchmarks/plan_scale.py):
+
+    - the forward's log-probs: the graph, the logits, their float32 copy and the
+      log-sum-exp's three float32 transients ``[L, V]`` (traced on the CPU at small scale:
+      an op that fake tensors run as one, so the full-size trace cannot see them);
+    - the first chunk's form checks (once per module; the head's is the largest): the
+      forward's graph, the logits, the head's recomputed output and its probe cotangent
+      (``3e + 4 [e < 4]`` per ``L V`` element; soft-capped logits keep ``2e`` more), and the
+      head weight's gradient by autograd, factored and their difference (``e + 2a``, and the
+      cast to the statistics' dtype, per ``V h`` element);
+    - the norms: what the recorded calls keep of the forward (every Linear's input and
+      output, the residual stream, the attention's output) and the cotangents at every module
+      output (per layer and position ``e ((7 + 2 r) h + 2 q + 4 kv + 5 i)`` with r norms a
+      layer), their factors' casts to the statistics' dtype in low precision
+      (``a ((3 + 2 r) h + 2 q + 2 kv + 3 i)``), the logits
+      and their cotangent (``2e + cast`` per ``L V``), and the largest per-sequence gradient
+      the formed branch builds (and its square: ``2a`` per element; a module is formed where
+      ``L (out + in) > out in``), beside the ``[B]`` outputs.
+    """
+    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    i, q, kv = shape.intermediate, shape.q_dim, shape.kv_dim
+    low = 4 if e < 4 else 0
+    cast = a if e != a else 0
+    out = 2 * B * L * a
+    r = shape.norms
+    cap = 2 * e if shape.softcap else 0  # the capped logits and their tanh, kept
+    # the forward's graph per layer and position (traced: Qwen2 / Llama, two norms a layer,
+    # and Gemma-2, four): every Linear's output, the norms' products, the rotated q and k
+    graph = n * (e * ((4 + 2 * r) * h + 3 * q + 3 * kv + 4 * i) + low * r * h)
+    logprobs = (out, L * (V * (e + low + 3 * a + cap) + graph))
+    check = (out + V * h * (e + 2 * a + cast), L * (V * (3 * e + low + cap) + graph))
+    kept = n * (e * ((7 + 2 * r) * h + 2 * q + 4 * kv + 5 * i)
+                + cast * ((3 + 2 * r) * h + 2 * q + 2 * kv + 3 * i))
+    formed = 0
+    for o, k in [(oo, kk - 1) for kk, oo in shape.linears()] + [(V, h)]:
+        if L * (o + k) > o * k:  # seqnorms._self_norm forms the gradient, rows at a time
+            formed = max(formed, max(1, min(B, FORMED_ELEMENTS // (o * k))) * o * k)
+    norms = (out + 2 * a * formed, L * (kept + V * (2 * e + cast + cap // 2)))
+    return [logprobs, check, norms]
+
+
+def vector_block_bytes(shape: ModelShape, L: int, C: int, numel: int, tied: int = 0) -> int:
+    """Peak bytes of one harness pass of ``token_vectors`` once its block of per-token
+    gradients exists (traced on fake full-size models, benchmarks/plan_scale.py): ``C``
+    cotangents of ``numel`` parameter elements, autograd's batched result and its flat copy
+    (``2e`` per element) and their cast to the statistics' dtype (``a [e != a]``), the
+    ``tied`` elements of a tied weight its two parts before their sum (``2e`` more), beside
+    the chunk's logits ``[L, V]``. (The vocabulary's backward before it is the path's chunk
+    phase, :func:`unit_bytes`; the peak of a pass is the larger of the two.)"""
+    e, a = shape.elsize, shape.acc
+    cast = a if e != a else 0
+    return C * (numel * (2 * e + cast) + tied * 2 * e) + L * shape.vocab * e
+
+
 def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -> int:
     """Bytes one unit of ``path`` adds to a chunk over a prefix of ``L`` positions.
 
@@ -224,15 +291,14 @@ def unit_bytes(shape: ModelShape, path: str, L: int, *, materialised: int = 0) -
     the largest of their phases' units (:func:`_token_phases`).
     """
     check_choice("path", path, list(PATHS))
-    e, a, V, h, n = shape.elsize, shape.acc, shape.vocab, shape.hidden, shape.layers
+    e, V, h, n = shape.elsize, shape.vocab, shape.hidden, shape.layers
     if shape.hidden == 0:  # not a decoder: the parameters' size per unit
         return 4 * (shape.n_params + materialised)
     low = 4 if e < 4 else 0  # the float32 copy a low-precision tensor gets
     if path in ("token_norms", "vectors"):
         return max(u for _, u in _token_phases(shape, path, L, materialised))
-    if path == "sequence_norms":
-        # cotangents of every module output (acc) and the kept activations of one row
-        return L * (V * (2 * e + 4 * a) + n * (88 * h + 26 * shape.intermediate))
+    if path == "sequence_norms":  # the largest phase's (_sequence_phases)
+        return max(u for _, u in _sequence_phases(shape, 1, L))
     if path == "train_logprobs":
         return L * n * (h * (9 * e + low) + 4 * e * shape.intermediate + 2 * e * shape.kv_dim)
     if path == "sampling":
@@ -256,8 +322,8 @@ def fixed_bytes(shape: ModelShape, path: str, B: int, L: int, *,
         return 0
     if path in ("token_norms", "vectors"):  # the largest phase's (_token_phases)
         return max(f for f, _ in _token_phases(shape, path, L, 0)) + 2 * B * L * a
-    if path == "sequence_norms":
-        return 2 * B * L * a
+    if path == "sequence_norms":  # the largest phase's (_sequence_phases)
+        return max(f for f, _ in _sequence_phases(shape, B, L))
     if path == "train_logprobs":
         # the head's chunked log-probs (256 positions of logits and their gradients at a time,
         # its weight's gradient accumulator), the parameters' gradients
@@ -319,19 +385,14 @@ def logit_rows(vocab: int, hidden: int, elsize: int, device: torch.device | str,
 
 def probe_bytes(shape: ModelShape, path: str, L: int) -> int:
     """Bytes of a path's phase before its chunks (0 where none): the gradient harness's
-    inspection forward of one row, with an untied head's form check (``(e + 4a) V h``); the
-    sequence norms' first chunk checks the head's factored form once per module (its weight
-    gradient by autograd and factored, and their difference: traced 12 bytes per weight
-    element in float32), tied or not, beside one row's logits."""
-    if path not in ("token_norms", "vectors", "sequence_norms") or shape.hidden == 0:
+    inspection forward of one row, with an untied head's form check (``(e + 4a) V h``). (The
+    sequence norms' form checks run in their first chunk: a phase of its own,
+    :func:`_sequence_phases`.)"""
+    if path not in ("token_norms", "vectors") or shape.hidden == 0:
         return 0
     e, a, V, h = shape.elsize, shape.acc, shape.vocab, shape.hidden
     low = 4 if e < 4 else 0
-    check = 0 if shape.tied and path != "sequence_norms" else (e + 4 * a) * V * h
-    if path == "sequence_norms":
-        # a low-precision weight's check also holds its float32 copy (traced in bfloat16,
-        # tests/test_grads_projected_memory.py: 108 MB planned 91 MB without it)
-        check += low * V * h
+    check = 0 if shape.tied else (e + 4 * a) * V * h
     return L * V * (e + 4 + low) + check
 
 
@@ -394,6 +455,8 @@ def plan(shape: ModelShape, path: str, B: int, L: int, budget: int | None, *,
     if path in ("token_norms", "vectors") and shape.hidden:
         out = 2 * B * L * shape.acc
         phases = tuple((f + out, u) for f, u in _token_phases(shape, path, L, materialised))
+    if path == "sequence_norms" and shape.hidden:
+        phases = tuple(_sequence_phases(shape, B, L))
     if cap is None:
         cap = {"cotangents": MAX_COTANGENTS, "rows": B, "positions": B * L}[UNITS[path]]
     cap = max(1, int(cap))
@@ -508,4 +571,5 @@ class LiveBytes(TorchDispatchMode):
 __all__ = ["DEFER_ELEMENTS", "HEADROOM", "MAX_COTANGENTS", "MEMORY_FRACTION", "PATHS", "UNITS",
            "LiveBytes", "ModelShape", "Plan", "check_plan", "device_budget", "fixed_bytes",
            "free_device_bytes", "gib", "logit_rows", "logits_fixed", "logits_unit", "plan",
-           "plan_before_load", "plan_from_config", "probe_bytes", "unit_bytes"]
+           "plan_before_load", "plan_from_config", "probe_bytes", "unit_bytes",
+           "vector_block_bytes"]
