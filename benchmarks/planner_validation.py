@@ -116,6 +116,34 @@ def measure(tasks: list[str], cache: Path, progress: bool, *, min_responses: int
     return pd.concat(rows, ignore_index=True)
 
 
+def _seed_counts(t: pd.DataFrame) -> str:
+    """'N seeds per cell (M for task scheme/G, ...)': the seed counts of the joined table."""
+    n = t["seeds"].astype(int)
+    common = int(n.mode().iloc[0])
+    other = [f"{r.task} {r.scheme}/{int(r.G)}: {int(r.seeds)}" for r in t.itertuples()
+             if int(r.seeds) != common]
+    return f"{common} seeds per cell" + (f" ({', '.join(other)})" if other else "")
+
+
+def _reading(res: dict) -> str:
+    """The reading bullet, from the statistics themselves (the target, the control without
+    the noise scale, each task's lower limit)."""
+    rho, lo, _ = res["pooled"]
+    ctrl = res["controls"]["B_noise = 0 (P and L only)"]["pooled"]
+    weak = [k for k, (_, a, _) in res["per_task"].items() if not a >= TARGET["lower"]]
+    parts = [f"- Reading: the pooled target is {'met' if res['target_met'] else 'not met'} "
+             f"(rho {_fmt(rho)}, lower limit {_fmt(lo)})."]
+    parts.append(f"The control without the noise scale (the task level and the step size "
+                 f"alone) scores {_fmt(ctrl[0])}; the noise scale adds {_fmt(rho - ctrl[0])} "
+                 "to the pooled rho.")
+    if weak:
+        parts.append(f"Within {', '.join(weak)} the lower limit is below {TARGET['lower']}: the "
+                     "planner does not rank arms reliably there.")
+    parts.append("B_noise is scale-free, so centered and rloo (rloo = centered x G/(G-1) on the "
+                 "same groups) tie at each G.")
+    return " ".join(parts)
+
+
 def _fmt(x: float, p: int = 2) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.{p}f}"
 
@@ -166,11 +194,7 @@ def write(table: pd.DataFrame, out: Path, *, changed: str = "") -> str:
         "it cannot change a ranking within a task, and a constant shared across tasks cannot "
         "change the pooled ranking either, so the leave-one-task-out fit matters only for the "
         "absolute error above.",
-        "- Reading: the pooled target is met, but most of the pooled order is the task level "
-        "and the step size (the control without the noise scale), and within toolsum the "
-        "lower limit is below 0.5: the noise scale adds order within each task (OTB against "
-        "the group baselines) but does not decide toolsum on its own. B_noise is scale-free, "
-        "so centered and rloo (rloo = centered x G/(G-1) on the same groups) tie at each G.",
+        _reading(res),
         "- The pooled rho ranks cells of both tasks together: every toolsum cell needs more "
         "tokens than every sort cell, so the pooled figure rewards getting the task level "
         "right (L and B_noise) as well as the order within a task; the per-task rows are the "
@@ -181,16 +205,17 @@ def write(table: pd.DataFrame, out: Path, *, changed: str = "") -> str:
         "OTB, was not applied), so the noise scales are point estimates of a heavy-tailed "
         "ratio with wide intervals.",
         "- Realised tokens: the Kaplan-Meier restricted mean tokens-to-threshold of the grid's "
-        "runs (validation__cells.csv, core cells, 5 seeds; 14 for toolsum otb/4 and "
-        "normalized/32). On toolsum some cells' runs never reached the threshold (censored at "
-        "the budget), which caps and ties their restricted means. toolsum_long is left out: "
-        "no run of any cell reached its threshold (every cell censored).",
+        f"runs (validation__cells.csv, core cells; {_seed_counts(t)}). A cell whose runs "
+        "never reached the threshold is censored at the budget, which caps and ties its "
+        "restricted mean. toolsum_long is left out: no run of any cell reached its threshold "
+        "(every cell censored).",
     ]
     if pub is not None and pub.notna().any():
         lines.append(f"- Re-measured variance against the published prediction table's: ratio "
                      f"median {_fmt(float(pub.median()))} (range {_fmt(float(pub.min()))}-"
-                     f"{_fmt(float(pub.max()))}); the published check ran an earlier version of "
-                     "the variance code on the same seeds.")
+                     f"{_fmt(float(pub.max()))})" + ("" if float((pub - 1).abs().max()) < 5e-3 else
+                     "; the published check ran another version of the variance code on the "
+                     "same seeds") + ".")
     lines += ["", "Per-cell table: planner_validation.csv.", ""]
     if changed:
         lines[1:1] = ["", f"**Sensitivity run, not the grid's settings: {changed}** (the "
