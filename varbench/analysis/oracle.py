@@ -266,8 +266,8 @@ def exact_moments(
     frac_all_agree, frac_zero, mean_coef_norm (all float), and ``mean``: E[g_hat] [K] (host
     float64; the sketch error of an exact-sketched projection is about it). ``forms``:
     ``{variance, mse}`` :class:`~varbench.stats.intervals.QuadForm` of Cov(g_hat) and
-    E[(g_hat - g*)(g_hat - g*)^T] on the rows ``exact_rows(table, reference)`` (``[s_1 ..
-    s_N, g*]``): with ``mu = L s`` (``L_kj = [k_j = k] p_j / q_k``),
+    E[(g_hat - g*)(g_hat - g*)^T] on ``rows``: ``[N + 1, K]`` host float64, each response's
+    ``s = sum_t v_t`` and the reference (``[s_1 .. s_N, g*]``): with ``mu = L s`` (``L_kj = [k_j = k] p_j / q_k``),
     ``Cov = sum_j p_j Gamma_{k_j} / q_{k_j} s_j s_j^T + mu^T (B - diag Gamma - b b^T) mu``,
     ``b = E beta``, ``B = E beta beta^T``, ``Gamma = E gamma`` (an exact-sketched cell's sketch
     SD is read from them, :func:`~varbench.stats.intervals.exact_sketch_sd`).
@@ -339,11 +339,6 @@ def exact_moments(
         "frac_zero": zero,
         "mean": mean.cpu(),
         "forms": forms,
+        "rows": torch.cat([s, ref.reshape(1, -1)]).cpu(),
     }
 
-
-def exact_rows(table: ResponseTable, reference: torch.Tensor) -> torch.Tensor:
-    """``[N + 1, K]`` host float64 rows of :func:`exact_moments`' ``forms``: each response's
-    ``s = sum_t v_t`` and the reference g*."""
-    s = (table.vec.double() * table.mask[..., None].double()).sum(1)
-    return torch.cat([s, reference.to(s.device).double().reshape(1, -1)]).cpu()

@@ -25,7 +25,7 @@ import torch
 
 from varbench._util.bounds import check_knob
 from varbench._util.checks import UsageError
-from varbench.analysis.oracle import ResponseTable, exact_moments, exact_rows
+from varbench.analysis.oracle import ResponseTable, exact_moments
 from varbench.analysis.variance_report import MIN_DISTINCT_GROUPS, distinct_estimates
 from varbench.estimators.aggregation import aggregation_weights
 from varbench.estimators.coefficients import token_coefficients
@@ -360,7 +360,7 @@ def _cell(data, G, M, labels, modes, ref, *, topk_k, max_len, mean_len, table=No
                 sd = None
                 if table_k:
                     if mode not in exact_rows_of:
-                        xr = exact_rows(table, r)
+                        xr = ex["rows"]
                         exact_rows_of[mode] = (xr, xr @ xr.T)
                     sd = {**contraction.error_sd(e, r, gram, mean=ex["mean"]),
                           **exact_sketch_sd(ex["forms"], exact_rows_of[mode][0], table_k,
