@@ -267,7 +267,8 @@ def exact_moments(
     float64; the sketch error of an exact-sketched projection is about it). ``forms``:
     ``{variance, mse}`` :class:`~varbench.stats.intervals.QuadForm` of Cov(g_hat) and
     E[(g_hat - g*)(g_hat - g*)^T] on ``rows``: ``[N + 1, K]`` host float64, each response's
-    ``s = sum_t v_t`` and the reference (``[s_1 .. s_N, g*]``): with ``mu = L s`` (``L_kj = [k_j = k] p_j / q_k``),
+    ``s = sum_t v_t`` and the reference (``[s_1 .. s_N, g*]``): with ``mu = L s``
+    (``L_kj = [k_j = k] p_j / q_k``),
     ``Cov = sum_j p_j Gamma_{k_j} / q_{k_j} s_j s_j^T + mu^T (B - diag Gamma - b b^T) mu``,
     ``b = E beta``, ``B = E beta beta^T``, ``Gamma = E gamma`` (an exact-sketched cell's sketch
     SD is read from them, :func:`~varbench.stats.intervals.exact_sketch_sd`).
