@@ -165,3 +165,16 @@ def test_the_plan_prints_the_hash_to_publish_before_the_run(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() in text
     assert "(no deviation)" in text
     assert "sha256" not in plan_text(tiny_grid(), timing)
+
+
+@pytest.mark.parametrize("suite,prereg", [("otb-claims", "otb-claims"), ("gspo-lr", "gspo-lr")])
+def test_shipped_suites_follow_their_preregistration(suite, prereg):
+    """Each shipped validate suite, as committed, lists no deviation from its own registration
+    (an edit to either file without the other shows up here)."""
+    from pathlib import Path
+
+    from varbench.app.cmd_train import suite_validate_config
+
+    root = Path(__file__).resolve().parents[1] / "suites"
+    cfg = suite_validate_config(str(root / f"{suite}.toml"), None)
+    assert _block(cfg, root / "prereg" / f"{prereg}.toml")["deviations"] == []
