@@ -44,3 +44,30 @@ def test_the_readme_states_every_token_claim_as_the_report_decided_it():
     assert "**confirmed**: 83% [79, 87] fewer than normalized" in table
     assert verdicts["toolsum: otb/4 vs normalized/32 (tokens-to-threshold)"] == "undecided"
     assert "undecided: normalized/32 35% [17, 54]" in table
+
+
+def test_the_readme_states_the_gspo_follow_up_as_its_report_decided_it():
+    """reports/gspo-lr/ is complete, and the README's follow-up paragraph quotes its verdicts,
+    savings, collapse counts and hash as the report has them."""
+    import hashlib
+
+    rep = ROOT / "reports" / "gspo-lr"
+    for name in ("report.md", "summary.json", "tables/validation__claims.csv"):
+        assert (rep / name).is_file(), name
+    readme = (ROOT / "README.md").read_text()
+    para = readme[readme.index("**GSPO follow-up"):]
+    para = para[: para.index("\n\n")].replace("\n", " ")
+    claims = pd.read_csv(rep / "tables" / "validation__claims.csv").set_index("claim")
+    for arm, metric, word in (("gspo4q_mr", "tokens-to-threshold", "refuted"),
+                              ("gspo4q_ao", "tokens-to-threshold", "refuted"),
+                              ("gspo4q_ao", "wall seconds to threshold", "undecided")):
+        r = claims.loc[f"toolsum: normalized/8/{arm} vs normalized/8/gspo4q ({metric})"]
+        assert r["verdict"] == word
+        est, lo, hi = (round(100 * r[k]) for k in ("estimate", "ci_lo", "ci_hi"))
+        assert f"{est}% [{lo}, {hi}]" in para, (arm, metric, est, lo, hi)
+    rates = pd.read_csv(rep / "tables" / "validation__collapse_rates.csv").fillna({"variant": ""})
+    n = rates.set_index("variant")["collapsed"].to_dict()
+    assert n["ppo4"] == 4 and n["ppo4q"] == 0 and "collapsed 4/4" in para
+    assert n["gspo4q"] + n["gspo4q_mr"] + n["gspo4q_ao"] == 0 and "0 of 48" in para
+    sha = hashlib.sha256((ROOT / "suites" / "prereg" / "gspo-lr.toml").read_bytes()).hexdigest()
+    assert sha[:8] in para and sha in (rep / "report.md").read_text()
