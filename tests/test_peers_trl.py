@@ -300,8 +300,7 @@ rank = trainer.accelerator.process_index
 (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(
     {"records": cb.records, "out": keep.out, "weights": keep.weights,
      "last": cb._last, "world": trainer.accelerator.num_processes}))
-# a gloo group left alive at interpreter exit aborted a rank ("terminate called without an
-# active exception", exit -6) after its results were written
+# a gloo group still alive at interpreter exit can abort the process after its results are out
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
