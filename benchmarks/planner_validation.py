@@ -201,9 +201,9 @@ def write(table: pd.DataFrame, out: Path, *, changed: str = "") -> str:
         "within-task test.",
         "- Measurements: the grid's prediction-check settings, kept for comparability: M = 16 "
         "groups x 2 prompts, sampled reference of 64 responses, CountSketch K = 256, and no "
-        "response floor (min_responses = 0; the planner's default floor, 4096 responses with "
-        "OTB, was not applied), so the noise scales are point estimates of a heavy-tailed "
-        "ratio with wide intervals.",
+        "response floor (min_responses = 0; the planner's default floor with OTB, max(4096, "
+        "1024 x max G) = 32,768 responses per prompt at these G, was not applied), so the "
+        "noise scales are point estimates of a heavy-tailed ratio with wide intervals.",
         "- Realised tokens: the Kaplan-Meier restricted mean tokens-to-threshold of the grid's "
         f"runs (validation__cells.csv, core cells; {_seed_counts(t)}). A cell whose runs "
         "never reached the threshold is censored at the budget, which caps and ties its "

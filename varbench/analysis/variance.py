@@ -303,8 +303,8 @@ class VarianceConfig(Config):
     target_rel_se: float | None = knob(None, none=True)
     """Adaptive M: grow M until every headline figure's relative SE is at most this."""
     min_responses: int | str = knob("auto", auto=True)
-    """Responses per prompt at least (M raised in steps of M); ``auto``: 4096 when a label
-    reads the proxy weights, else 0."""
+    """Responses per prompt at least (M raised in steps of M); ``auto``: max(4096, 1024 x max G)
+    when a label reads the proxy weights (1024 groups at every G), else 0."""
     n_prompts: int = knob(2, flags=("--prompts",))
     """Prompts (independent; the pooled SE is over them)."""
     reward: str | None = text(None)
