@@ -157,6 +157,7 @@ def write(table: pd.DataFrame, out: Path, *, changed: str = "") -> str:
             "B_noise_ci_high", "variance", "variance_published", "pred_tokens",
             "pred_tokens_rel", "pred_steps", "pred_tokens_loto", "t2t_rmst", "reached",
             "seeds", "t2t_is_lower_bound"]
+    out.mkdir(parents=True, exist_ok=True)
     t[[c for c in cols if c in t]].to_csv(out / "planner_validation.csv", index=False)
     rho, lo, hi = res["pooled"]
     verdict = "MET" if res["target_met"] else "NOT MET"

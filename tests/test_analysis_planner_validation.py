@@ -73,7 +73,8 @@ def test_published_report_rederives_from_its_table(tmp_path):
     """reports/claims/planner_validation.md is what --from-csv writes from the published csv."""
     csv = ROOT / "reports" / "claims" / "planner_validation.csv"
     published = (ROOT / "reports" / "claims" / "planner_validation.md").read_text()
-    assert pv.main(["--from-csv", str(csv), "--out", str(tmp_path)]) == 0
-    again = (tmp_path / "planner_validation.md").read_text()
+    out = tmp_path / "new" / "dir"  # an --out that does not exist yet is made
+    assert pv.main(["--from-csv", str(csv), "--out", str(out)]) == 0
+    again = (out / "planner_validation.md").read_text()
     # the re-measured-variance line needs the published column, which the csv carries
     assert again == published
