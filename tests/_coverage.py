@@ -176,7 +176,7 @@ def _cells(tabs, G, M, schemes, rep, n_boot, exact):
 def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
              schemes: list[str], *, K: int | None = 1024, n_boot: int = 1000,
              exact: bool = False, adaptive: tuple[float, int, int] | None = None,
-             start: int = 0,
+             start: int = 0, records: list | None = None,
              ) -> dict[tuple[str, str], tuple[int, int, float]]:
     """``{(quantity, stat): (hits, replicates, mean M)}`` of the intervals over ``reps``.
 
@@ -187,7 +187,8 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
     pilot of ``pilot`` groups, drawn apart, gives the headline figures' largest relative SE
     (``_headline_rel_se``), which sets M in steps of ``M`` within [M, cap]; the reported
     cells rest on fresh groups. Replicates are seeded ``start .. start + reps - 1`` (a long
-    study runs in chunks).
+    study runs in chunks). ``records``: a list that gets one dict per (replicate, quantity,
+    stat) with the value, the interval and the truth, so a miss can be read by side and size.
     """
     from varbench.analysis.variance import _pool
     from varbench.stats.intervals import planned_groups
@@ -218,11 +219,20 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
                         lo, hi = getattr(r, f"{k}_ci_low"), getattr(r, f"{k}_ci_high")
                         hits[r.scheme, k] += lo <= want[r.scheme, k] <= hi
                         n[r.scheme, k] += 1
+                        if records is not None:
+                            records.append({"rep": rep, "quantity": r.scheme, "stat": k,
+                                            "value": getattr(r, k), "ci_low": lo, "ci_high": hi,
+                                            "truth": want[r.scheme, k], "groups": m})
             for r in paired.itertuples():
                 key = (f"{r.scheme}/{r.baseline}", r.stat)
                 if key in want and "ratio_ci_low" in paired:
                     hits[key] += r.ratio_ci_low <= want[key] <= r.ratio_ci_high
                     n[key] += 1
+                    if records is not None:
+                        records.append({"rep": rep, "quantity": key[0], "stat": key[1],
+                                        "value": r.ratio, "ci_low": r.ratio_ci_low,
+                                        "ci_high": r.ratio_ci_high, "truth": want[key],
+                                        "groups": m})
     finally:
         torch.set_num_threads(threads)
     mean_m = sum(Ms) / len(Ms)
@@ -266,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--start", type=int, default=0,
                     help="first replicate seed (a study extended with new seeds)")
     ap.add_argument("--out", required=True, help="CSV of this run (rewritten per chunk)")
+    ap.add_argument("--records", help="CSV of every replicate's intervals (rewritten per chunk)")
     a = ap.parse_args(argv)
     t0 = time.time()
     schemes = a.schemes.split(",")
@@ -288,10 +299,11 @@ def main(argv: list[str] | None = None) -> None:
                     t.pop((sch, "projection"), None)
     kurt = sum(s.kurtosis() for s in setups) / len(setups)
     total: dict = {}
+    records: list = []
     for first in range(0, a.reps, a.chunk):  # the CSV is rewritten after every chunk
         part = coverage(setups, a.G, a.groups, min(a.chunk, a.reps - first), truths, schemes,
                         K=a.K, n_boot=a.n_boot, exact=a.variant == "exact",
-                        start=a.start + first,
+                        start=a.start + first, records=records,
                         adaptive=((a.target, a.cap, a.pilot) if a.variant == "adaptive"
                                   else None))
         for k, (h, n, m) in part.items():
@@ -301,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = rows.assign(K=a.K, kurtosis=kurt, seconds=time.time() - t0)
         rows.to_csv(a.out + ".tmp", index=False)
         os.replace(a.out + ".tmp", a.out)
+        if a.records:
+            pd.DataFrame(records).to_csv(a.records + ".tmp", index=False)
+            os.replace(a.records + ".tmp", a.records)
     print(rows.to_string(index=False))
 
 

@@ -55,9 +55,15 @@ def test_coverage_harness_smoke(micro_setups):
     for setups, t, kw in ((one, truths[:1], {}), (one, truths[:1], {"exact": True}),
                           (micro_setups, truths, {}),
                           (one, truths[:1], {"adaptive": (0.02, 48, 16)})):
-        cov = C.coverage(setups, 4, 16, 2, t, schemes, n_boot=100, **kw)
+        recs: list = []
+        cov = C.coverage(setups, 4, 16, 2, t, schemes, n_boot=100, records=recs, **kw)
         assert set(cov) == keys, kw
         assert all(n == 2 for _, n, _ in cov.values()), cov
+        # one record per (replicate, quantity, stat), and its hits are the coverage's
+        assert len(recs) == sum(n for _, n, _ in cov.values()), kw
+        for k, (h, _, _) in cov.items():
+            rs = [r for r in recs if (r["quantity"], r["stat"]) == k]
+            assert h == sum(r["ci_low"] <= r["truth"] <= r["ci_high"] for r in rs), (kw, k)
         if "adaptive" in kw:
             assert all(16 <= m <= 48 for _, _, m in cov.values())
     rows = C.table_rows("micro", 4, 16, cov, variant="adaptive")
