@@ -189,11 +189,11 @@ def variance_headlines(
     if len(cells) and "method" in cells and bool(((cells["G"] == 2)
                                                   & (cells["method"] == "mc")).any()):
         notes.append(
-            "G = 2 Monte Carlo intervals run slightly narrow: on the heavier coverage setup "
-            "their 95% intervals covered 0.928-0.952 (mean 0.939) at 2,048 groups with K = 4096 "
-            "(600 replicates) and, for OTB's variance and its ratios, 0.915-0.935 at K = 1024; "
-            "read them as 1-3 points short of nominal (docs/science.md, the G = 2 coverage "
-            "table).")
+            "G = 2 Monte Carlo intervals run slightly narrow beyond the floor: on the heavier "
+            "coverage setup their 95% intervals covered 0.932-0.956 at 2,048 groups (840 "
+            "replicates at K = 4096, 940 at K = 1024), but OTB's variance / MSE only 0.923 / "
+            "0.917 at 4,096 groups with K = 1024, where the sketch term dominates; prefer a "
+            "larger K there (docs/science.md, the G = 2 coverage table).")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "
