@@ -213,26 +213,20 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
             if len(setups) > 1:
                 cells = _pool(cells, ["scheme", "G", "mode"])
                 paired = _pool(paired, ["scheme", "baseline", "G", "mode", "stat"])
-            for r in cells.itertuples():
-                for k in STATS:
-                    if (r.scheme, k) in want:
-                        lo, hi = getattr(r, f"{k}_ci_low"), getattr(r, f"{k}_ci_high")
-                        hits[r.scheme, k] += lo <= want[r.scheme, k] <= hi
-                        n[r.scheme, k] += 1
-                        if records is not None:
-                            records.append({"rep": rep, "quantity": r.scheme, "stat": k,
-                                            "value": getattr(r, k), "ci_low": lo, "ci_high": hi,
-                                            "truth": want[r.scheme, k], "groups": m})
-            for r in paired.itertuples():
-                key = (f"{r.scheme}/{r.baseline}", r.stat)
-                if key in want and "ratio_ci_low" in paired:
-                    hits[key] += r.ratio_ci_low <= want[key] <= r.ratio_ci_high
-                    n[key] += 1
-                    if records is not None:
-                        records.append({"rep": rep, "quantity": key[0], "stat": key[1],
-                                        "value": r.ratio, "ci_low": r.ratio_ci_low,
-                                        "ci_high": r.ratio_ci_high, "truth": want[key],
-                                        "groups": m})
+            found = [((r.scheme, k), getattr(r, k), getattr(r, f"{k}_ci_low"),
+                      getattr(r, f"{k}_ci_high"))
+                     for r in cells.itertuples() for k in STATS if (r.scheme, k) in want]
+            if "ratio_ci_low" in paired:
+                found += [((f"{r.scheme}/{r.baseline}", r.stat), r.ratio, r.ratio_ci_low,
+                           r.ratio_ci_high) for r in paired.itertuples()
+                          if (f"{r.scheme}/{r.baseline}", r.stat) in want]
+            for key, value, lo, hi in found:
+                hits[key] += lo <= want[key] <= hi
+                n[key] += 1
+                if records is not None:
+                    records.append({"rep": rep, "quantity": key[0], "stat": key[1],
+                                    "value": value, "ci_low": lo, "ci_high": hi,
+                                    "truth": want[key], "groups": m})
     finally:
         torch.set_num_threads(threads)
     mean_m = sum(Ms) / len(Ms)
