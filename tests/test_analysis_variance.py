@@ -283,3 +283,32 @@ def test_headlines_carry_their_intervals_at_the_analysis_level(tmp_path):
                                                             heads[h["key"]].ci_hi, 0.9)
         else:
             assert "ci_lo" not in h
+
+
+@pytest.mark.parametrize("gradients", ["vectors", "projected"])
+def test_prompts_get_independent_sketches(tmp_path, monkeypatch, gradients):
+    """Prompt p is sketched with seed sketch_seed + SKETCH_PROMPT_STRIDE * p (the pooled SE
+    treats prompts as independent, a shared sketch would correlate their errors): the prompts
+    run in turn, and every per-token vector call of the first uses its seed, of the second its
+    own; the reference rows say which (projected: the projections carry the seed)."""
+    seeds: list[int] = []
+    real_tv = varmod.token_vectors
+
+    def tv(*a, **k):
+        seeds.append(k["sketch_seed"])
+        return real_tv(*a, **k)
+
+    monkeypatch.setattr(varmod, "token_vectors", tv)
+    pol = build_preset("micro", seed=0)
+    res = _run(pol, tmp_path, n_prompts=2, sketch_seed=5, schemes=["centered", "otb"],
+               gradients=gradients)
+    stride = varmod.SKETCH_PROMPT_STRIDE
+    sketches = list(res.records["reference"]["sketch"])
+    if gradients == "vectors":
+        n = len(seeds) // 2
+        assert n > 0 and seeds == [5] * n + [5 + stride] * n, seeds
+        assert sketches == ["countsketch(K=64, seed=5)", f"countsketch(K=64, seed={5 + stride})"]
+    else:
+        assert seeds == []
+        assert "seed=5)" in sketches[0] and f"seed={5 + stride})" in sketches[1], sketches
+    assert any("Paired ratios pooled over prompts run narrow" in n for n in res.notes)

@@ -213,3 +213,20 @@ def test_a_user_scheme_that_declares_token_weights_gets_the_otb_headlines():
     finally:
         E.unregister_scheme("userw")
         E.unregister_scheme("otbish_unweighted")
+
+
+def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
+    """Paired ratios pooled over prompts measured 0.920-0.938 (docs/science.md): the note
+    appears when a non-exact ratio pools several prompts, not for one prompt's or exact ones."""
+    rec = _records()
+    _, notes, _ = variance_headlines(rec, "exact")
+    assert not any("Paired ratios pooled over prompts" in n for n in notes)  # no n_prompts
+    rec["paired"] = rec["paired"].assign(n_prompts=1)
+    _, notes, _ = variance_headlines(rec, "exact")
+    assert not any("Paired ratios pooled over prompts" in n for n in notes)
+    rec["paired"] = rec["paired"].assign(n_prompts=2)
+    _, notes, _ = variance_headlines(rec, "exact")
+    assert sum("Paired ratios pooled over prompts run narrow" in n for n in notes) == 1
+    rec["paired"] = rec["paired"].assign(method="exact")
+    _, notes, _ = variance_headlines(rec, "exact")
+    assert not any("Paired ratios pooled over prompts" in n for n in notes)

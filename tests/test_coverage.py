@@ -131,3 +131,18 @@ def test_coverage_of_adaptive_M_slow():
     cov = C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, adaptive=(0.034, 1024, 32))
     assert 512 < next(iter(cov.values()))[2] < 1024  # M did vary
     _within(cov)
+
+
+@pytest.mark.slow
+def test_coverage_of_pooled_intervals_slow():
+    """Intervals pooled over two prompts (``_pool``, as ``estimator_variance`` reports them) on
+    micro at G = 8 with the floor's 1,024 groups per prompt, K = 1024: centered / OTB /
+    OTB-exact variance, MSE, projection and their paired ratios cover the mean of the two
+    prompts' flat truths (:func:`_within`)."""
+    from varbench.analysis.variance_report import PROXY_MIN_GROUPS
+
+    setups = C.build_setups("micro", 2)
+    schemes = ["centered", "otb", "otb_exact"]
+    pairs = [("otb", "centered"), ("otb_exact", "centered"), ("otb", "otb_exact")]
+    t = [C.add_ratios(C.truth(s, 8, schemes), pairs) for s in setups]
+    _within(C.coverage(setups, 8, PROXY_MIN_GROUPS, COVERAGE_REPS, t, schemes))

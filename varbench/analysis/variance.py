@@ -177,6 +177,11 @@ def _headline_rel_se(data, Gs, M, labels, modes, ref, *, topk_k, max_len, mean_l
     return worst, name
 
 
+SKETCH_PROMPT_STRIDE = 7_919
+"""Prompt p's CountSketch is seeded ``sketch_seed + SKETCH_PROMPT_STRIDE * p``: independent
+sketches, so the pooled SE ``sqrt(sum se^2) / n`` holds for the sketch's error too (one shared
+sketch correlates the prompts' errors); prompt 0 keeps ``sketch_seed``."""
+
 PILOT_SEED = 611_953
 """Offset of the adaptive-M pilot's sampling seed (``seed + 1000 p + PILOT_SEED``, a separate
 generator for a table): its groups decide M and are never reported."""
@@ -541,10 +546,9 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
            "exact": exact, "table": use_table, "interval": interval, "n_boot": n_boot,
            "level": level, "topk_k": topk_k, "seed": seed,
            "gradients": plan_sizes.path, "proj_k": proj_k,
-           "groups": "every response at every G",
+           "groups": "every response at every G", "sketch_seeds": "per prompt",
            **rollouts_key(c.rollouts, c.logprob_tol), **(config or {})}
     cache = CellCache(cache_dir, cfg, placement=placement_of(policy))
-    vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": sketch_seed}
     prompts = task.prompts(n_prompts, seed=seed)
     ext, reserve = None, n_ref if ref_kind == "sampled" else 0
     if c.rollouts is not None:
@@ -565,6 +569,8 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
         ref_row = cache.load(f"p{p}_reference")
         if ref_row is None or any(c is None or pr is None for c, pr in done):
             p_seed = seed + 1000 * p
+            p_sketch = sketch_seed + SKETCH_PROMPT_STRIDE * p
+            vec_kw = {"sketch_dim": sketch_dim, "sketch_seed": p_sketch}
             pool = None if ext is None else ext.pool(p, reserve=reserve)
             table = proj = None
             if use_table:
@@ -584,9 +590,9 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                 if gradients == "projected":  # the same projections for g* and every cell
                     flat_k = None if sketch_dim is None else proj_k
 
-                    def new_proj(flat_k=flat_k):
+                    def new_proj(flat_k=flat_k, p_sketch=p_sketch):
                         return ProjectedContraction(policy.model, k1=flat_k, k2=flat_k,
-                                                    k_dense=sketch_dim, seed=sketch_seed)
+                                                    k_dense=sketch_dim, seed=p_sketch)
                     proj = new_proj()
                 g_ref, ref_se, desc = _reference(policy, task, prompt, p_seed, kind=ref_kind,
                                                  reward=reward, n_ref=n_ref, vec_kw=vec_kw,
@@ -594,7 +600,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                 rounds, first = [0], []
 
                 def draw(m, rounds=rounds, p_seed=p_seed, prompt=prompt, first=first, proj=proj,
-                         pool=pool, pilot=False):
+                         pool=pool, vec_kw=vec_kw, pilot=False):
                     # round 0 is the historical sample (seed p_seed); later rounds new seeds;
                     # the pilot its own (its groups are never reported)
                     s_ = p_seed + (PILOT_SEED if pilot else 104729 * rounds[0])
@@ -648,7 +654,7 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
                                else f"projected: {proj.description}")
             if sketch_desc is None:
                 sketch_desc = ("flat" if sketch_dim is None or sketch_dim >= D else
-                               f"countsketch(K={sketch_dim}, seed={sketch_seed})")
+                               f"countsketch(K={sketch_dim}, seed={p_sketch})")
             sk = None if sketch_desc == "flat" else sketch_dim
             ref_row = pd.DataFrame([{
                 "prompt": p, "prompt_text": prompt.text, "reference": desc,
@@ -696,7 +702,8 @@ def _variance(policy: Policy, task: Task, c: VarianceConfig, *, cache_dir: str |
         kind="variance", name="variance", records=records, summary=summary, headlines=heads,
         config=cfg, notes=notes,
         provenance=provenance(config=cfg, seeds={"prompts": seed, "sample": "seed + 1000 * p",
-                                                 "sketch": sketch_seed},
+                                                 "sketch": f"{sketch_seed} + "
+                                                           f"{SKETCH_PROMPT_STRIDE} * p"},
                               device=str(policy.device), wall_time_s=wall),
     )
 
