@@ -139,8 +139,12 @@ def _sketched(setup: Setup, K: int | None, seed: int):
 
 
 def _tables(setups, K, rep):
-    """One replicate's sketch draw of every prompt's table."""
-    return [_sketched(s, K, seed=10_000 * (p + 1) + rep) for p, s in enumerate(setups)]
+    """One replicate's sketch draw of every prompt's table: prompt p seeded as
+    ``estimator_variance`` seeds it (``SKETCH_PROMPT_STRIDE`` apart), from ``10_000 + rep``."""
+    from varbench.analysis.variance import SKETCH_PROMPT_STRIDE
+
+    return [_sketched(s, K, seed=10_000 + rep + SKETCH_PROMPT_STRIDE * p)
+            for p, s in enumerate(setups)]
 
 
 def _pilot_rel_se(tabs, G, pilot, schemes, rep) -> float:

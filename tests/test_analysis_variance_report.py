@@ -217,7 +217,8 @@ def test_a_user_scheme_that_declares_token_weights_gets_the_otb_headlines():
 
 def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
     """Paired ratios pooled over prompts measured 0.920-0.938 (docs/science.md): the note
-    appears when a non-exact ratio pools several prompts, not for one prompt's or exact ones."""
+    appears when a Monte Carlo ratio pools several prompts, not for one prompt's, exact or
+    exact-sketched ones."""
     rec = _records()
     _, notes, _ = variance_headlines(rec, "exact")
     assert not any("Paired ratios pooled over prompts" in n for n in notes)  # no n_prompts
@@ -227,6 +228,8 @@ def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
     rec["paired"] = rec["paired"].assign(n_prompts=2)
     _, notes, _ = variance_headlines(rec, "exact")
     assert sum("Paired ratios pooled over prompts run narrow" in n for n in notes) == 1
-    rec["paired"] = rec["paired"].assign(method="exact")
-    _, notes, _ = variance_headlines(rec, "exact")
-    assert not any("Paired ratios pooled over prompts" in n for n in notes)
+    # only Monte Carlo ratios were measured: a sketched closed form has its own interval
+    for method, noted in (("mixed", True), ("exact", False), ("exact-sketched", False)):
+        rec["paired"] = rec["paired"].assign(method=method)
+        _, notes, _ = variance_headlines(rec, "exact")
+        assert any("Paired ratios pooled over prompts" in n for n in notes) is noted, method

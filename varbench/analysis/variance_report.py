@@ -196,7 +196,7 @@ def variance_headlines(
             "where the sketch term dominates and most misses fall below the truth; prefer a "
             "larger K there (docs/science.md, the G = 2 coverage table).")
     if (len(paired) and "n_prompts" in paired and "method" in paired
-            and bool(((paired["n_prompts"] > 1) & (paired["method"] != "exact")).any())):
+            and bool(((paired["n_prompts"] > 1) & paired["method"].isin(["mc", "mixed"])).any())):
         notes.append(
             "Paired ratios pooled over prompts run narrow: in the coverage test (micro, G = 8, "
             "two prompts of 1,024 groups, K = 1024, 400 replicates) their 95% intervals covered "
