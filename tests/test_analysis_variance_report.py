@@ -88,10 +88,10 @@ def test_headlines_from_the_records():
 
 
 def test_g2_monte_carlo_cells_carry_the_measured_coverage_note():
-    """G = 2 mc intervals measured 1-3 points short of nominal (docs/science.md): the note
+    """G = 2 mc intervals measured at the low end of nominal (docs/science.md): the note
     appears for an mc cell at G = 2 and not for exact-only G = 2 cells."""
     _, notes, _ = variance_headlines(_records(), "exact")
-    assert sum("G = 2 Monte Carlo intervals run slightly narrow" in n for n in notes) == 1
+    assert sum("G = 2 Monte Carlo intervals cover at the low end" in n for n in notes) == 1
     rec = _records()
     rec["cells"] = rec["cells"][(rec["cells"]["G"] != 2) | (rec["cells"]["method"] != "mc")]
     _, notes, _ = variance_headlines(rec, "exact")
@@ -216,7 +216,7 @@ def test_a_user_scheme_that_declares_token_weights_gets_the_otb_headlines():
 
 
 def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
-    """Paired ratios pooled over prompts measured 0.920-0.938 (docs/science.md): the note
+    """A pooled otb / centered ratio measured 0.931 / 0.927 (docs/science.md): the note
     appears when a Monte Carlo ratio pools several prompts, not for one prompt's, exact or
     exact-sketched ones."""
     rec = _records()
@@ -227,7 +227,7 @@ def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
     assert not any("Paired ratios pooled over prompts" in n for n in notes)
     rec["paired"] = rec["paired"].assign(n_prompts=2)
     _, notes, _ = variance_headlines(rec, "exact")
-    assert sum("Paired ratios pooled over prompts run narrow" in n for n in notes) == 1
+    assert sum("Paired ratios pooled over prompts can cover short" in n for n in notes) == 1
     # only Monte Carlo ratios were measured: a sketched closed form has its own interval
     for method, noted in (("mixed", True), ("exact", False), ("exact-sketched", False)):
         rec["paired"] = rec["paired"].assign(method=method)

@@ -189,20 +189,21 @@ def variance_headlines(
     if len(cells) and "method" in cells and bool(((cells["G"] == 2)
                                                   & (cells["method"] == "mc")).any()):
         notes.append(
-            "G = 2 Monte Carlo intervals run slightly narrow beyond the floor: on the heavier "
+            "G = 2 Monte Carlo intervals cover at the low end of nominal: on the heavier "
             "coverage setup their 95% intervals covered 0.932-0.956 at 2,048 groups (840 "
-            "replicates at K = 4096, 940 at K = 1024), but OTB's variance / MSE only 0.929 / "
-            "0.927 (otb_exact's variance 0.925) at 4,096 groups with K = 1024 (480 replicates), "
-            "where the sketch term dominates and most misses fall below the truth; prefer a "
-            "larger K there (docs/science.md, the G = 2 coverage table).")
+            "replicates at K = 4096, 940 at K = 1024) and 0.931-0.956 at 4,096 groups with "
+            "K = 1024 (620 replicates), within 2 points of nominal, the lowest otb_exact's "
+            "variance; their first blocks of replicates read 1-3 points short "
+            "(docs/science.md, the G = 2 coverage table).")
     if (len(paired) and "n_prompts" in paired and "method" in paired
             and bool(((paired["n_prompts"] > 1) & paired["method"].isin(["mc", "mixed"])).any())):
         notes.append(
-            "Paired ratios pooled over prompts run narrow: in the coverage test (micro, G = 8, "
-            "two prompts of 1,024 groups, K = 1024, 400 replicates) their 95% intervals covered "
-            "0.920-0.938, misses on both sides, about 1.07-1.09x too narrow, while the pooled "
-            "cells covered 0.943-0.958 and one prompt's ratios 0.937-0.963; read a pooled "
-            "ratio's interval as too short by that much (docs/science.md, the coverage table).")
+            "Paired ratios pooled over prompts can cover short: in the coverage test (micro, "
+            "G = 8, two prompts of 1,024 groups, K = 1024, 800 replicates) otb / centered's 95% "
+            "intervals covered 0.931 / 0.927 (variance / MSE) although their SE was right (error "
+            "SD 1.01-1.02x the SE: a heavier tail than normal, misses on both sides); the other "
+            "pooled ratios covered 0.945-0.949 and the pooled cells 0.943-0.961 "
+            "(docs/science.md, pooled intervals).")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "
