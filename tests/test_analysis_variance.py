@@ -311,4 +311,4 @@ def test_prompts_get_independent_sketches(tmp_path, monkeypatch, gradients):
     else:
         assert seeds == []
         assert "seed=5)" in sketches[0] and f"seed={5 + stride})" in sketches[1], sketches
-    assert any("Paired ratios pooled over prompts run narrow" in n for n in res.notes)
+    assert any("Paired ratios pooled over prompts can cover short" in n for n in res.notes)
