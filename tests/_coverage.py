@@ -180,7 +180,7 @@ def _cells(tabs, G, M, schemes, rep, n_boot, exact):
 def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
              schemes: list[str], *, K: int | None = 1024, n_boot: int = 1000,
              exact: bool = False, adaptive: tuple[float, int, int] | None = None,
-             start: int = 0, records: list | None = None,
+             start: int = 0, records: list | None = None, per_prompt: bool = False,
              ) -> dict[tuple[str, str], tuple[int, int, float]]:
     """``{(quantity, stat): (hits, replicates, mean M)}`` of the intervals over ``reps``.
 
@@ -193,12 +193,19 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
     cells rest on fresh groups. Replicates are seeded ``start .. start + reps - 1`` (a long
     study runs in chunks). ``records``: a list that gets one dict per (replicate, quantity,
     stat) with the value, the interval and the truth, so a miss can be read by side and size.
+    ``per_prompt`` (several setups): each prompt's own intervals, before pooling, against its
+    own truth, as well (quantity ``p{p}:{quantity}``): one prompt alone on the same replicates,
+    its cells exactly those of a one-prompt run with that prompt's seeds.
     """
     from varbench.analysis.variance import _pool
     from varbench.stats.intervals import planned_groups
 
     keys = list(truths[0])
     want = {k: sum(t[k] for t in truths) / len(truths) for k in keys}
+    per_prompt = per_prompt and len(setups) > 1
+    if per_prompt:
+        want |= {(f"p{p}:{q}", st): t[q, st] for p, t in enumerate(truths) for q, st in t}
+        keys = list(want)
     hits = {k: 0 for k in keys}
     n = {k: 0 for k in keys}
     Ms = []
@@ -214,16 +221,15 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
                                    step=M, floor=M, cap=cap, target=target)
             Ms.append(m)
             cells, paired = _cells(tabs, G, m, schemes, rep, n_boot, exact)
+            found = []
+            if per_prompt:
+                for p in range(len(setups)):
+                    found += _found(cells[cells.prompt == p], paired[paired.prompt == p], want,
+                                    f"p{p}:")
             if len(setups) > 1:
                 cells = _pool(cells, ["scheme", "G", "mode"])
                 paired = _pool(paired, ["scheme", "baseline", "G", "mode", "stat"])
-            found = [((r.scheme, k), getattr(r, k), getattr(r, f"{k}_ci_low"),
-                      getattr(r, f"{k}_ci_high"))
-                     for r in cells.itertuples() for k in STATS if (r.scheme, k) in want]
-            if "ratio_ci_low" in paired:
-                found += [((f"{r.scheme}/{r.baseline}", r.stat), r.ratio, r.ratio_ci_low,
-                           r.ratio_ci_high) for r in paired.itertuples()
-                          if (f"{r.scheme}/{r.baseline}", r.stat) in want]
+            found += _found(cells, paired, want)
             for key, value, lo, hi in found:
                 hits[key] += lo <= want[key] <= hi
                 n[key] += 1
@@ -235,6 +241,19 @@ def coverage(setups: list[Setup], G: int, M: int, reps: int, truths: list[dict],
         torch.set_num_threads(threads)
     mean_m = sum(Ms) / len(Ms)
     return {k: (hits[k], n[k], mean_m) for k in keys if n[k]}
+
+
+def _found(cells, paired, want, prefix: str = "") -> list[tuple]:
+    """``(key, value, ci_low, ci_high)`` of every wanted quantity in one replicate's frames;
+    ``prefix`` names a prompt's own quantities (``p{p}:``)."""
+    out = [((prefix + r.scheme, k), getattr(r, k), getattr(r, f"{k}_ci_low"),
+            getattr(r, f"{k}_ci_high"))
+           for r in cells.itertuples() for k in STATS if (prefix + r.scheme, k) in want]
+    if "ratio_ci_low" in paired:
+        out += [((f"{prefix}{r.scheme}/{r.baseline}", r.stat), r.ratio, r.ratio_ci_low,
+                 r.ratio_ci_high) for r in paired.itertuples()
+                if (f"{prefix}{r.scheme}/{r.baseline}", r.stat) in want]
+    return out
 
 
 def table_rows(setup: str, G: int, M: int, cov: dict, *, variant: str,
@@ -302,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         part = coverage(setups, a.G, a.groups, min(a.chunk, a.reps - first), truths, schemes,
                         K=a.K, n_boot=a.n_boot, exact=a.variant == "exact",
                         start=a.start + first, records=records,
+                        per_prompt=a.variant == "pooled",
                         adaptive=((a.target, a.cap, a.pilot) if a.variant == "adaptive"
                                   else None))
         for k, (h, n, m) in part.items():

@@ -70,6 +70,33 @@ def test_coverage_harness_smoke(micro_setups):
     assert len(rows) == len(keys) and all(0 <= r["coverage"] <= 1 for r in rows)
 
 
+def test_pooled_run_reads_each_prompt_alone(micro_setups):
+    """``per_prompt``: a pooled run also scores each prompt's own intervals against its own
+    truth; prompt 0's are exactly a one-prompt run's on the same replicates (same seeds), and
+    the pooled quantities are unchanged by asking."""
+    schemes = ["centered", "otb"]
+    truths = [C.add_ratios(C.truth(s, 4, schemes, mc_groups=4_000), [("otb", "centered")])
+              for s in micro_setups]
+    both: list = []
+    cov = C.coverage(micro_setups, 4, 16, 2, truths, schemes, n_boot=100, records=both,
+                     per_prompt=True, start=5)
+    plain: list = []
+    pooled = C.coverage(micro_setups, 4, 16, 2, truths, schemes, n_boot=100, records=plain,
+                        start=5)
+    alone: list = []
+    C.coverage(micro_setups[:1], 4, 16, 2, truths[:1], schemes, n_boot=100, records=alone,
+               start=5)
+    keys = set(truths[0])
+    assert set(cov) == keys | {(f"p{p}:{q}", st) for p in (0, 1) for q, st in keys}
+    assert {k: cov[k] for k in keys} == pooled
+    p0 = [{**r, "quantity": r["quantity"][3:]} for r in both if r["quantity"].startswith("p0:")]
+    key = lambda r: (r["rep"], r["quantity"], r["stat"])  # noqa: E731
+    assert sorted(p0, key=key) == sorted(alone, key=key)
+    p1 = [r for r in both if r["quantity"].startswith("p1:")]
+    assert p1 and all(r["truth"] == truths[1][r["quantity"][3:], r["stat"]] for r in p1)
+    assert all(r["truth"] != truths[0][r["quantity"][3:], r["stat"]] for r in p1)
+
+
 COVERAGE_REPS = 200
 
 
