@@ -128,6 +128,21 @@ def add_ratios(t: dict, pairs: list[tuple[str, str]]) -> dict:
     return t
 
 
+def exact_identities(G: int, schemes: list[str], setups: list[Setup]) -> list[tuple[str, str]]:
+    """Paired ratios that are a constant on every sample (no sketch or sampling error: the cells
+    report a zero-width interval, tested exactly in test_coverage.py, not an interval to cover):
+    rloo / centered's variance, ``(G/(G-1))^2``; at G = 2 with two reward levels, normalized /
+    centered's variance too (every mixed group has the same spread, so normalized is a fixed
+    multiple of centered on every group, and tied groups are 0 under both)."""
+    out = []
+    if "rloo" in schemes and "centered" in schemes:
+        out.append(("rloo/centered", "variance"))
+    if (G == 2 and "normalized" in schemes and "centered" in schemes
+            and all(len(set(s.flat.rewards.tolist())) == 2 for s in setups)):
+        out.append(("normalized/centered", "variance"))
+    return out
+
+
 def _sketched(setup: Setup, K: int | None, seed: int):
     """The flat table under a fresh CountSketch (K buckets; None: flat)."""
     from varbench.grads.vectors import CountSketch
@@ -303,9 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     if "otb" in schemes and "otb_exact" in schemes:
         pairs.append(("otb", "otb_exact"))
     truths = [add_ratios(truth(s, a.G, schemes, mc_groups=a.mc_groups), pairs) for s in setups]
-    if "rloo" in schemes:  # (G/(G-1))^2 on every sample: a zero-width interval, tested exactly
-        for t in truths:
-            t.pop(("rloo/centered", "variance"), None)
+    for t in truths:
+        for k in exact_identities(a.G, schemes, setups):
+            t.pop(k, None)
     if a.variant == "exact" and all(len(set(s.flat.rewards.tolist())) == 2 for s in setups):
         # two reward levels: E g_hat of a reward-only scheme is along g* on every sketch, its
         # exact-sketched projection has no sketch error (SE 0, tested exactly in

@@ -43,6 +43,33 @@ def test_embedding_keeps_every_statistic(micro_setups):
         assert (c["projection_se"] < 1e-6 * c["projection"].abs()).all(), G
 
 
+def test_exact_identities_are_exact_on_every_sketch(micro_setups):
+    """The ratios the coverage table leaves out as constants (``exact_identities``) are the
+    flat truth on a sketched table to 1e-12 relative with an interval of width <= 1e-9 of the
+    value: rloo / centered at every G; normalized / centered at G = 2 (two reward levels).
+    At G = 4 and 8 normalized / centered's variance moves with the sketch, so it stays an
+    interval to cover (and is not listed)."""
+    from varbench.analysis.variance_cells import table_cells
+
+    s = micro_setups[0]
+    schemes = ["centered", "rloo", "normalized"]
+    tab = C._sketched(s, 64, seed=3)
+    for G in (2, 4, 8):
+        keys = C.exact_identities(G, schemes, [s])
+        assert (("normalized/centered", "variance") in keys) == (G == 2)
+        t = C.add_ratios(C.truth(s, G, schemes), [("rloo", "centered"),
+                                                  ("normalized", "centered")])
+        _, pr = table_cells(tab, G, 8, schemes=schemes, exact=True, sketch_k=tab.sketch_k)
+        got = {(f"{r.scheme}/{r.baseline}", r.stat): r for r in pr.itertuples()}
+        for k in keys:
+            r = got[k]
+            assert abs(r.ratio / t[k] - 1) < 1e-12, (G, k)
+            assert r.ratio_ci_high - r.ratio_ci_low <= 1e-9 * r.ratio, (G, k)
+        if G > 2:
+            k = ("normalized/centered", "variance")
+            assert abs(got[k].ratio / t[k] - 1) > 1e-9, G
+
+
 def test_coverage_harness_smoke(micro_setups):
     """A few replicates of every variant (Monte Carlo cells with the sketch term, exact-sketched
     cells, pooled over two prompts, adaptive M): every quantity gets an interval on every
@@ -141,7 +168,7 @@ def test_coverage_of_exact_sketched_cells_slow():
     schemes = ["centered", "rloo", "normalized"]
     t = C.add_ratios(C.truth(setups[0], 8, schemes), [("rloo", "centered"),
                                                       ("normalized", "centered")])
-    for k in [("rloo/centered", "variance")] + [(s, "projection") for s in schemes]:
+    for k in C.exact_identities(8, schemes, setups) + [(s, "projection") for s in schemes]:
         t.pop(k)  # (G/(G-1))^2 and the projections: no sketch error, tested exactly
     _within(C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, exact=True))
 
