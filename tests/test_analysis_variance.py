@@ -311,5 +311,5 @@ def test_prompts_get_independent_sketches(tmp_path, monkeypatch, gradients):
     else:
         assert seeds == []
         assert "seed=5)" in sketches[0] and f"seed={5 + stride})" in sketches[1], sketches
-    pooled_note = "Paired ratios pooled over prompts are coverage-tested at G = 8 and 4 ("
+    pooled_note = "Paired ratios pooled over prompts are coverage-tested at G = 8, 4 and 2 ("
     assert any(pooled_note in n for n in res.notes)

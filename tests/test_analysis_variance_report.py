@@ -216,7 +216,7 @@ def test_a_user_scheme_that_declares_token_weights_gets_the_otb_headlines():
 
 
 def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
-    """Pooled Monte Carlo ratios were coverage-tested at G = 8 and 4 (docs/science.md): the note
+    """Pooled Monte Carlo ratios were coverage-tested at G = 8, 4 and 2 (docs/science.md): the note
     appears when a Monte Carlo ratio pools several prompts, not for one prompt's, exact or
     exact-sketched ones."""
     rec = _records()
@@ -227,7 +227,7 @@ def test_pooled_monte_carlo_ratios_carry_the_measured_coverage_note():
     assert not any("Paired ratios pooled over prompts" in n for n in notes)
     rec["paired"] = rec["paired"].assign(n_prompts=2)
     _, notes, _ = variance_headlines(rec, "exact")
-    note = "Paired ratios pooled over prompts are coverage-tested at G = 8 and 4 ("
+    note = "Paired ratios pooled over prompts are coverage-tested at G = 8, 4 and 2 ("
     assert sum(note in n for n in notes) == 1
     # only Monte Carlo ratios were measured: a sketched closed form has its own interval
     for method, noted in (("mixed", True), ("exact", False), ("exact-sketched", False)):

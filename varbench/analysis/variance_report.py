@@ -198,13 +198,13 @@ def variance_headlines(
     if (len(paired) and "n_prompts" in paired and "method" in paired
             and bool(((paired["n_prompts"] > 1) & paired["method"].isin(["mc", "mixed"])).any())):
         notes.append(
-            "Paired ratios pooled over prompts are coverage-tested at G = 8 and 4 (two prompts "
-            "of 1,024 groups, K = 1024): their 95% intervals covered 0.940-0.947 over 1,400 "
-            "replicates on micro at G = 8 (otb / centered 0.946 / 0.940, variance / MSE) and "
-            "0.938-0.963 over 600 new ones, 0.946-0.959 over 900 on tiny at G = 8, and "
-            "0.943-0.958 / 0.932-0.955 over 600 at G = 4 (micro / tiny), within 2 points of "
-            "nominal; at G = 2 (2,048 groups) runs cut short at 60 and 140 replicates read "
-            "0.933-0.983 and 0.943-0.979, too few to judge (docs/science.md, pooled intervals).")
+            "Paired ratios pooled over prompts are coverage-tested at G = 8, 4 and 2 (two "
+            "prompts of 1,024 groups, 2,048 at G = 2, K = 1024): their 95% intervals covered "
+            "0.940-0.947 over 1,400 replicates on micro at G = 8 (otb / centered 0.946 / 0.940, "
+            "variance / MSE) and 0.938-0.963 over 600 new ones, 0.946-0.959 over 900 on tiny "
+            "at G = 8, 0.943-0.958 / 0.932-0.955 over 600 at G = 4 (micro / tiny) and "
+            "0.950-0.965 over 460 on tiny at G = 2, within 2 points of nominal (on micro at "
+            "G = 2, 60 replicates only: not judged; docs/science.md, pooled intervals).")
     if ref_kind == "sampled" and len(ref):
         notes.append(
             "The sampled reference has its own error: ||g*|| = "
