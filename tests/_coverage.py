@@ -128,6 +128,11 @@ def add_ratios(t: dict, pairs: list[tuple[str, str]]) -> dict:
     return t
 
 
+def two_reward_levels(setups: list[Setup]) -> bool:
+    """Whether every setup's responses take exactly two reward values."""
+    return all(len(set(s.flat.rewards.tolist())) == 2 for s in setups)
+
+
 def exact_identities(G: int, schemes: list[str], setups: list[Setup]) -> list[tuple[str, str]]:
     """Paired ratios that are a constant on every sample (no sketch or sampling error: the cells
     report a zero-width interval, tested exactly in test_coverage.py, not an interval to cover):
@@ -138,7 +143,7 @@ def exact_identities(G: int, schemes: list[str], setups: list[Setup]) -> list[tu
     if "rloo" in schemes and "centered" in schemes:
         out.append(("rloo/centered", "variance"))
     if (G == 2 and "normalized" in schemes and "centered" in schemes
-            and all(len(set(s.flat.rewards.tolist())) == 2 for s in setups)):
+            and two_reward_levels(setups)):
         out.append(("normalized/centered", "variance"))
     return out
 
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     for t in truths:
         for k in exact_identities(a.G, schemes, setups):
             t.pop(k, None)
-    if a.variant == "exact" and all(len(set(s.flat.rewards.tolist())) == 2 for s in setups):
+    if a.variant == "exact" and two_reward_levels(setups):
         # two reward levels: E g_hat of a reward-only scheme is along g* on every sketch, its
         # exact-sketched projection has no sketch error (SE 0, tested exactly in
         # test_coverage.py), not an interval to cover
