@@ -157,46 +157,66 @@ def test_coverage_at_the_floor_slow(preset, G):
     _within(C.coverage(setups, G, groups, COVERAGE_REPS, t, schemes))
 
 
+def _floor(G: int) -> int:
+    """Groups per prompt that the shipped floor gives a run at this one G (1,024 at G >= 4,
+    2,048 at G = 2: the 4,096-response floor)."""
+    from varbench.analysis.variance import variance_plan
+    from varbench.tasks import get_task
+
+    task = get_task("sort", n=2, max_value=2)
+    return variance_plan(task, vocab_size=30, Gs=(G,), M=16, schemes=("centered", "otb"),
+                         exact="never").groups[G]
+
+
 @pytest.mark.slow
-def test_coverage_of_exact_sketched_cells_slow():
+@pytest.mark.parametrize(("preset", "G", "groups"), [
+    ("micro", 8, 512), ("micro", 4, None), ("micro", 2, None), ("tiny", 4, None),
+    ("tiny", 2, None)])
+def test_coverage_of_exact_sketched_cells_slow(preset, G, groups):
     """Exact-sketched reward-only cells (closed form on the sketch, the sketch's SD from the
     cells' exact quadratic forms as SE) and their ratios (the SD of the pair's difference form)
-    on micro at G = 8, 512 sampled groups (the cells do not read them): variance
+    at ``groups`` sampled groups (None: the floor at G; the cells do not read them): variance
     and MSE and the ratios cover the flat truth (:func:`_within`; the projections are exact on
-    every sketch here, tested in test_embedding_keeps_every_statistic)."""
-    setups = C.build_setups("micro", 1)
+    every sketch here, tested in test_embedding_keeps_every_statistic, and so are the ratios
+    ``exact_identities`` lists, tested in test_exact_identities_are_exact_on_every_sketch)."""
+    setups = C.build_setups(preset, 1)
     schemes = ["centered", "rloo", "normalized"]
-    t = C.add_ratios(C.truth(setups[0], 8, schemes), [("rloo", "centered"),
+    t = C.add_ratios(C.truth(setups[0], G, schemes), [("rloo", "centered"),
                                                       ("normalized", "centered")])
-    for k in C.exact_identities(8, schemes, setups) + [(s, "projection") for s in schemes]:
-        t.pop(k)  # (G/(G-1))^2 and the projections: no sketch error, tested exactly
-    _within(C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, exact=True))
+    for k in C.exact_identities(G, schemes, setups) + [(s, "projection") for s in schemes]:
+        t.pop(k)
+    _within(C.coverage(setups, G, groups or _floor(G), COVERAGE_REPS, [t], schemes,
+                       exact=True))
 
 
 @pytest.mark.slow
-def test_coverage_of_adaptive_M_slow():
-    """The two-stage adaptive M (a 32-group pilot sets M to 512 or 1024 groups at G = 8 for a
-    relative SE of 0.034; fresh groups reported) on micro: centered / OTB variance, MSE,
-    projection and otb / centered ratios cover the flat truth (:func:`_within`). Below 512
-    groups OTB's own intervals undercover whatever the rule (0.90-0.91 at a mean of 164)."""
-    setups = C.build_setups("micro", 1)
+@pytest.mark.parametrize(("preset", "G", "floor", "cap", "target"), [
+    ("micro", 8, 512, 1024, 0.034), ("tiny", 4, 1024, 2048, 0.0433),
+    ("tiny", 2, 2048, 4096, 0.0362)])
+def test_coverage_of_adaptive_M_slow(preset, G, floor, cap, target):
+    """The two-stage adaptive M (a 32-group pilot sets M to ``floor`` or ``cap`` groups at G
+    for a relative SE of ``target``, about even odds at the median pilot; fresh groups
+    reported): centered / OTB variance, MSE, projection and otb / centered ratios cover the
+    flat truth (:func:`_within`). On micro at G = 8, below 512 groups OTB's own intervals
+    undercover whatever the rule (0.90-0.91 at a mean of 164)."""
+    setups = C.build_setups(preset, 1)
     schemes = ["centered", "otb"]
-    t = C.add_ratios(C.truth(setups[0], 8, schemes), [("otb", "centered")])
-    cov = C.coverage(setups, 8, 512, COVERAGE_REPS, [t], schemes, adaptive=(0.034, 1024, 32))
-    assert 512 < next(iter(cov.values()))[2] < 1024  # M did vary
+    t = C.add_ratios(C.truth(setups[0], G, schemes), [("otb", "centered")])
+    cov = C.coverage(setups, G, floor, COVERAGE_REPS, [t], schemes,
+                     adaptive=(target, cap, 32))
+    assert floor < next(iter(cov.values()))[2] < cap  # M did vary
     _within(cov)
 
 
 @pytest.mark.slow
-def test_coverage_of_pooled_intervals_slow():
-    """Intervals pooled over two prompts (``_pool``, as ``estimator_variance`` reports them) on
-    micro at G = 8 with the floor's 1,024 groups per prompt, K = 1024: centered / OTB /
-    OTB-exact variance, MSE, projection and their paired ratios cover the mean of the two
-    prompts' flat truths (:func:`_within`)."""
-    from varbench.analysis.variance_report import PROXY_MIN_GROUPS
-
-    setups = C.build_setups("micro", 2)
+@pytest.mark.parametrize(("preset", "G"), [("micro", 8), ("tiny", 4), ("tiny", 2)])
+def test_coverage_of_pooled_intervals_slow(preset, G):
+    """Intervals pooled over two prompts (``_pool``, as ``estimator_variance`` reports them) at
+    the floor's groups per prompt at G, K = 1024: centered / OTB / OTB-exact variance, MSE,
+    projection and their paired ratios cover the mean of the two prompts' flat truths
+    (:func:`_within`)."""
+    setups = C.build_setups(preset, 2)
     schemes = ["centered", "otb", "otb_exact"]
     pairs = [("otb", "centered"), ("otb_exact", "centered"), ("otb", "otb_exact")]
-    t = [C.add_ratios(C.truth(s, 8, schemes), pairs) for s in setups]
-    _within(C.coverage(setups, 8, PROXY_MIN_GROUPS, COVERAGE_REPS, t, schemes))
+    t = [C.add_ratios(C.truth(s, G, schemes), pairs) for s in setups]
+    _within(C.coverage(setups, G, _floor(G), COVERAGE_REPS, t, schemes))
