@@ -168,7 +168,8 @@ def test_the_plan_prints_the_hash_to_publish_before_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("suite,prereg", [("otb-claims", "otb-claims"), ("gspo-lr", "gspo-lr"),
-                                          ("toolsum-eqg", "toolsum-eqg")])
+                                          ("toolsum-eqg", "toolsum-eqg"),
+                                          ("toolsum-eqg2", "toolsum-eqg2")])
 def test_shipped_suites_follow_their_preregistration(suite, prereg):
     """Each shipped validate suite, as committed, lists no deviation from its own registration
     (an edit to either file without the other shows up here)."""
