@@ -342,3 +342,28 @@ def test_multiplicity_statement_counts_the_holm_family():
     assert "1 saving verdict(s) have none" in text
     assert "the 2 stability and prediction verdicts are not adjusted" in text
     assert "have none" not in vs.multiplicity_statement(rows[:2])
+
+
+def test_mean_curves_share_a_token_grid_and_keep_every_seed():
+    """Two runs of one arm with different evaluation points (run 1 collapsed: short responses,
+    more steps to spend its tokens). Hand values: the grid is 5 points (the median of 3 and 7
+    evaluations) from 0 to the shorter run's 200 tokens; run 0 reads .4 .5 .6 .7 .8 there, run 1
+    .4 0 0 0 0, so the mean is .4 .25 .3 .35 .4 with both seeds at every point. Averaging by
+    step instead (the old table) ends on run 1's zeros alone, at tokens run 0 never reached."""
+    rows = [(0, s, t, a) for s, (t, a) in enumerate(zip([0, 100, 200], [.4, .6, .8],
+                                                             strict=True))]
+    rows += [(1, s, t, a) for s, (t, a) in enumerate(zip(range(0, 301, 50),
+                                                          [.4, 0, 0, 0, 0, 0, 0], strict=True))]
+    c = pd.DataFrame([{"task": "t", "scheme": "otb", "G": 4, "seed": seed, "step": 16 * s,
+                       "tokens": float(t), "acc_sampled": a, "acc_greedy": 1.0}
+                      for seed, s, t, a in rows])
+    m = vs.mean_curves(c, ["task", "scheme", "G"])
+    np.testing.assert_allclose(m["tokens"], [0, 50, 100, 150, 200])
+    np.testing.assert_allclose(m["acc_mean"], [.4, .25, .3, .35, .4], atol=1e-12)
+    np.testing.assert_allclose(m["acc_std"].iloc[1], np.std([.5, 0], ddof=1))
+    assert (m["seeds"] == 2).all() and (m["greedy_mean"] == 1.0).all()
+    by_step = c.groupby("step").agg(tokens=("tokens", "mean"), acc=("acc_sampled", "mean"))
+    assert by_step["acc"].iloc[-1] == 0 and by_step["tokens"].iloc[-1] == 300  # the old artefact
+    # a variant column, when not grouped by, keys runs apart (same seed, two variants)
+    v = pd.concat([c.assign(variant=""), c[c.seed == 0].assign(variant="x", seed=1)])
+    assert (vs.mean_curves(v, ["task", "scheme", "G"])["seeds"] == 3).all()

@@ -291,10 +291,7 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
     notes = vp.notes_of(pre) + vs.caveat_texts(caveats) + notes
     notes += pred_notes + _runtime_notes(timing_df, wall, phases)
     fig_label = figure_labels  # figures group by scheme and G: fold the variant into the label
-    mean_curves = (fig_label(curves_df).groupby(["task", "scheme", "G", "step"], as_index=False)
-                   .agg(tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"),
-                        acc_std=("acc_sampled", "std"), greedy_mean=("acc_greedy", "mean"),
-                        seeds=("seed", "count")))
+    mean_curves = vs.mean_curves(fig_label(curves_df), ["task", "scheme", "G"])
     records = {"claims": claims_df, "cells": cells, "tokens_to_threshold": t2t,
                "curves_mean": mean_curves, "curves": curves_df, "stability": stab_df,
                "collapse_rates": vs.rate_table(stab_df, ["task", "scheme", "G", "variant"]),

@@ -112,8 +112,7 @@ def pilot_tables(runs: Sequence[FinishedRun]
     lab = figure_labels(c)  # scheme+variant
     lab["arm"] = (c["scheme"] + "/" + c["G"].astype(str)
                   + np.where(c["variant"] != "", "/" + c["variant"].astype(str), ""))
-    mean = lab.groupby(["task", "arm", "step"], as_index=False).agg(
-        tokens=("tokens", "mean"), acc_mean=("acc_sampled", "mean"))
+    mean = vs.mean_curves(lab, ["task", "arm"])
     return t2t, mean, thresholds
 
 

@@ -83,6 +83,40 @@ def t2t_table(curves: pd.DataFrame, thresholds: dict[str, float], *,
     return pd.DataFrame(rows)
 
 
+def mean_curves(curves: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Mean accuracy curve per ``by`` group on a common sampled-token grid, every seed at every
+    point: ``by + [point, tokens, acc_mean, acc_std, greedy_mean, seeds]``.
+
+    Runs of one arm evaluate at different token counts (every ``eval_every`` steps, and a step's
+    tokens depend on the response lengths), and a collapsed run's short responses take many
+    more steps to spend the budget. Averaging by step therefore mixes token counts and, late in
+    the run, keeps only the runs that took the most steps. Here each run's curve is interpolated
+    linearly (in tokens) onto ``n`` evenly spaced points from 0 to the group's smallest final
+    token count, ``n`` the median number of evaluations per run; the mean and SD are over the
+    group's runs (keyed by ``seed`` and, where present, ``variant``) at each point.
+    Math caveat: linear interpolation between evaluations, like the tokens-to-threshold
+    crossing; beyond the shortest run of the group nothing is drawn.
+    """
+    run_key = ["seed"] + (["variant"] if "variant" in curves and "variant" not in by else [])
+    rows = []
+    for key, g in curves.groupby(by, sort=True):
+        runs = [c.sort_values("tokens") for _, c in g.groupby(run_key, sort=True)]
+        end = min(float(c["tokens"].iloc[-1]) for c in runs)
+        n = max(2, int(np.median([len(c) for c in runs])))
+        grid = np.linspace(0.0, end, n)
+        acc = np.stack([np.interp(grid, c["tokens"].to_numpy(float),
+                                  c["acc_sampled"].to_numpy(float)) for c in runs])
+        greedy = np.stack([np.interp(grid, c["tokens"].to_numpy(float),
+                                     c["acc_greedy"].to_numpy(float)) for c in runs])
+        std = acc.std(axis=0, ddof=1) if len(runs) > 1 else np.full(n, np.nan)
+        key = key if isinstance(key, tuple) else (key,)
+        for i in range(n):
+            rows.append({**dict(zip(by, key, strict=True)), "point": i, "tokens": grid[i],
+                         "acc_mean": float(acc[:, i].mean()), "acc_std": float(std[i]),
+                         "greedy_mean": float(greedy[:, i].mean()), "seeds": len(runs)})
+    return pd.DataFrame(rows)
+
+
 def cell_table(t2t: pd.DataFrame, budgets: dict[str, float] | None = None) -> pd.DataFrame:
     """Per task x scheme x G (x variant): mean tokens-to-threshold (censored runs count at their
     final tokens, so the mean is a lower bound when any is censored) with a bootstrap CI over

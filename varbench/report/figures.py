@@ -178,9 +178,10 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
         thr = result.summary.get("thresholds", {})
         for ax, task in zip(axes[0], tasks, strict=True):
             d = curves[curves["task"] == task]
-            for (scheme, G), c in d.groupby(["scheme", "G"]):
-                c = c.sort_values("tokens")
-                line = ax.plot(c["tokens"], c["acc_mean"], label=f"{scheme} G={G}")[0]
+            for i, ((scheme, G), c) in enumerate(d.groupby(["scheme", "G"])):
+                c = c.sort_values("tokens")  # past 10 arms the colours repeat: vary the dash
+                line = ax.plot(c["tokens"], c["acc_mean"], label=f"{scheme} G={G}",
+                               ls=("-", "--", ":")[(i // 10) % 3])[0]
                 std = c["acc_std"].fillna(0)
                 ax.fill_between(c["tokens"], c["acc_mean"] - std, c["acc_mean"] + std,
                                 color=line.get_color(), alpha=0.12)
@@ -192,8 +193,8 @@ def training_figures(result, fig_dir: Path, prefix: str) -> list[tuple[str, str]
             ax.legend(fontsize=7)
         name = f"{prefix}accuracy_vs_tokens.png"
         _save(fig, fig_dir / name)
-        out.append((name, "Held-out accuracy against sampled tokens, mean over seeds "
-                          "(band: 1 std)."))
+        out.append((name, "Held-out accuracy against sampled tokens, mean over seeds on a "
+                          "common token grid up to the shortest run of each arm (band: 1 std)."))
     traces = result.records.get("grad_traces")
     if traces is not None and len(traces):
         tasks = list(dict.fromkeys(traces["task"]))
