@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CLAIMS = ROOT / "reports" / "claims"
@@ -46,18 +47,24 @@ def test_the_readme_states_every_token_claim_as_the_report_decided_it():
     assert "undecided: normalized/32 35% [17, 54]" in table
 
 
+def _follow_up(name: str, start: str, stop: str) -> tuple[Path, str, pd.DataFrame]:
+    """A follow-up report's directory (its files checked present), the README's text from
+    ``start`` to ``stop`` on one line, and the report's claims table by claim."""
+    rep = ROOT / "reports" / name
+    for f in ("report.md", "summary.json", "tables/validation__claims.csv"):
+        assert (rep / f).is_file(), f
+    readme = (ROOT / "README.md").read_text()
+    sec = readme[readme.index(start):]
+    sec = sec[: sec.index(stop)].replace("\n", " ")
+    return rep, sec, pd.read_csv(rep / "tables" / "validation__claims.csv").set_index("claim")
+
+
 def test_the_readme_states_the_gspo_follow_up_as_its_report_decided_it():
     """reports/gspo-lr/ is complete, and the README's follow-up paragraph quotes its verdicts,
     savings, collapse counts and hash as the report has them."""
     import hashlib
 
-    rep = ROOT / "reports" / "gspo-lr"
-    for name in ("report.md", "summary.json", "tables/validation__claims.csv"):
-        assert (rep / name).is_file(), name
-    readme = (ROOT / "README.md").read_text()
-    para = readme[readme.index("**GSPO follow-up"):]
-    para = para[: para.index("\n\n")].replace("\n", " ")
-    claims = pd.read_csv(rep / "tables" / "validation__claims.csv").set_index("claim")
+    rep, para, claims = _follow_up("gspo-lr", "**GSPO follow-up", "\n\n")
     for arm, metric, word in (("gspo4q_mr", "tokens-to-threshold", "refuted"),
                               ("gspo4q_ao", "tokens-to-threshold", "refuted"),
                               ("gspo4q_ao", "wall seconds to threshold", "undecided")):
@@ -71,3 +78,27 @@ def test_the_readme_states_the_gspo_follow_up_as_its_report_decided_it():
     assert n["gspo4q"] + n["gspo4q_mr"] + n["gspo4q_ao"] == 0 and "0 of 48" in para
     sha = hashlib.sha256((ROOT / "suites" / "prereg" / "gspo-lr.toml").read_bytes()).hexdigest()
     assert sha[:8] in para and sha in (rep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name,claims", [
+    ("toolsum-eqg", [("centered/4", 4, 29)]),
+    ("toolsum-eqg2", [("normalized/4", 7, 37), ("rloo/4", 7, 37)])])
+def test_the_readme_states_the_toolsum_follow_ups_as_their_reports_decided_them(name, claims):
+    """reports/toolsum-eqg*/ are complete and follow their registrations; the README's follow-up
+    section quotes each saving, interval, verdict, OTB's censored count and the hash as the
+    report has them."""
+    import hashlib
+
+    rep, sec, tab = _follow_up(name, "**Toolsum equal-G follow-ups", "Training throughput")
+    t2t = pd.read_csv(rep / "tables" / "validation__tokens_to_threshold.csv")
+    otb = t2t[t2t.scheme == "otb"]
+    for b, censored, seeds in claims:
+        r = tab.loc[f"toolsum: otb/4 vs {b} (tokens-to-threshold)"]
+        assert r["verdict"] == "undecided"
+        est, lo, hi = (round(100 * r[k]) for k in ("estimate", "ci_lo", "ci_hi"))
+        assert f"{est}% [{lo}, {hi}]" in sec, (b, est, lo, hi)
+        assert len(otb) == seeds and int((~otb.reached).sum()) == censored
+        assert f"{censored} of {seeds} OTB runs" in sec or f"{censored} of the {seeds} OTB" in sec
+    sha = hashlib.sha256((ROOT / "suites" / "prereg" / f"{name}.toml").read_bytes()).hexdigest()
+    assert sha[:8] in sec and sha in (rep / "report.md").read_text()
+    assert "(no deviation)" in (rep / "report.md").read_text()
