@@ -463,11 +463,16 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
     up to the longest run when at least half did (the mean curve of such an arm is dragged
     down by its collapsed runs and crosses late or never: issue 31's toolsum otb/4, 12 of 14
     reached at a mean 39k, extrapolated to 81k); else the linear extrapolation of
-    the mean curve (:func:`extrapolate_t2t`); the coefficient of variation comes from the
-    reached runs (>= 2 of them), else the median CV of the task's fully reached arms
-    ('borrowed'). Seeds: :func:`seeds_for_saving` for a t CI half-width ``half_width``; budget:
-    the larger arm's planning mean x (1 + 2 CV) (about its 97.5% quantile, so nearly every run
-    is observed reaching the threshold), rounded up to 1000 tokens.
+    the mean curve (:func:`extrapolate_t2t`). The coefficient of variation of a KM-planned arm
+    is that of every run's tokens, censored runs at their final count (with censoring at the
+    budget the restricted mean is the mean of these, so this is the spread the saving's
+    interval sees; the reached runs alone understate it: issue 31's second toolsum follow-up,
+    planned on reached-run CVs for a half-width of 0.15, measured 0.25, which its all-run CVs
+    predict); otherwise it comes from the reached runs (>= 2 of them), else the median CV of the
+    task's fully reached arms ('borrowed'). Seeds: :func:`seeds_for_saving` for a t CI
+    half-width ``half_width``; budget: the larger arm's planning mean x (1 + 2 CV) (about its
+    97.5% quantile, so nearly every run is observed reaching the threshold), rounded up to 1000
+    tokens.
     """
     d = t2t if "variant" in t2t else t2t.assign(variant="")
     d = d.assign(arm=d["scheme"] + "/" + d["G"].astype(str)
@@ -489,7 +494,10 @@ def power_plan(t2t: pd.DataFrame, mean_curves: pd.DataFrame, pairs: list[tuple[s
             c = c.sort_values("tokens")
             out["mean"] = extrapolate_t2t(c["tokens"].to_numpy(), c["acc_mean"].to_numpy(),
                                           float(r["threshold"].iloc[0]))
-        out["cv"] = (float(x[ok].std(ddof=1) / x[ok].mean()) if ok.sum() >= 2 else math.nan)
+        if out.get("km"):  # the restricted mean's unit: every run, censored at its count
+            out["cv"] = float(x.std(ddof=1) / x.mean())
+        else:
+            out["cv"] = (float(x[ok].std(ddof=1) / x[ok].mean()) if ok.sum() >= 2 else math.nan)
         return out
 
     full_cv: dict[str, list[float]] = {}
