@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 from math import comb, exp, lgamma, log, log1p
+from pathlib import Path
 
 import _coverage_verdict as V
 import pandas as pd
@@ -92,3 +93,28 @@ def test_run_figures_splits_a_pooled_run(tmp_path):
     assert list(f.row) == ["P2t", "P2t p0 alone", "P2t p1 alone"]
     assert list(f.quantity) == ["otb", "otb", "otb/centered"]
     assert list(f.hits) == [19, 18, 187]
+
+
+STOP58 = Path(__file__).resolve().parents[1] / "docs" / "coverage" / "stop58"
+
+
+def test_stop58_rows_are_the_documented_verdicts():
+    """docs/science.md's stop-58 rows (§) from the kept per-figure CSVs: P2a and P2b are the two
+    registered halves of one row (hits summed per figure), A8u its own; one family."""
+    halves = [V.run_figures(str(STOP58 / f"{n}.csv"), "P2m") for n in ("P2a", "P2b")]
+    keys = ["row", "quantity", "stat"]
+    assert all((h[keys].values == halves[0][keys].values).all() for h in halves)
+    p2m = halves[0][keys].assign(hits=halves[0].hits + halves[1].hits,
+                                 reps=halves[0].reps + halves[1].reps)
+    figs = pd.concat([p2m, V.run_figures(str(STOP58 / "A8u.csv"))], ignore_index=True)
+    f, r = V.rule_s(figs)
+    assert len(f) * 2 == 106
+    r = r.set_index("row")
+    assert dict(r.rule_s) == {"P2m": "within", "P2m p0 alone": "within",
+                              "P2m p1 alone": "within", "A8u": "within"}
+    assert dict(r["range"]) == {"P2m": "0.938-0.973", "P2m p0 alone": "0.925-0.973",
+                                "P2m p1 alone": "0.940-0.965", "A8u": "0.935-0.963"}
+    assert dict(r.reps) == {"P2m": 400, "P2m p0 alone": 400, "P2m p1 alone": 400, "A8u": 400}
+    smallest = {row: round(min(g.p_short.min(), g.p_over.min()), 2)
+                for row, g in f.groupby("row")}
+    assert smallest == {"P2m": 0.46, "P2m p0 alone": 0.37, "P2m p1 alone": 0.77, "A8u": 0.68}
