@@ -14,6 +14,7 @@ from _fixtures_validate import tiny_grid
 
 from varbench._util.checks import UsageError
 from varbench.analysis import validate as V
+from varbench.analysis import validate_stats as vs
 from varbench.app.validation import run_validation
 
 
@@ -238,3 +239,30 @@ def test_a_claims_caveat_is_part_of_its_sentence():
     row["caveat"] = "sort: warm start already solves the greedy problem"
     assert V.claim_sentence(row).endswith(
         "(sort: warm start already solves the greedy problem).")
+
+
+def test_a_restricted_claim_counts_censored_runs_in_its_estimand():
+    """The same censored runs: a mean claim is undecided (the saving is an upper bound), a
+    restricted-mean claim is confirmed by its interval, says so in its claim and note, and
+    carries its own rule; a restricted compute claim or an unknown estimand is refused."""
+    seeds = range(8)
+    a = pd.DataFrame({"seed": seeds, "tokens_to_threshold": [300, 320, 280, 310, 290, 305, 1000,
+                                                            295],
+                      "reached": [True] * 6 + [False, True]})
+    b = pd.DataFrame({"seed": seeds, "tokens_to_threshold": [1000] * 6 + [900, 950],
+                      "reached": [False] * 6 + [True, True]})
+    cfg = tiny_grid(budgets={"sort": 1000})
+    c = {"kind": "tokens", "task": "sort", "a": "otb/4", "b": "otb/2", "claimed": 0.0}
+    mean = V._saving_claim(cfg, c, a, b, "tokens")
+    rest = V._saving_claim(cfg, {**c, "estimand": "restricted"}, a, b, "tokens")
+    assert mean["estimate"] == rest["estimate"] and mean["ci_lo"] > 0
+    assert mean["verdict"] == "undecided" and "upper bound" in mean["note"]
+    assert rest["verdict"] == "confirmed" and "bound" not in rest["note"].replace("no bound", "")
+    assert "restricted mean tokens-to-threshold up to the budget" in rest["claim"]
+    assert rest["rule"] == vs.RESTRICTED_RULES["saving_restricted"]
+    assert "1/8 of otb/4 censored (counted up to the budget" in rest["note"]
+    for bad, msg in (({**c, "estimand": "median"}, r"claims estimand='median' is not valid"),
+                     ({**c, "kind": "compute", "estimand": "restricted"},
+                      r"estimand = 'restricted' .* not valid for kind 'compute'")):
+        with pytest.raises(UsageError, match=msg):
+            V.check_grid(tiny_grid(claims=({**bad, "a": "otb/4", "b": "otb/2"},)))

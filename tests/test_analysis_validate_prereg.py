@@ -180,3 +180,23 @@ def test_shipped_suites_follow_their_preregistration(suite, prereg):
     root = Path(__file__).resolve().parents[1] / "suites"
     cfg = suite_validate_config(str(root / f"{suite}.toml"), None)
     assert _block(cfg, root / "prereg" / f"{prereg}.toml")["deviations"] == []
+
+
+def test_a_restricted_claim_registers_its_rule_and_earlier_files_read_as_before(tmp_path):
+    """The restricted-mean rules belong to the analysis only when a claim uses them: a file that
+    registers such a claim without them lists each as a deviation; with them, none; a grid
+    without one is compared with the rules it always had."""
+    claim = {"kind": "tokens", "task": "sort", "a": "otb/4", "b": "normalized/4",
+             "claimed": 0.0, "estimand": "restricted"}
+    design = {**tiny_design(), "claims": [claim]}
+    cfg = replace(tiny_grid(), claims=(claim,))
+    bare = write_prereg(tmp_path / "bare.toml", design)
+    devs = _block(cfg, bare)["deviations"]
+    assert [d.split(":")[0] for d in devs] == ["analysis verdict_rules.equivalence_restricted",
+                                               "analysis verdict_rules.saving_restricted"]
+    assert all('registered "(absent)"' in d for d in devs)
+    full = write_prereg(tmp_path / "full.toml", design,
+                        analysis=P.analysis_plan(["restricted"]))
+    assert _block(cfg, full)["deviations"] == []
+    assert set(P.analysis_plan()["verdict_rules"]) == {"saving", "equivalence", "rate_diff",
+                                                       "correlation"}

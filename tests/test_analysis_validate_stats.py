@@ -394,3 +394,26 @@ def test_power_plan_predicts_the_half_width_its_follow_up_measured(b):
     measured = (r["ci_hi"] - r["ci_lo"]) / 2
     planned = vs.saving_half_width(p["cv_a"], p["cv_b"], p["plan_saving"], n)
     assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
+
+
+def test_a_restricted_estimand_is_decided_by_its_interval_alone():
+    """estimand = 'restricted' is about the restricted mean itself: the censored counts that
+    make a mean-claim's estimate a bound are ignored; 'mean' keeps them; others are refused."""
+    assert vs.verdict_saving(0.65, 0.7, 0.62, censored_a=1) == "undecided"
+    assert vs.verdict_saving(0.65, 0.7, 0.62, censored_a=1, estimand="restricted") == "confirmed"
+    assert vs.verdict_saving(0.1, 0.4, 0.62, censored_b=3, estimand="restricted") == "refuted"
+    assert vs.verdict_saving(0.45, 0.64, 0.62, estimand="restricted") == "undecided"
+    assert vs.verdict_equivalence(-0.1, 0.2, 0.15, censored_a=1,
+                                  estimand="restricted") == "confirmed"
+    assert vs.verdict_equivalence(-0.4, -0.2, 0.15, censored_b=1,
+                                  estimand="restricted") == "refuted"
+    with pytest.raises(ValueError, match=r"estimand='median' is not valid; choose from"):
+        vs.verdict_saving(0.65, 0.7, 0.62, estimand="median")
+    rows = [{"kind": "tokens", "estimate": 0.4, "verdict": "undecided", "p_confirm": 1e-5,
+             "p_refute": 1.0, "censored_a": 4, "censored_b": 15, "estimand": e}
+            for e in ("mean", "restricted")]
+    vs.holm_verdicts(rows)
+    assert [r["verdict"] for r in rows] == ["undecided", "confirmed"]
+    assert vs.verdict_rules() == vs.VERDICT_RULES
+    assert vs.verdict_rules(["mean", "restricted"]) == {**vs.VERDICT_RULES,
+                                                        **vs.RESTRICTED_RULES}

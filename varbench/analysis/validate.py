@@ -307,7 +307,7 @@ def report(cfg: ValidateConfig, out: Path, frames: dict[Job, pd.DataFrame],
                "collapse_calibration": {k: v for k, v in calib.items() if k != "scores"},
                "verdicts": [{k: r[k] for k in ("claim", "estimate", "ci_lo", "ci_hi", "verdict")}
                             for r in claims_df.to_dict("records")],
-               "verdict_rules": vs.VERDICT_RULES, "preregistration": pre,
+               "verdict_rules": vs.verdict_rules(claim_estimands(cfg)), "preregistration": pre,
                "caveats": caveats.to_dict("records")}
     result = AnalysisResult(
         kind="training", name="validation", records=records, summary=summary, headlines=heads,
@@ -371,6 +371,12 @@ def check_grid(cfg: ValidateConfig) -> None:
             check_choice("claims measure", c.get("measure", "collapse"), STABILITY_MEASURES)
             for t in _as_list(c.get("tasks")):
                 check_choice("claims tasks", t, list(cfg.tasks))
+        if "estimand" in c:
+            check_choice("claims estimand", c["estimand"], vs.ESTIMANDS)
+            if c["estimand"] == "restricted" and c.get("kind") not in vs.RESTRICTED_KINDS:
+                raise UsageError(f"claims: estimand = 'restricted' of {c!r} is not valid for "
+                                 f"kind {c.get('kind')!r}; it is for kinds "
+                                 f"{list(vs.RESTRICTED_KINDS)} (restricted to the token budget)")
         for side in ("a", "b"):
             for ref in _as_list(c.get(side)):
                 if ref not in arms:
@@ -504,6 +510,11 @@ def default_claims(cfg: ValidateConfig) -> list[dict]:
     return out
 
 
+def claim_estimands(cfg: ValidateConfig) -> list[str]:
+    """Each claim's estimand ('mean' unless the claim says ``estimand = "restricted"``)."""
+    return [c.get("estimand", "mean") for c in (cfg.claims or default_claims(cfg))]
+
+
 def _claimed_saving(cfg: ValidateConfig, task: str) -> float:
     from varbench.tasks import get_task
 
@@ -563,9 +574,15 @@ def claim_rows(cfg: ValidateConfig, t2t: pd.DataFrame, stab: pd.DataFrame,
 def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame,
                   metric: str) -> dict:
     kind, task = c["kind"], c["task"]
+    estimand = c.get("estimand", "mean")
     what = {"tokens": "tokens-to-threshold", "wall_s": "wall seconds to threshold"}[metric]
+    if estimand == "restricted":
+        what = f"restricted mean {what} up to the budget"
     row = {"claim": f"{task}: {c['a']} vs {c['b']} ({what})", "kind": kind, "task": task,
-           "a": c["a"], "b": c["b"], "metric": metric, "n_a": len(a), "n_b": len(b)}
+           "a": c["a"], "b": c["b"], "metric": metric, "n_a": len(a), "n_b": len(b),
+           "estimand": estimand}
+    rules = vs.verdict_rules([estimand])
+    suffix = "_restricted" if estimand == "restricted" else ""
     if kind == "proxy":
         row["claimed"] = -float(c.get("margin", cfg.equivalence_margin))
     elif kind == "compute":
@@ -574,7 +591,7 @@ def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame
         row["claimed"] = float(c.get("claimed", _claimed_saving(cfg, task)))
     if len(a) == 0 or len(b) == 0:
         return {**row, "estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan,
-                "verdict": "undecided", "rule": vs.VERDICT_RULES["saving"],
+                "verdict": "undecided", "rule": rules["saving" + suffix],
                 "note": "cannot test: no runs of " + (c["a"] if len(a) == 0 else c["b"])}
     col = "tokens_to_threshold" if metric == "tokens" else "wall_to_threshold"
     xa, xb = a[col].to_numpy(float), b[col].to_numpy(float)
@@ -597,19 +614,28 @@ def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame
     if kind == "proxy":
         row["verdict"] = vs.verdict_equivalence(s["saving_ci_lo"], s["saving_ci_hi"],
                                                 -row["claimed"], censored_a=s["censored_a"],
-                                                censored_b=s["censored_b"])
-        row["rule"] = vs.VERDICT_RULES["equivalence"].replace("margin", f"{-row['claimed']:g}")
+                                                censored_b=s["censored_b"], estimand=estimand)
+        row["rule"] = rules["equivalence" + suffix].replace("margin", f"{-row['claimed']:g}")
         row["reading"] = vs.equivalence_reading(row["verdict"], s["saving_ci_lo"],
                                                 s["saving_ci_hi"])
     else:
         row["verdict"] = vs.verdict_saving(s["saving_ci_lo"], s["saving_ci_hi"], row["claimed"],
-                                           censored_a=s["censored_a"], censored_b=s["censored_b"])
-        row["rule"] = vs.VERDICT_RULES["saving"]
+                                           censored_a=s["censored_a"], censored_b=s["censored_b"],
+                                           estimand=estimand)
+        row["rule"] = rules["saving" + suffix]
     cens = []
-    if s["censored_a"]:
-        cens.append(f"{s['censored_a']}/{len(a)} of {c['a']} censored (saving is an upper bound)")
-    if s["censored_b"]:
-        cens.append(f"{s['censored_b']}/{len(b)} of {c['b']} censored (saving is a lower bound)")
+    if estimand == "restricted":
+        cens += [f"{n}/{len(d)} of {arm} censored (counted up to the budget: the restricted "
+                 "mean's own estimand, no bound)"
+                 for n, d, arm in ((s["censored_a"], a, c["a"]), (s["censored_b"], b, c["b"]))
+                 if n]
+    else:
+        if s["censored_a"]:
+            cens.append(f"{s['censored_a']}/{len(a)} of {c['a']} censored (saving is an upper "
+                        "bound)")
+        if s["censored_b"]:
+            cens.append(f"{s['censored_b']}/{len(b)} of {c['b']} censored (saving is a lower "
+                        "bound)")
     row["note"] = "; ".join(cens)
     return row
 
@@ -778,9 +804,10 @@ def _headlines(cfg, claims: pd.DataFrame, acc0, thresholds, stab: pd.DataFrame, 
                  "evaluations around the crossing" if cfg.interpolate else "at the first "
                  "evaluation at or above it") + "). A run that never reaches it is right-"
                  "censored at its final count; arms are compared by the Kaplan-Meier restricted "
-                 "mean up to the budget (RMST), with a percentile bootstrap over seeds (each arm "
-                 "resampled separately; paired for the proxy claim).")
-    notes += [f"Verdict rule ({k}): {v}" for k, v in vs.VERDICT_RULES.items()]
+                 "mean up to the budget (RMST), with a t interval on the SE of a bootstrap over "
+                 "seeds (each arm resampled separately; paired for the proxy claim).")
+    notes += [f"Verdict rule ({k}): {v}"
+              for k, v in vs.verdict_rules(claim_estimands(cfg)).items()]
     return heads, notes
 
 

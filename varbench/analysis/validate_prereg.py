@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,12 @@ _NAMED = {"seeds": "seed list", "task_seeds": "per-task seeds",
           "threshold_frac": "threshold (fraction of the gap to 1)", "budgets": "token budgets"}
 
 
-def analysis_plan() -> dict[str, Any]:
-    """The analysis the report applies, as the ``[analysis]`` table registers it."""
+def analysis_plan(estimands: Iterable[str] = ()) -> dict[str, Any]:
+    """The analysis the report applies, as the ``[analysis]`` table registers it; its verdict
+    rules are those of the claims' ``estimands`` (:func:`validate_stats.verdict_rules`)."""
     return {"level": vs.LEVEL, "interval": vs.REPORT_INTERVAL, "multiplicity": "holm",
             "multiplicity_family": vs.HOLM_FAMILY, "collapse": vs.COLLAPSE_RULE,
-            "stability_measures": ["collapse"], "verdict_rules": dict(vs.VERDICT_RULES)}
+            "stability_measures": ["collapse"], "verdict_rules": vs.verdict_rules(estimands)}
 
 
 def load_preregistration(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -178,7 +179,8 @@ def report_block(path: str | Path, ran: dict[str, Any],
         raise UsageError(f"preregistration {str(path)!r} [design]: {err}") from None
     return {"file": str(path), "sha256": sha, "registered": str(reg.get("registered", "")),
             "suite": reg.get("suite", ""), "case": reg.get("case", ""),
-            "deviations": deviations(registered, ran, data["analysis"], analysis_plan()),
+            "deviations": deviations(registered, ran, data["analysis"], analysis_plan(
+                [c.get("estimand", "mean") for c in ran.get("claims") or []])),
             "disclosed": [f"{d.get('grid', 'earlier grid')}: {d.get('change', 'change')}: "
                           f"{d['text']}" for d in data.get("disclosed", [])]}
 

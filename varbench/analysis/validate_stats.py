@@ -12,6 +12,7 @@ are crude (they cannot be wider than the spread of the seeds): read them as such
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -306,6 +307,43 @@ VERDICT_RULES = {
 }
 
 
+# What a saving or equivalence claim is about. "mean": the mean tokens-to-threshold, which the
+# restricted mean only bounds when runs are censored (VERDICT_RULES' caveats); "restricted": the
+# Kaplan-Meier restricted mean up to the budget itself (a run that never reaches the threshold
+# counts at the budget by construction), so censoring bounds nothing and the interval decides.
+ESTIMANDS = ("mean", "restricted")
+RESTRICTED_RULES = {
+    "saving_restricted": "(estimand = 'restricted') 'the restricted mean tokens-to-threshold of a, "
+                         "up to the budget, is at least the claimed share below b's': confirmed "
+                         "when the 95% CI's lower limit is at least the claimed saving (and above "
+                         "0); refuted when its upper limit is below the claimed saving; undecided "
+                         "otherwise. Censored runs are part of this estimand (each counts up to "
+                         "the budget), so they bound nothing. With Holm over the claims family "
+                         "the limits are those of the Holm-adjusted level.",
+    "equivalence_restricted": "(estimand = 'restricted') the restricted mean up to the budget: "
+                              "confirmed when the 95% CI's lower limit is above -margin, refuted "
+                              "when the upper limit is below -margin, undecided otherwise (read "
+                              "'not detectably worse' when the interval also covers 0); "
+                              "censored runs bound nothing.",
+}
+RESTRICTED_KINDS = ("tokens", "proxy")  # budget-restricted; compute's wall time has no budget
+
+
+def verdict_rules(estimands: Iterable[str] = ()) -> dict[str, str]:
+    """The verdict rules a report states: VERDICT_RULES, plus RESTRICTED_RULES when a claim's
+    estimand is 'restricted' (so a grid without one states and registers what it always did)."""
+    out = dict(VERDICT_RULES)
+    if "restricted" in set(estimands):
+        out.update(RESTRICTED_RULES)
+    return out
+
+
+def _bounds_apply(estimand: str) -> bool:
+    if estimand not in ESTIMANDS:
+        raise ValueError(f"estimand={estimand!r} is not valid; choose from {ESTIMANDS}")
+    return estimand == "mean"
+
+
 HOLM_FAMILY = ("every saving and equivalence claim (tokens, proxy, compute; each metric of a "
                "compute claim its own member) whose p-value is finite, each direction (for, "
                "against) its own family; stability and prediction claims are outside it "
@@ -316,8 +354,11 @@ COLLAPSE_RULE = ("a run collapsed when its final held-out sampled accuracy is be
 
 
 def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
-                   censored_b: int = 0) -> str:
-    """Verdict on 'a saves at least ``claimed`` over b' from the saving's CI (VERDICT_RULES)."""
+                   censored_b: int = 0, estimand: str = "mean") -> str:
+    """Verdict on 'a saves at least ``claimed`` over b' from the saving's CI (VERDICT_RULES;
+    RESTRICTED_RULES when ``estimand`` is 'restricted': the censored counts are then ignored)."""
+    if not _bounds_apply(estimand):
+        censored_a = censored_b = 0
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "undecided"
     if lo >= claimed and lo > 0 and censored_a == 0:
@@ -328,10 +369,12 @@ def verdict_saving(lo: float, hi: float, claimed: float, *, censored_a: int = 0,
 
 
 def verdict_equivalence(lo: float, hi: float, margin: float, *, censored_a: int = 0,
-                        censored_b: int = 0) -> str:
+                        censored_b: int = 0, estimand: str = "mean") -> str:
     """Verdict on 'a is no worse than b by more than ``margin``' (VERDICT_RULES); censored
     runs bound the saving as in :func:`verdict_saving` (of ``a``: no confirmation; of ``b``: no
-    refutation)."""
+    refutation), unless ``estimand`` is 'restricted'."""
+    if not _bounds_apply(estimand):
+        censored_a = censored_b = 0
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "undecided"
     if lo > -margin and censored_a == 0:
@@ -377,8 +420,9 @@ def holm_verdicts(rows: list[dict], *, level: float = 0.95) -> None:
     ``max(claimed, 0)``, and equivalences, against ``-margin``), each
     direction its own family: a row is confirmed when its Holm-adjusted ``p_confirm`` is at
     most ``(1 - level) / 2`` and no run of its claimed-better arm is censored, refuted when its
-    adjusted ``p_refute`` is and no reference run is censored, else undecided. In place: adds
-    ``p_confirm_holm``, ``p_refute_holm``, ``verdict_unadjusted``."""
+    adjusted ``p_refute`` is and no reference run is censored, else undecided; a row whose
+    ``estimand`` is 'restricted' ignores censoring. In place: adds ``p_confirm_holm``,
+    ``p_refute_holm``, ``verdict_unadjusted``."""
     fam = [r for r in rows if math.isfinite(r.get("p_confirm", math.nan))]
     alpha = (1 - level) / 2
     pc = holm([r["p_confirm"] for r in fam])
@@ -386,9 +430,10 @@ def holm_verdicts(rows: list[dict], *, level: float = 0.95) -> None:
     for r, c, f in zip(fam, pc, pr, strict=True):
         r["p_confirm_holm"], r["p_refute_holm"] = float(c), float(f)
         r["verdict_unadjusted"] = r["verdict"]
-        if c <= alpha and r.get("censored_a", 0) == 0:
+        bounds = _bounds_apply(r.get("estimand", "mean"))
+        if c <= alpha and (r.get("censored_a", 0) == 0 or not bounds):
             r["verdict"] = "confirmed"
-        elif f <= alpha and r.get("censored_b", 0) == 0:
+        elif f <= alpha and (r.get("censored_b", 0) == 0 or not bounds):
             r["verdict"] = "refuted"
         else:
             r["verdict"] = "undecided"
