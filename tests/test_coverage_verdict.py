@@ -118,3 +118,13 @@ def test_stop58_rows_are_the_documented_verdicts():
     smallest = {row: round(min(g.p_short.min(), g.p_over.min()), 2)
                 for row, g in f.groupby("row")}
     assert smallest == {"P2m": 0.46, "P2m p0 alone": 0.37, "P2m p1 alone": 0.77, "A8u": 0.68}
+
+
+def test_stop59_row_is_the_documented_verdict():
+    """docs/science.md's stop-59 row (¶), a family of its own: within over 400 replicates."""
+    f, r = V.rule_s(V.run_figures(str(STOP58.parent / "stop59" / "M8u.csv")))
+    assert len(f) == 15
+    assert r.to_dict("records")[0] | {"flagged": ""} == {
+        "row": "M8u", "figures": 15, "reps": 400, "range": "0.935-0.965", "rule_w": True,
+        "rule_s": "within", "flagged": ""}
+    assert round(min(f.p_short.min(), f.p_over.min()), 2) == 0.68
