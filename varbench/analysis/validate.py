@@ -512,7 +512,7 @@ def default_claims(cfg: ValidateConfig) -> list[dict]:
 
 def claim_estimands(cfg: ValidateConfig) -> list[str]:
     """Each claim's estimand ('mean' unless the claim says ``estimand = "restricted"``)."""
-    return [c.get("estimand", "mean") for c in (cfg.claims or default_claims(cfg))]
+    return [vs.estimand_of(c) for c in (cfg.claims or default_claims(cfg))]
 
 
 def _claimed_saving(cfg: ValidateConfig, task: str) -> float:
@@ -574,7 +574,7 @@ def claim_rows(cfg: ValidateConfig, t2t: pd.DataFrame, stab: pd.DataFrame,
 def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame,
                   metric: str) -> dict:
     kind, task = c["kind"], c["task"]
-    estimand = c.get("estimand", "mean")
+    estimand = vs.estimand_of(c)
     what = {"tokens": "tokens-to-threshold", "wall_s": "wall seconds to threshold"}[metric]
     if estimand == "restricted":
         what = f"restricted mean {what} up to the budget"
@@ -623,19 +623,11 @@ def _saving_claim(cfg: ValidateConfig, c: dict, a: pd.DataFrame, b: pd.DataFrame
                                            censored_a=s["censored_a"], censored_b=s["censored_b"],
                                            estimand=estimand)
         row["rule"] = rules["saving" + suffix]
-    cens = []
-    if estimand == "restricted":
-        cens += [f"{n}/{len(d)} of {arm} censored (counted up to the budget: the restricted "
-                 "mean's own estimand, no bound)"
-                 for n, d, arm in ((s["censored_a"], a, c["a"]), (s["censored_b"], b, c["b"]))
-                 if n]
-    else:
-        if s["censored_a"]:
-            cens.append(f"{s['censored_a']}/{len(a)} of {c['a']} censored (saving is an upper "
-                        "bound)")
-        if s["censored_b"]:
-            cens.append(f"{s['censored_b']}/{len(b)} of {c['b']} censored (saving is a lower "
-                        "bound)")
+    own = "counted up to the budget: the restricted mean's own estimand, no bound"
+    cens = [f"{n}/{len(d)} of {arm} censored ("
+            + (own if estimand == "restricted" else f"saving is {bound} bound") + ")"
+            for n, d, arm, bound in ((s["censored_a"], a, c["a"], "an upper"),
+                                     (s["censored_b"], b, c["b"], "a lower")) if n]
     row["note"] = "; ".join(cens)
     return row
 

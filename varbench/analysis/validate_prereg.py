@@ -180,7 +180,7 @@ def report_block(path: str | Path, ran: dict[str, Any],
     return {"file": str(path), "sha256": sha, "registered": str(reg.get("registered", "")),
             "suite": reg.get("suite", ""), "case": reg.get("case", ""),
             "deviations": deviations(registered, ran, data["analysis"], analysis_plan(
-                [c.get("estimand", "mean") for c in ran.get("claims") or []])),
+                [vs.estimand_of(c) for c in ran.get("claims") or []])),
             "disclosed": [f"{d.get('grid', 'earlier grid')}: {d.get('change', 'change')}: "
                           f"{d['text']}" for d in data.get("disclosed", [])]}
 

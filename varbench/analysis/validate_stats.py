@@ -338,6 +338,11 @@ def verdict_rules(estimands: Iterable[str] = ()) -> dict[str, str]:
     return out
 
 
+def estimand_of(claim: dict) -> str:
+    """A claim's (or claim row's) estimand: 'mean' unless it says ``estimand = "restricted"``."""
+    return claim.get("estimand", "mean")
+
+
 def _bounds_apply(estimand: str) -> bool:
     if estimand not in ESTIMANDS:
         raise ValueError(f"estimand={estimand!r} is not valid; choose from {ESTIMANDS}")
@@ -430,7 +435,7 @@ def holm_verdicts(rows: list[dict], *, level: float = 0.95) -> None:
     for r, c, f in zip(fam, pc, pr, strict=True):
         r["p_confirm_holm"], r["p_refute_holm"] = float(c), float(f)
         r["verdict_unadjusted"] = r["verdict"]
-        bounds = _bounds_apply(r.get("estimand", "mean"))
+        bounds = _bounds_apply(estimand_of(r))
         if c <= alpha and (r.get("censored_a", 0) == 0 or not bounds):
             r["verdict"] = "confirmed"
         elif f <= alpha and (r.get("censored_b", 0) == 0 or not bounds):
